@@ -1,0 +1,55 @@
+# kvstack: the two commands of the quick start are `make serve` and `make test`.
+# Both set up a fresh machine (system packages, Python venv, default model)
+# and are fast when nothing changed.
+BUILD ?= build
+JOBS ?= $(shell nproc)
+MODEL ?= models/SmolLM2-135M-Instruct.Q4_1.gguf
+CTEST_ARGS ?=
+
+.PHONY: all setup deps venv model build serve test test-fast test-sanitize bench format tidy clean
+
+all: build
+
+deps:
+	@scripts/setup.sh deps
+
+venv: deps
+	@scripts/setup.sh venv
+
+model: deps
+	@scripts/setup.sh model
+
+setup: deps venv model
+
+$(BUILD)/CMakeCache.txt: | deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release
+
+build: deps $(BUILD)/CMakeCache.txt
+	@cmake --build $(BUILD) -j $(JOBS)
+
+# The engine's main job on the default model.
+serve: setup build
+	@scripts/serve.sh $(BUILD)/src/cli/kvstack $(MODEL)
+
+# Every test: unit, model (against llama.cpp), e2e, then the sanitizer build.
+test: setup build
+	cd $(BUILD) && ctest --output-on-failure -j 2 $(CTEST_ARGS)
+	@$(MAKE) --no-print-directory test-sanitize
+
+test-fast: build
+	cd $(BUILD) && ctest --output-on-failure -j 2 -L unit
+
+# ASan+UBSan build of the unit tests (the fast label).
+test-sanitize: deps
+	@cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DKVSTACK_SANITIZE=address,undefined >/dev/null
+	@cmake --build build-asan -j $(JOBS)
+	cd build-asan && ctest --output-on-failure -j 2 -L unit
+
+format:
+	@git ls-files '*.cpp' '*.h' | xargs clang-format -i
+
+tidy: build
+	@scripts/tidy.sh $(BUILD)
+
+clean:
+	rm -rf $(BUILD) build-asan
