@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -159,6 +160,32 @@ std::string resolve_model_path(const Args& args) {
   if (std::filesystem::exists(in_tree)) return in_tree;
 #endif
   return rel;
+}
+
+Result<std::vector<int32_t>> parse_token_list(const std::string& text) {
+  std::vector<int32_t> out;
+  size_t i = 0;
+  while (i < text.size()) {
+    const char ch = text[i];
+    if (ch == ',' || ch == '[' || ch == ']' || ch == ' ' || ch == '\n' || ch == '\t') {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < text.size() && text[j] >= '0' && text[j] <= '9') ++j;
+    if (j == i || j - i > 10) {
+      return make_error(Errc::kInvalidArgument,
+                        "token list: '" + text.substr(i, 12) + "' is not a non-negative token id");
+    }
+    const long long v = std::stoll(text.substr(i, j - i));
+    if (v > INT32_MAX) {
+      return make_error(Errc::kInvalidArgument, "token list: " + text.substr(i, j - i) +
+                                                    " is too large for a token id");
+    }
+    out.push_back(static_cast<int32_t>(v));
+    i = j;
+  }
+  return out;
 }
 
 OptionSpec model_option() {

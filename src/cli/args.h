@@ -54,6 +54,9 @@ std::string format_help(const std::string& usage, const std::string& description
 // model under models/ next to the executable's source tree or the CWD.
 std::string resolve_model_path(const Args& args);
 
+// Parses "1,2,3", "1 2 3" or "[1, 2, 3]" into token ids (>= 0).
+Result<std::vector<int32_t>> parse_token_list(const std::string& text);
+
 // Common option specs.
 OptionSpec model_option();
 OptionSpec help_option();

@@ -17,7 +17,11 @@ CpuFeatures detect() {
   f.avx512vl = __builtin_cpu_supports("avx512vl");
   f.avx512vnni = __builtin_cpu_supports("avx512vnni");
   f.avx512bf16 = __builtin_cpu_supports("avx512bf16");
+#if defined(__clang__)
+  f.avx_vnni = false;  // clang 14 does not know the "avxvnni" feature name
+#else
   f.avx_vnni = __builtin_cpu_supports("avxvnni");
+#endif
   f.amx_int8 = false;  // AMX also needs OS permission (arch_prctl); not used yet.
   return f;
 }

@@ -22,10 +22,17 @@ enum class GgmlType : uint32_t {
   kQ5_K = 13,
   kQ6_K = 14,
   kQ8_K = 15,
+  kI8 = 24,
+  kI16 = 25,
+  kI32 = 26,
+  kI64 = 27,
+  kF64 = 28,
   kBF16 = 30,
+  // Other ids (IQ*, TQ*, MXFP4) are known to ggml_type_traits() for sizes but
+  // have no enumerator: they cannot be dequantized by this build.
 };
 
-constexpr int kQK = 32;    // elements per legacy block (Q4_0 .. Q8_1)
+constexpr int kQK = 32;     // elements per legacy block (Q4_0 .. Q8_1)
 constexpr int kQK_K = 256;  // elements per k-quant super-block
 
 // Legacy blocks. d/m are IEEE f16 bit patterns.
@@ -60,6 +67,18 @@ struct BlockQ8_1 {
 };
 
 // k-quants (super-blocks of 256).
+struct BlockQ2_K {
+  uint8_t scales[kQK_K / 16];  // low nibble: scale, high nibble: min (4 bits each)
+  uint8_t qs[kQK_K / 4];       // 2-bit quants
+  uint16_t d;
+  uint16_t dmin;
+};
+struct BlockQ3_K {
+  uint8_t hmask[kQK_K / 8];  // 3rd bits (set bit = no -4 offset)
+  uint8_t qs[kQK_K / 4];     // low 2 bits
+  uint8_t scales[12];        // 16 x 6-bit signed scales (offset 32), packed
+  uint16_t d;
+};
 struct BlockQ4_K {
   uint16_t d;
   uint16_t dmin;
@@ -91,6 +110,8 @@ static_assert(sizeof(BlockQ5_0) == 22);
 static_assert(sizeof(BlockQ5_1) == 24);
 static_assert(sizeof(BlockQ8_0) == 34);
 static_assert(sizeof(BlockQ8_1) == 36);
+static_assert(sizeof(BlockQ2_K) == 84);
+static_assert(sizeof(BlockQ3_K) == 110);
 static_assert(sizeof(BlockQ4_K) == 144);
 static_assert(sizeof(BlockQ5_K) == 176);
 static_assert(sizeof(BlockQ6_K) == 210);
@@ -108,5 +129,12 @@ const GgmlTypeTraits* ggml_type_traits(uint32_t type_id);
 
 // Bytes of a row of n elements; n must be a multiple of block_elems.
 size_t ggml_row_bytes(GgmlType type, int64_t n);
+
+// "Q4_K" etc.; "unknown" for ids ggml_type_traits() does not know.
+const char* ggml_type_name(GgmlType type);
+
+// Name of an id GGML once assigned and has since removed (e.g. 4 -> "Q4_2"),
+// else nullptr. Files using these are rejected as unsupported.
+const char* ggml_removed_type_name(uint32_t type_id);
 
 }  // namespace kvstack

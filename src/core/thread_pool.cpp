@@ -62,7 +62,15 @@ void ThreadPool::run(const std::function<void(int)>& fn) {
   generation_.fetch_add(1, std::memory_order_acq_rel);
   generation_.notify_all();
   fn(0);
-  while (pending_.load(std::memory_order_acquire) != 0) cpu_relax();
+  // Spin briefly (workers usually finish within microseconds), then yield so
+  // an oversubscribed machine can schedule the worker we are waiting for.
+  for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
+    if (spin < kSpinIterations) {
+      cpu_relax();
+    } else {
+      std::this_thread::yield();
+    }
+  }
   job_ = nullptr;
 }
 

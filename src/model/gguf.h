@@ -2,9 +2,15 @@
 //
 // After open() succeeds, every tensor's [data, data + n_bytes) lies inside the
 // file, tensors do not overlap, dims are positive and their product does not
-// overflow, and each type is one this build knows. Metadata accessors never
-// read out of bounds. A bad file yields Errc::kCorruptFile (or kUnsupported)
-// with a message naming the file and the problem.
+// overflow, and each type id is one GGML defines (its block size is known;
+// dequantize_tensor may still say kUnsupported, e.g. for IQ formats; ids GGML
+// removed, like Q4_2, are rejected as kUnsupported at open). Metadata
+// accessors never read out of bounds. A bad file yields Errc::kCorruptFile
+// (or kUnsupported) with a message naming the file and the problem.
+//
+// Limits (a corrupt count never drives a large allocation): keys and tensor
+// names <= 65535 bytes, string values <= 256 MiB, arrays nested <= 8 deep,
+// <= 8M metadata values in total, every count checked against the bytes left.
 #pragma once
 
 #include <cstdint>
@@ -15,9 +21,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/ggml_types.h"
 #include "core/mapped_file.h"
 #include "core/result.h"
-#include "core/ggml_types.h"
 
 namespace kvstack {
 
@@ -41,19 +47,22 @@ enum class GgufType : uint32_t {
 struct GgufValue {
   GgufType type = GgufType::kU8;
   // Scalars: integers (signed or unsigned, bool) widened into i / u, floats into f.
+  // An integer fills both i and u (u is the two's complement of a negative i)
+  // and f (as double); a bool fills i / u with 0 or 1. Prefer the typed
+  // getters on GgufFile, which check that the value fits.
   int64_t i = 0;
   uint64_t u = 0;
   double f = 0;
-  std::string str;                // kString
+  std::string str;                     // kString
   GgufType elem_type = GgufType::kU8;  // kArray: element type
-  std::vector<GgufValue> array;   // kArray (arrays of strings / numbers / arrays)
+  std::vector<GgufValue> array;        // kArray (arrays of strings / numbers / arrays)
 };
 
 struct GgufTensor {
   std::string name;
   std::vector<int64_t> dims;  // ne[0] is the innermost (contiguous) dimension
   GgmlType type = GgmlType::kF32;
-  uint64_t offset = 0;        // relative to the data section
+  uint64_t offset = 0;            // relative to the data section
   const uint8_t* data = nullptr;  // points into the mapping
   uint64_t n_bytes = 0;
   int64_t n_elements() const;

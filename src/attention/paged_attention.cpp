@@ -1,0 +1,362 @@
+// Argument validation, work planning (tiles, split-K), threading and the
+// split-K merge for paged_attention(); the double-precision reference.
+#include "attention/paged_attention.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attention/attention_kernels.h"
+#include "core/cpu_features.h"
+#include "core/half.h"
+
+namespace kvstack {
+namespace {
+
+using attn_detail::first_visible;
+using attn_detail::KeySource;
+using attn_detail::TileArgs;
+
+// Query vectors ((row, q head) pairs of one KV group) per prefill tile.
+constexpr int kPrefillVectors = 32;
+// A split-K piece covers at least this many keys (its partial state costs
+// n_vec * (head_dim + 2) floats to write and merge).
+constexpr int32_t kMinSplitKeys = 256;
+// Split until there are about this many work items per thread.
+constexpr int kItemsPerThread = 8;
+// Split-K piece boundaries are multiples of this (the kernels' key chunk).
+constexpr int32_t kSplitAlign = 32;
+
+struct WorkItem {
+  int32_t seq;
+  int32_t kv_head;
+  int32_t row0;
+  int32_t n_rows;
+  int32_t key_begin;
+  int32_t key_end;
+  int64_t cost;         // ~ key rows touched times query rows
+  int64_t part_offset;  // float offset of its partial slot, or -1
+};
+
+// The pieces of one split tile: slot p at first_offset + p * slot_floats,
+// each [m: n_vec][l: n_vec][acc: n_vec, head_dim].
+struct MergeGroup {
+  int32_t seq;
+  int32_t kv_head;
+  int32_t row0;
+  int32_t n_rows;
+  int32_t n_parts;
+  int64_t first_offset;
+};
+
+struct Plan {
+  std::vector<WorkItem> tiles;
+  std::vector<WorkItem> items;
+  std::vector<MergeGroup> merges;
+  attn_detail::ScratchBuffer partials;
+};
+
+Plan& thread_plan() {
+  thread_local Plan plan;
+  return plan;
+}
+
+Error bad(const std::string& what) {
+  return make_error(Errc::kInvalidArgument, "paged_attention: " + what);
+}
+
+float kv_element(const PagedKvLayerView& kv, const uint8_t* head_base, const int32_t* table,
+                 int32_t t, int i) {
+  const uint8_t* p = head_base + table[t / kv.block_size] * kv.block_stride +
+                     (t % kv.block_size) * kv.slot_stride + i * kv_dtype_bytes(kv.dtype);
+  if (kv.dtype == KvDtype::kF32) {
+    float f;
+    std::memcpy(&f, p, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return kv.dtype == KvDtype::kF16 ? f16_to_f32(h) : bf16_to_f32(h);
+}
+
+// Splits the tiles' key ranges so that `n_threads` threads get about
+// kItemsPerThread items each; long tiles are split into a multiple of
+// n_threads pieces so that one long sequence spreads evenly.
+void plan_items(Plan& plan, int n_threads, int n_vec_per_row, int head_dim) {
+  plan.items.clear();
+  plan.merges.clear();
+  int64_t total = 0;
+  for (const WorkItem& t : plan.tiles) total += t.cost;
+  const int64_t target = std::max<int64_t>(1, total / (int64_t{n_threads} * kItemsPerThread));
+  int64_t offset = 0;
+  for (const WorkItem& t : plan.tiles) {
+    const int32_t len = t.key_end - t.key_begin;
+    int64_t n_parts = 1;
+    if (n_threads > 1 && t.cost > target && len >= 2 * kMinSplitKeys) {
+      const int64_t cap = len / kMinSplitKeys;
+      n_parts = std::min<int64_t>((t.cost + target - 1) / target, cap);
+      const int64_t rounded = (n_parts + n_threads - 1) / n_threads * n_threads;
+      if (rounded <= cap) {
+        n_parts = rounded;
+      } else if (n_parts >= n_threads) {
+        n_parts = n_parts / n_threads * n_threads;
+      }
+    }
+    if (n_parts < 2) {
+      plan.items.push_back(t);
+      continue;
+    }
+    const int64_t slot_floats = int64_t{t.n_rows} * n_vec_per_row * (head_dim + 2);
+    MergeGroup mg{t.seq, t.kv_head, t.row0, t.n_rows, 0, offset};
+    int32_t begin = t.key_begin;
+    for (int64_t p = 1; p <= n_parts; ++p) {
+      int32_t end = t.key_end;
+      if (p < n_parts) {
+        end = static_cast<int32_t>(t.key_begin + len * p / n_parts);
+        end = end / kSplitAlign * kSplitAlign;
+      }
+      if (end <= begin) continue;
+      WorkItem piece = t;
+      piece.key_begin = begin;
+      piece.key_end = end;
+      piece.cost = t.cost * (end - begin) / len;
+      piece.part_offset = offset;
+      plan.items.push_back(piece);
+      offset += slot_floats;
+      ++mg.n_parts;
+      begin = end;
+    }
+    plan.merges.push_back(mg);
+  }
+  // Largest first, so the dynamic schedule ends with small items.
+  // (std::sort: unlike stable_sort it needs no temporary buffer.)
+  std::sort(plan.items.begin(), plan.items.end(), [](const WorkItem& x, const WorkItem& y) {
+    if (x.cost != y.cost) return x.cost > y.cost;
+    if (x.seq != y.seq) return x.seq < y.seq;
+    if (x.kv_head != y.kv_head) return x.kv_head < y.kv_head;
+    if (x.row0 != y.row0) return x.row0 < y.row0;
+    return x.key_begin < y.key_begin;
+  });
+  plan.partials.get(static_cast<size_t>(std::max<int64_t>(offset, 1)));
+}
+
+// Runs fn(i) for i in [0, n) on the pool's threads, each taking the next
+// index as it finishes the previous one.
+template <class Fn>
+void run_dynamic(ThreadPool* pool, size_t n, const Fn& fn) {
+  if (pool == nullptr || pool->n_threads() == 1 || n <= 1) {
+    for (size_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  struct Shared {
+    std::atomic<size_t> next{0};
+    size_t n;
+    const Fn* fn;
+  } shared{.n = n, .fn = &fn};
+  Shared* sh = &shared;  // one captured pointer: std::function stores it inline
+  pool->run([sh](int) {
+    for (size_t i = sh->next.fetch_add(1, std::memory_order_relaxed); i < sh->n;
+         i = sh->next.fetch_add(1, std::memory_order_relaxed)) {
+      (*sh->fn)(i);
+    }
+  });
+}
+
+}  // namespace
+
+Status validate_attention_args(const PagedKvLayerView& kv, const AttnParams& p,
+                               std::span<const AttnSeq> seqs) {
+  if (p.n_q_heads <= 0 || p.n_kv_heads <= 0) {
+    return bad("n_q_heads (" + std::to_string(p.n_q_heads) + ") and n_kv_heads (" +
+               std::to_string(p.n_kv_heads) + ") must be positive");
+  }
+  if (p.n_q_heads % p.n_kv_heads != 0) {
+    return bad("n_q_heads (" + std::to_string(p.n_q_heads) + ") is not a multiple of n_kv_heads (" +
+               std::to_string(p.n_kv_heads) + ")");
+  }
+  if (p.n_kv_heads != kv.n_kv_heads) {
+    return bad("n_kv_heads " + std::to_string(p.n_kv_heads) + " != KV view's " +
+               std::to_string(kv.n_kv_heads));
+  }
+  if (p.head_dim <= 0 || p.head_dim != kv.head_dim) {
+    return bad("head_dim " + std::to_string(p.head_dim) + " must be positive and equal the KV " +
+               "view's " + std::to_string(kv.head_dim));
+  }
+  if (!std::isfinite(p.scale)) return bad("scale is not finite");
+  if (p.window < 0) return bad("window " + std::to_string(p.window) + " is negative");
+  if (kv.dtype != KvDtype::kF32 && kv.dtype != KvDtype::kF16 && kv.dtype != KvDtype::kBF16) {
+    return bad("unsupported KV dtype " + std::to_string(static_cast<int>(kv.dtype)));
+  }
+  if (kv.block_size <= 0) return bad("block_size " + std::to_string(kv.block_size) + " <= 0");
+  bool any_work = false;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const AttnSeq& s = seqs[i];
+    auto who = [i] { return "sequence " + std::to_string(i) + ": "; };  // built only on error
+    if (s.n_past < 0 || s.n_new < 0) {
+      return bad(who() + "n_past " + std::to_string(s.n_past) + " / n_new " +
+                 std::to_string(s.n_new) + " negative");
+    }
+    if (s.n_new == 0) continue;
+    any_work = true;
+    const int64_t n_tokens = int64_t{s.n_past} + s.n_new;
+    if (n_tokens > std::numeric_limits<int32_t>::max())
+      return bad(who() + "length overflows int32");
+    const int64_t need = (n_tokens + kv.block_size - 1) / kv.block_size;
+    if (s.n_blocks < need || s.block_table == nullptr) {
+      return bad(who() + std::to_string(n_tokens) + " tokens need " + std::to_string(need) +
+                 " blocks of " + std::to_string(kv.block_size) + ", block table has " +
+                 std::to_string(s.block_table == nullptr ? 0 : s.n_blocks));
+    }
+    // With a window, blocks wholly before the first visible position of the
+    // first query row are never read and may be released (kNullBlock).
+    for (int64_t b = first_visible(s.n_past, p.window) / kv.block_size; b < need; ++b) {
+      if (s.block_table[b] < 0) {
+        return bad(who() + "block table entry " + std::to_string(b) + " is " +
+                   std::to_string(s.block_table[b]));
+      }
+    }
+    if (s.q == nullptr || s.out == nullptr) return bad(who() + "q or out is null");
+  }
+  if (any_work && (kv.k == nullptr || kv.v == nullptr)) return bad("KV view has null k or v");
+  return {};
+}
+
+Status paged_attention(const PagedKvLayerView& kv, const AttnParams& p,
+                       std::span<const AttnSeq> seqs, ThreadPool* pool) {
+  KV_TRY_STATUS(validate_attention_args(kv, p, seqs));
+  const int g = p.n_q_heads / p.n_kv_heads;
+  const int d = p.head_dim;
+  const int64_t row_stride = int64_t{p.n_q_heads} * d;
+  const bool use_avx2 = best_isa() >= Isa::kAvx2 && cpu_features().f16c && d % 8 == 0;
+
+  Plan& plan = thread_plan();
+  plan.tiles.clear();
+  for (size_t si = 0; si < seqs.size(); ++si) {
+    const AttnSeq& s = seqs[si];
+    const int32_t rows_per_tile = s.n_new == 1 ? 1 : std::max(1, kPrefillVectors / g);
+    for (int32_t row0 = 0; row0 < s.n_new; row0 += rows_per_tile) {
+      const int32_t n_rows = std::min(rows_per_tile, s.n_new - row0);
+      const int32_t pos_first = s.n_past + row0;
+      const int32_t key_begin = first_visible(pos_first, p.window);
+      const int32_t key_end = pos_first + n_rows;
+      const int64_t cost = int64_t{key_end - key_begin} * n_rows;
+      for (int32_t h = 0; h < p.n_kv_heads; ++h) {
+        plan.tiles.push_back(
+            WorkItem{static_cast<int32_t>(si), h, row0, n_rows, key_begin, key_end, cost, -1});
+      }
+    }
+  }
+  const int n_threads = pool == nullptr ? 1 : pool->n_threads();
+  plan_items(plan, n_threads, g, d);
+  float* partials = plan.partials.get(1);
+
+  run_dynamic(pool, plan.items.size(), [&](size_t i) {
+    const WorkItem& it = plan.items[i];
+    const AttnSeq& s = seqs[it.seq];
+    TileArgs a;
+    a.keys = KeySource{kv.k + it.kv_head * kv.head_stride,
+                       kv.v + it.kv_head * kv.head_stride,
+                       s.block_table,
+                       kv.block_stride,
+                       kv.slot_stride,
+                       kv.block_size,
+                       kv.dtype,
+                       d};
+    const int64_t q_off = it.row0 * row_stride + int64_t{it.kv_head} * g * d;
+    a.q = s.q + q_off;
+    a.out = s.out + q_off;
+    a.row_stride = row_stride;
+    a.n_rows = it.n_rows;
+    a.group = g;
+    a.pos0 = s.n_past + it.row0;
+    a.window = p.window;
+    a.key_begin = it.key_begin;
+    a.key_end = it.key_end;
+    a.scale = p.scale;
+    if (it.part_offset >= 0) {
+      const int n_vec = it.n_rows * g;
+      a.part_m = partials + it.part_offset;
+      a.part_l = a.part_m + n_vec;
+      a.part_acc = a.part_l + n_vec;
+    }
+    if (!use_avx2) {
+      attn_detail::attention_tile_scalar(a);
+    } else if (it.n_rows == 1) {
+      attn_detail::decode_tile_avx2(a);
+    } else {
+      attn_detail::prefill_tile_avx2(a);
+    }
+  });
+
+  run_dynamic(pool, plan.merges.size(), [&](size_t i) {
+    const MergeGroup& mg = plan.merges[i];
+    const AttnSeq& s = seqs[mg.seq];
+    const int n_vec = mg.n_rows * g;
+    const int64_t slot_floats = int64_t{n_vec} * (d + 2);
+    for (int v = 0; v < n_vec; ++v) {
+      float m_max = -std::numeric_limits<float>::infinity();
+      for (int pi = 0; pi < mg.n_parts; ++pi) {
+        m_max = std::max(m_max, partials[mg.first_offset + pi * slot_floats + v]);
+      }
+      float* dst = s.out + (mg.row0 + v / g) * row_stride + (int64_t{mg.kv_head} * g + v % g) * d;
+      std::fill(dst, dst + d, 0.0f);
+      float l_sum = 0.0f;
+      for (int pi = 0; pi < mg.n_parts; ++pi) {
+        const float* slot = partials + mg.first_offset + pi * slot_floats;
+        if (slot[v] == -std::numeric_limits<float>::infinity()) continue;  // saw no key
+        const float w = std::exp(slot[v] - m_max);
+        l_sum += w * slot[n_vec + v];
+        const float* acc = slot + 2 * n_vec + int64_t{v} * d;
+        for (int c = 0; c < d; ++c) dst[c] += w * acc[c];
+      }
+      const float inv = l_sum > 0.0f ? 1.0f / l_sum : 0.0f;
+      for (int c = 0; c < d; ++c) dst[c] *= inv;
+    }
+  });
+  return {};
+}
+
+Status paged_attention_reference(const PagedKvLayerView& kv, const AttnParams& p,
+                                 std::span<const AttnSeq> seqs) {
+  KV_TRY_STATUS(validate_attention_args(kv, p, seqs));
+  const int g = p.n_q_heads / p.n_kv_heads;
+  const int d = p.head_dim;
+  std::vector<double> scores;
+  std::vector<double> acc(d);
+  for (const AttnSeq& s : seqs) {
+    for (int32_t r = 0; r < s.n_new; ++r) {
+      const int32_t pos = s.n_past + r;
+      const int32_t lo = first_visible(pos, p.window);
+      scores.assign(pos + 1 - lo, 0.0);
+      for (int h = 0; h < p.n_q_heads; ++h) {
+        const int kvh = h / g;
+        const uint8_t* kb = kv.k + kvh * kv.head_stride;
+        const uint8_t* vb = kv.v + kvh * kv.head_stride;
+        const float* q = s.q + (int64_t{r} * p.n_q_heads + h) * d;
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int32_t t = lo; t <= pos; ++t) {
+          double dot = 0.0;
+          for (int i = 0; i < d; ++i) dot += double{q[i]} * kv_element(kv, kb, s.block_table, t, i);
+          scores[t - lo] = dot * p.scale;
+          mx = std::max(mx, scores[t - lo]);
+        }
+        double sum = 0.0;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int32_t t = lo; t <= pos; ++t) {
+          const double w = std::exp(scores[t - lo] - mx);
+          sum += w;
+          for (int i = 0; i < d; ++i) acc[i] += w * kv_element(kv, vb, s.block_table, t, i);
+        }
+        float* out = s.out + (int64_t{r} * p.n_q_heads + h) * d;
+        for (int i = 0; i < d; ++i) out[i] = static_cast<float>(acc[i] / sum);
+      }
+    }
+  }
+  return {};
+}
+
+}  // namespace kvstack

@@ -1,0 +1,122 @@
+// `kvstack chat`: a multi-turn REPL. The conversation's KV stays in the cache
+// between turns, so each turn prefills only its new tokens.
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+
+#include "cli/args.h"
+#include "cli/chat_input.h"
+#include "cli/engine_options.h"
+#include "cli/text_input.h"
+
+namespace kvstack::cli {
+namespace {
+
+int run_chat(const std::vector<std::string>& argv) {
+  auto specs = engine_options();
+  specs.push_back({"system", 0, "TEXT", "system message"});
+  specs.push_back({"chat-template", 0, "NAME", "override the template: chatml, llama3, mistral, gemma"});
+  for (auto& s : sampling_options()) specs.push_back(s);
+  specs.push_back(help_option());
+  auto args = Args::parse(argv, specs);
+  if (!args) return fail("chat", args.error().message);
+  if (args->flag("help")) {
+    std::fputs(format_help("kvstack chat [-m MODEL] [--system TEXT] [sampling options]",
+                           "Chat with the model. Type a message and press enter; /reset starts a "
+                           "new conversation, /exit (or end of input) quits. The conversation's KV "
+                           "is kept between turns: only each turn's new tokens are prefilled "
+                           "(per-turn statistics go to stderr).",
+                           specs)
+                   .c_str(),
+               stdout);
+    return 0;
+  }
+  auto gen = generate_options_from(*args);
+  if (!gen) return fail("chat", gen.error().message);
+  if (!args->has("n-predict")) gen->max_tokens = 512;
+  auto engine = load_engine(*args);
+  if (!engine) return fail("chat", engine.error().message);
+  Engine& e = **engine;
+  auto tmpl = chat_template_for(*args, e);
+  if (!tmpl) return fail("chat", tmpl.error().message);
+  for (const auto& s : tmpl->stop_strings()) gen->stop.push_back(s);
+
+  const bool interactive = isatty(STDIN_FILENO) != 0;
+  std::vector<ChatMessage> messages;
+  if (auto sys = args->get("system")) messages.push_back({"system", *sys});
+  const size_t n_fixed = messages.size();
+  BlockTable table = e.new_table();
+  std::vector<int32_t> cached;  // tokens whose K/V the table holds, in order
+  std::string line;
+  for (;;) {
+    if (interactive) {
+      std::fputs("\n> ", stdout);
+      std::fflush(stdout);
+    }
+    if (!std::getline(std::cin, line)) break;
+    if (line == "/exit" || line == "/quit") break;
+    if (line == "/reset") {
+      messages.resize(n_fixed);
+      table.release();
+      cached.clear();
+      std::fprintf(stderr, "[conversation reset]\n");
+      continue;
+    }
+    if (line.empty()) continue;
+    if (Status u = check_utf8(line, "input line"); !u.ok()) {
+      std::fprintf(stderr, "kvstack chat: error: %s\n", u.error().message.c_str());
+      continue;
+    }
+    messages.push_back({"user", line});
+    auto text = tmpl->render(messages, true);
+    if (!text) return fail("chat", text.error().message);
+    const std::vector<int32_t> full =
+        e.tokenizer().tokenize(*text, {.add_special = tmpl->bos_text().empty(), .parse_special = true});
+    // Reuse the cached conversation when the new prompt extends it exactly;
+    // otherwise (re-tokenization changed an earlier token) start over.
+    size_t common = 0;
+    while (common < cached.size() && common < full.size() && cached[common] == full[common]) {
+      ++common;
+    }
+    if (common < cached.size() || common == full.size()) {
+      table.release();
+      cached.clear();
+      common = 0;
+    }
+    const std::span<const int32_t> fresh(full.data() + common, full.size() - common);
+    auto res = generate(e, table, fresh, *gen, [](std::string_view piece) {
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+    });
+    std::fputs("\n", stdout);
+    std::fflush(stdout);
+    if (!res) {
+      std::fprintf(stderr, "kvstack chat: error: %s\n", res.error().message.c_str());
+      messages.pop_back();
+      table.release();
+      cached.clear();
+      continue;
+    }
+    cached.insert(cached.end(), fresh.begin(), fresh.end());
+    const size_t n_written = res->tokens.size() - (res->pending_token >= 0 ? 1 : 0);
+    cached.insert(cached.end(), res->tokens.begin(), res->tokens.begin() + n_written);
+    messages.push_back({"assistant", res->text});
+    std::fprintf(stderr,
+                 "[turn: %zu tokens reused from the cache, %lld prefilled, %lld generated (%s); "
+                 "TTFT %.1f ms, decode %.1f tok/s; KV holds %lld tokens]\n",
+                 common, static_cast<long long>(res->stats.n_prompt),
+                 static_cast<long long>(res->stats.n_generated), finish_reason_name(res->finish),
+                 res->stats.ttft_s * 1e3, res->stats.decode_tok_s(),
+                 static_cast<long long>(table.length()));
+  }
+  return 0;
+}
+
+}  // namespace
+
+KVSTACK_COMMAND(g_chat, "chat", "multi-turn chat; the conversation's KV is kept between turns",
+                run_chat);
+
+}  // namespace kvstack::cli

@@ -1,0 +1,1149 @@
+// `kvstack plan`: capacity and cost planning with the spec's formulas
+// (kv/capacity.h). The model comes from a preset, explicit dimensions or a
+// GGUF file's metadata; output is a unit-labelled table, --json or an --svg
+// chart of memory versus context length.
+#include <algorithm>
+#include <cctype>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "cli/args.h"
+#include "core/units.h"
+#include "kv/capacity.h"
+#include "kv/presets.h"
+#include "model/gguf.h"
+
+namespace kvstack::cli {
+namespace {
+
+using capacity::KvFormat;
+using capacity::LayerKind;
+using capacity::LayerSpec;
+using capacity::ModelArch;
+using capacity::PlanInput;
+using capacity::PlanResult;
+
+constexpr const char* kCmd = "plan";
+
+// ---------------------------------------------------------------------------
+// Parsing helpers (units)
+// ---------------------------------------------------------------------------
+
+// Splits "2.5ms" into 2.5 and "ms"; the number must be finite and >= 0.
+Result<double> split_value(const std::string& flag, const std::string& text, std::string* suffix) {
+  const char* s = text.c_str();
+  char* end = nullptr;
+  const double v = std::strtod(s, &end);
+  if (end == s || !std::isfinite(v)) {
+    return make_error(Errc::kInvalidArgument, "--" + flag + ": '" + text + "' is not a number");
+  }
+  if (v < 0) {
+    return make_error(Errc::kInvalidArgument,
+                      "--" + flag + ": '" + text + "' must not be negative");
+  }
+  *suffix = std::string(end);
+  while (!suffix->empty() && std::isspace(static_cast<unsigned char>(suffix->front()))) {
+    suffix->erase(suffix->begin());
+  }
+  return v;
+}
+
+double si_prefix(char c) {
+  switch (c) {
+    case 'k':
+    case 'K':
+      return 1e3;
+    case 'M':
+      return 1e6;
+    case 'G':
+      return 1e9;
+    case 'T':
+      return 1e12;
+    case 'P':
+      return 1e15;
+    default:
+      return 0;
+  }
+}
+
+// "5us", "2ms", "0.1s", "100ns"; a bare number is seconds.
+Result<double> parse_seconds(const std::string& flag, const std::string& text) {
+  std::string suffix;
+  auto v = split_value(flag, text, &suffix);
+  if (!v) return v.error();
+  if (suffix.empty() || suffix == "s") return *v;
+  if (suffix == "ms") return *v * 1e-3;
+  if (suffix == "us") return *v * 1e-6;
+  if (suffix == "ns") return *v * 1e-9;
+  return make_error(Errc::kInvalidArgument,
+                    "--" + flag + ": '" + text + "' has unknown unit (use s, ms, us, ns)");
+}
+
+// "5000", "5k", "5000tok/s", "12ktokens/s": tokens per second.
+Result<double> parse_token_rate(const std::string& flag, const std::string& text) {
+  std::string suffix;
+  auto v = split_value(flag, text, &suffix);
+  if (!v) return v.error();
+  double scale = 1;
+  if (!suffix.empty() && si_prefix(suffix[0]) > 0) {
+    scale = si_prefix(suffix[0]);
+    suffix.erase(suffix.begin());
+  }
+  if (suffix.empty() || suffix == "tok/s" || suffix == "tokens/s" || suffix == "/s") {
+    return *v * scale;
+  }
+  return make_error(Errc::kInvalidArgument,
+                    "--" + flag + ": '" + text + "' must be tokens per second (e.g. 5000tok/s)");
+}
+
+// "989TFLOP/s", "1.5e15", "312 TFLOPS": FLOP per second.
+Result<double> parse_flops(const std::string& flag, const std::string& text) {
+  std::string suffix;
+  auto v = split_value(flag, text, &suffix);
+  if (!v) return v.error();
+  double scale = 1;
+  if (!suffix.empty() && si_prefix(suffix[0]) > 0) {
+    scale = si_prefix(suffix[0]);
+    suffix.erase(suffix.begin());
+  }
+  if (suffix.empty() || suffix == "FLOP/s" || suffix == "FLOPS" || suffix == "flop/s" ||
+      suffix == "flops") {
+    return *v * scale;
+  }
+  return make_error(Errc::kInvalidArgument,
+                    "--" + flag + ": '" + text + "' must be FLOP/s (e.g. 989TFLOP/s)");
+}
+
+// "7000000000", "7e9", "7B", "135M", "1.5T": a parameter count.
+Result<int64_t> parse_count(const std::string& flag, const std::string& text) {
+  std::string suffix;
+  auto v = split_value(flag, text, &suffix);
+  if (!v) return v.error();
+  double scale = 1;
+  if (suffix == "K" || suffix == "k")
+    scale = 1e3;
+  else if (suffix == "M")
+    scale = 1e6;
+  else if (suffix == "B" || suffix == "G")
+    scale = 1e9;
+  else if (suffix == "T")
+    scale = 1e12;
+  else if (!suffix.empty()) {
+    return make_error(Errc::kInvalidArgument,
+                      "--" + flag + ": '" + text + "' has unknown suffix (use K, M, B, T)");
+  }
+  const double n = *v * scale;
+  if (n > 1e16)
+    return make_error(Errc::kInvalidArgument, "--" + flag + ": '" + text + "' is too large");
+  return static_cast<int64_t>(std::llround(n));
+}
+
+Result<double> get_rate(const Args& a, const std::string& flag) {
+  auto v = a.get(flag);
+  if (!v) return 0.0;
+  auto r = parse_rate(*v);
+  if (!r) return make_error(Errc::kInvalidArgument, "--" + flag + ": " + r.error().message);
+  if (*r <= 0) return make_error(Errc::kInvalidArgument, "--" + flag + " must be > 0");
+  return *r;
+}
+
+Result<std::vector<int64_t>> parse_lengths(const std::string& text) {
+  std::vector<int64_t> out;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    const size_t comma = text.find(',', pos);
+    const std::string item =
+        text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    char* end = nullptr;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0') {
+      return make_error(Errc::kInvalidArgument, "--lengths: '" + item + "' is not an integer");
+    }
+    if (v <= 0) {
+      return make_error(Errc::kInvalidArgument,
+                        "--lengths: " + item + " must be > 0 (tokens per request)");
+    }
+    out.push_back(v);
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Model sources
+// ---------------------------------------------------------------------------
+
+// A per-layer integer that GGUF stores either as a scalar or an array.
+Result<std::vector<int64_t>> per_layer(const GgufFile& f, const std::string& key, size_t n_layers,
+                                       std::optional<int64_t> fallback) {
+  const GgufValue* v = f.find(key);
+  if (v == nullptr) {
+    if (fallback) return std::vector<int64_t>(n_layers, *fallback);
+    return make_error(Errc::kNotFound, f.path() + ": metadata key '" + key + "' is missing");
+  }
+  if (v->type == GgufType::kArray) {
+    auto arr = f.get_int_array(key);
+    if (!arr) return arr.error();
+    if (arr->size() != n_layers) {
+      return make_error(Errc::kCorruptFile, f.path() + ": '" + key + "' has " +
+                                                std::to_string(arr->size()) + " entries for " +
+                                                std::to_string(n_layers) + " layers");
+    }
+    return *arr;
+  }
+  auto x = f.get_i64(key);
+  if (!x) return x.error();
+  return std::vector<int64_t>(n_layers, *x);
+}
+
+Result<ModelArch> arch_from_gguf(const std::string& path, std::vector<std::string>* notes) {
+  auto file = GgufFile::open(path);
+  if (!file) return file.error();
+  const GgufFile& f = *file;
+  auto arch_name = f.get_string("general.architecture");
+  if (!arch_name) return arch_name.error();
+  const std::string a = *arch_name + ".";
+  auto n_layers = f.get_u64(a + "block_count");
+  if (!n_layers) return n_layers.error();
+  if (*n_layers == 0 || *n_layers > 100000) {
+    return make_error(Errc::kCorruptFile,
+                      path + ": block_count " + std::to_string(*n_layers) + " is out of range");
+  }
+  const size_t n = static_cast<size_t>(*n_layers);
+  auto hidden = f.get_u64(a + "embedding_length");
+  if (!hidden) return hidden.error();
+  auto heads = per_layer(f, a + "attention.head_count", n, std::nullopt);
+  if (!heads) return heads.error();
+  auto kv_heads = per_layer(f, a + "attention.head_count_kv", n, std::nullopt);
+  if (!kv_heads) kv_heads = *heads;  // absent: multi-head attention
+  const int64_t h0 = (*heads)[0] > 0 ? (*heads)[0] : 1;
+  auto key_len = f.get_i64(a + "attention.key_length");
+  auto value_len = f.get_i64(a + "attention.value_length");
+  const int64_t d_k = key_len ? *key_len : static_cast<int64_t>(*hidden) / h0;
+  const int64_t d_v = value_len ? *value_len : d_k;
+  const auto* window = f.find(a + "attention.sliding_window");
+  auto kv_lora = f.get_i64(a + "attention.kv_lora_rank");
+
+  ModelArch m;
+  m.name = path;
+  if (auto g = f.get_string("general.name")) m.name = *g + " (" + path + ")";
+  m.hidden = static_cast<int64_t>(*hidden);
+  m.layers.resize(n);
+  int64_t w = 0;
+  if (window != nullptr) {
+    auto wv = f.get_i64(a + "attention.sliding_window");
+    if (wv) w = *wv;
+  }
+  int64_t pattern = 0;  // every pattern-th layer is global; 1 = all windowed
+  if (w > 0) {
+    if (auto p = f.get_i64(a + "attention.sliding_window_pattern")) {
+      pattern = *p;
+    } else if (*arch_name == "gemma3") {
+      pattern = 6;  // Gemma 3: five local layers, then one global
+    } else if (*arch_name == "gemma2") {
+      pattern = 2;  // Gemma 2: local and global alternate
+    } else {
+      pattern = 1;
+    }
+    notes->push_back("GGUF sliding_window " + std::to_string(w) +
+                     (pattern == 1 ? " applied to every layer"
+                                   : " on local layers (every " + std::to_string(pattern) +
+                                         "th layer is global)"));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    LayerSpec& l = m.layers[i];
+    l.n_q_heads = (*heads)[i];
+    l.n_kv_heads = (*kv_heads)[i];
+    l.head_dim_k = d_k;
+    l.head_dim_v = d_v;
+    if (kv_lora) {
+      l.kind = LayerKind::kMla;
+      l.mla_latent = *kv_lora;
+      auto rope = f.get_i64(a + "rope.dimension_count");
+      l.mla_rope_dim = rope ? *rope : 0;
+    } else if (w > 0 && (pattern == 1 || (pattern > 1 && (i + 1) % pattern != 0))) {
+      // Gemma 2 alternates starting with a local layer: (i + 1) % 2 != 0 for even i.
+      l.kind = LayerKind::kWindow;
+      l.window = w;
+    }
+  }
+  if (auto ffn = per_layer(f, a + "feed_forward_length", n, int64_t{0})) {
+    m.ffn = *std::max_element(ffn->begin(), ffn->end());
+  }
+  auto experts = f.get_i64(a + "expert_count");
+  auto experts_used = f.get_i64(a + "expert_used_count");
+  if (auto eff = f.get_i64(a + "expert_feed_forward_length"); eff && experts_used) {
+    m.ffn = *eff * *experts_used;
+  }
+  if (auto ctx = f.get_i64(a + "context_length")) m.context_length = *ctx;
+  if (const auto* emb = f.find_tensor("token_embd.weight"); emb && emb->dims.size() >= 2) {
+    m.vocab = emb->dims[1];
+  } else if (auto toks = f.get_string_array("tokenizer.ggml.tokens")) {
+    m.vocab = static_cast<int64_t>(toks->size());
+  }
+  uint64_t bytes = 0, params = 0, expert_bytes = 0, expert_params = 0;
+  for (const auto& t : f.tensors()) {
+    bytes += t.n_bytes;
+    params += static_cast<uint64_t>(t.n_elements());
+    if (t.name.find("_exps") != std::string::npos) {
+      expert_bytes += t.n_bytes;
+      expert_params += static_cast<uint64_t>(t.n_elements());
+    }
+  }
+  m.n_params = params;
+  m.weight_bytes = bytes;
+  m.weight_format_name = "GGUF tensors";
+  if (expert_bytes > 0 && experts && experts_used && *experts > 0) {
+    const double frac = static_cast<double>(*experts_used) / static_cast<double>(*experts);
+    m.active_weight_bytes =
+        bytes - expert_bytes + static_cast<uint64_t>(std::llround(expert_bytes * frac));
+    m.n_active_params =
+        params - expert_params + static_cast<uint64_t>(std::llround(expert_params * frac));
+  }
+  m.source = path + " (GGUF metadata, " + *arch_name + ")";
+  return m;
+}
+
+Result<ModelArch> arch_from_flags(const Args& args) {
+  auto layers = args.get_int("layers", 0, 1, 1000000);
+  if (!layers) return layers.error();
+  auto q = args.get_int("q-heads", 0, 1, 1000000);
+  if (!q) return q.error();
+  if (!args.has("q-heads")) return make_error(Errc::kInvalidArgument, "--q-heads is required");
+  auto kv = args.get_int("kv-heads", *q, 1, 1000000);
+  if (!kv) return kv.error();
+  auto hidden = args.get_int("hidden", 0, 1, int64_t{1} << 40);
+  if (!hidden) return hidden.error();
+  int64_t head_dim = 0;
+  if (args.has("head-dim")) {
+    auto hd = args.get_int("head-dim", 0, 1, 1000000);
+    if (!hd) return hd.error();
+    head_dim = *hd;
+  } else {
+    if (*hidden == 0) {
+      return make_error(Errc::kInvalidArgument, "give --head-dim or --hidden");
+    }
+    if (*hidden % *q != 0) {
+      return make_error(Errc::kInvalidArgument, "--hidden " + std::to_string(*hidden) +
+                                                    " is not divisible by --q-heads " +
+                                                    std::to_string(*q) + "; give --head-dim");
+    }
+    head_dim = *hidden / *q;
+  }
+  auto params = parse_count("params", args.get_or("params", "0"));
+  if (!params) return params.error();
+  if (args.has("params") && *params == 0) {
+    return make_error(Errc::kInvalidArgument, "--params must be > 0");
+  }
+  if (!args.has("params") && !args.has("weights")) {
+    return make_error(Errc::kInvalidArgument,
+                      "give --params (parameter count) or --weights (bytes) for explicit "
+                      "dimensions");
+  }
+  ModelArch m = capacity::make_uniform_arch("explicit", *layers, *q, *kv, head_dim, *hidden,
+                                            static_cast<uint64_t>(*params));
+  if (args.has("weights")) {
+    auto wb = args.get_bytes("weights", 0);
+    if (!wb) return wb.error();
+    if (*wb == 0) return make_error(Errc::kInvalidArgument, "--weights must be > 0");
+    m.weight_bytes = *wb;
+    m.weight_format_name = "given";
+  }
+  auto ffn = args.get_int("ffn", 0, 0, int64_t{1} << 40);
+  if (!ffn) return ffn.error();
+  auto vocab = args.get_int("vocab", 0, 0, int64_t{1} << 40);
+  if (!vocab) return vocab.error();
+  auto context = args.get_int("context", 0, 0, int64_t{1} << 40);
+  if (!context) return context.error();
+  m.ffn = *ffn;
+  m.vocab = *vocab;
+  m.context_length = *context;
+  if (args.has("mla-latent")) {
+    auto dc = args.get_int("mla-latent", 0, 1, 1000000);
+    if (!dc) return dc.error();
+    auto dr = args.get_int("mla-rope-dim", 0, 0, 1000000);
+    if (!dr) return dr.error();
+    for (auto& l : m.layers) {
+      l.kind = LayerKind::kMla;
+      l.mla_latent = *dc;
+      l.mla_rope_dim = *dr;
+    }
+  } else if (args.has("mla-rope-dim")) {
+    return make_error(Errc::kInvalidArgument, "--mla-rope-dim needs --mla-latent");
+  }
+  if (args.has("window")) {
+    auto w = args.get_int("window", 0, 1, int64_t{1} << 40);
+    if (!w) return w.error();
+    auto pattern = args.get_int("window-pattern", 1, 1, 1000000);
+    if (!pattern) return pattern.error();
+    for (size_t i = 0; i < m.layers.size(); ++i) {
+      if (m.layers[i].kind == LayerKind::kMla) {
+        return make_error(Errc::kInvalidArgument, "--window cannot be combined with --mla-latent");
+      }
+      if (*pattern == 1 || (i + 1) % static_cast<size_t>(*pattern) != 0) {
+        m.layers[i].kind = LayerKind::kWindow;
+        m.layers[i].window = *w;
+      }
+    }
+  }
+  KV_TRY_STATUS(capacity::validate_arch(m));
+  return m;
+}
+
+// ---------------------------------------------------------------------------
+// Output
+// ---------------------------------------------------------------------------
+
+struct Out {
+  bool gb = false;
+  std::string bytes(uint64_t b) const {
+    char buf[96];
+    std::snprintf(buf, sizeof(buf), "%" PRIu64 " B (%s", b,
+                  format_bytes(static_cast<double>(b)).c_str());
+    std::string s = buf;
+    if (gb) {
+      std::snprintf(buf, sizeof(buf), ", %.6g GB", static_cast<double>(b) / 1e9);
+      s += buf;
+    }
+    return s + ")";
+  }
+  static std::string secs(double s) {
+    char buf[64];
+    if (s >= 1)
+      std::snprintf(buf, sizeof(buf), "%.4g s", s);
+    else if (s >= 1e-3)
+      std::snprintf(buf, sizeof(buf), "%.4g ms", s * 1e3);
+    else
+      std::snprintf(buf, sizeof(buf), "%.4g us", s * 1e6);
+    return buf;
+  }
+};
+
+void row(const char* label, const std::string& value) {
+  std::printf("  %-34s %s\n", label, value.c_str());
+}
+
+std::string fmt_double(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.6g", v);
+  return buf;
+}
+
+void print_table(const PlanInput& in, const PlanResult& r, const Out& o) {
+  std::printf("model: %s\n", r.model_name.c_str());
+  if (!in.arch.source.empty()) std::printf("source: %s\n", in.arch.source.c_str());
+  std::printf("\nKV format: %s (%s)\n", r.kv_format_name.c_str(), in.kv_format.description.c_str());
+  row("bytes per element (w/8 + s/g)", fmt_double(r.kv_bytes_per_element) + " B");
+  for (const auto& g : r.layer_groups) {
+    std::string label = std::to_string(g.n_layers) + " x " + capacity::layer_kind_name(g.kind);
+    if (g.kind == LayerKind::kWindow) label += "(" + std::to_string(g.window) + ")";
+    label += " layers";
+    row(label.c_str(), fmt_double(g.bytes_per_token) + " B/token/layer" +
+                           (g.exact ? "" : " (amortised)") + ", workload " +
+                           o.bytes(g.payload_bytes));
+  }
+  row("KV per token (all layers)", r.kv_bytes_per_token_exact
+                                       ? o.bytes(r.kv_bytes_per_token_int)
+                                       : fmt_double(r.kv_bytes_per_token) + " B (amortised)");
+
+  std::printf("\nworkload: %" PRId64 " sequence(s), %" PRIu64 " tokens", r.n_sequences,
+              r.total_tokens);
+  if (in.workload.shared_prefix > 0) {
+    std::printf(", shared prefix %" PRId64 " tokens", in.workload.shared_prefix);
+  }
+  std::printf("\n");
+  row("KV payload", o.bytes(r.kv_payload_bytes));
+  if (in.workload.shared_prefix > 0)
+    row("KV payload, unshared", o.bytes(r.kv_payload_bytes_unshared));
+  if (r.paging) {
+    const auto& p = *r.paging;
+    std::printf("\npaging: block size %" PRId64 " tokens\n", p.block_size);
+    row("block bytes (all layers)", o.bytes(p.block_bytes));
+    row("blocks",
+        std::to_string(p.block_count) + " blocks (" + std::to_string(p.slots) + " token slots)");
+    row("tail waste", std::to_string(p.tail_waste_tokens) + " tokens");
+    row("KV allocated", o.bytes(p.kv_allocated_bytes));
+    if (p.residual_buffer_bytes)
+      row("  of which residual buffers", o.bytes(p.residual_buffer_bytes));
+    row("block tables (4 B per id)", o.bytes(p.table_bytes));
+    row("allocator total", o.bytes(p.allocator_total_bytes));
+    if (in.workload.shared_prefix > 0) {
+      row("blocks, unshared", std::to_string(p.block_count_unshared) + " blocks");
+      row("KV allocated, unshared", o.bytes(p.kv_allocated_bytes_unshared));
+    }
+  }
+  if (r.tp) {
+    const auto& t = *r.tp;
+    std::printf("\ntensor parallel: tp=%" PRId64 "\n", t.tp);
+    row("KV heads per rank", std::to_string(t.kv_heads_per_rank) + " (replication " +
+                                 std::to_string(t.replication) + "x)");
+    row("KV payload per rank", o.bytes(t.kv_payload_bytes_per_rank));
+    if (t.kv_allocated_bytes_per_rank)
+      row("KV allocated per rank", o.bytes(t.kv_allocated_bytes_per_rank));
+    row("KV over all ranks", o.bytes(t.kv_bytes_all_ranks));
+    row("payload / tp (ignores replication)", o.bytes(t.naive_per_rank_bytes));
+  }
+  const auto& m = r.memory;
+  std::printf("\nmemory per device\n");
+  row("weights",
+      o.bytes(m.weights_bytes) + (in.arch.weight_bytes ? " [" + in.arch.weight_format_name + "]"
+                                                       : " [" + in.weight_format.name + "]"));
+  row("KV (allocator total or payload)", o.bytes(m.kv_bytes));
+  row(m.activation_estimated ? "activations/workspace (estimate)" : "activations/workspace",
+      o.bytes(m.activation_bytes));
+  row("overhead", o.bytes(m.overhead_bytes));
+  row("total", o.bytes(m.total_bytes));
+  if (in.hw.mem_budget) row("budget (--mem)", o.bytes(in.hw.mem_budget));
+  if (r.max_batch_for_budget) {
+    row("max batch for budget", std::to_string(*r.max_batch_for_budget) + " requests of " +
+                                    std::to_string(r.ref_ctx) + " tokens");
+  }
+  if (r.max_ctx_for_budget) {
+    row("max context for budget", std::to_string(*r.max_ctx_for_budget) + " tokens x " +
+                                      std::to_string(r.ref_batch) + " sequence(s)");
+  }
+  if (r.crossover_tokens) {
+    row("crossover (KV = weights)", std::to_string(*r.crossover_tokens) + " tokens (1 sequence)");
+  }
+  std::printf("\ndecode\n");
+  row("attention FLOPs per step", fmt_double(r.attention.flops_per_step) + " FLOP");
+  row("attention intensity", fmt_double(r.attention.flop_per_byte) + " FLOP/B");
+  if (r.decode) {
+    row("bytes read per step", o.bytes(r.decode->bytes_per_step));
+    row("step lower bound", Out::secs(r.decode->step_lower_bound_s));
+    row("throughput upper bound", fmt_double(r.decode->tokens_per_s_upper_bound) + " tokens/s");
+  }
+  if (r.fetch) {
+    const auto& f = *r.fetch;
+    std::printf("\nfetch versus recompute: prefix of %" PRId64 " tokens\n", f.prefix_tokens);
+    row("fetch bytes", o.bytes(f.fetch_bytes));
+    row("fetch time", Out::secs(f.fetch_time_s));
+    if (f.recompute_time_s) row("recompute time", Out::secs(*f.recompute_time_s));
+    if (f.break_even_tokens) {
+      row("break-even prefix",
+          "fetch is faster from " + std::to_string(*f.break_even_tokens) + " tokens");
+    } else if (f.fetch_never_wins) {
+      row("break-even prefix", "none: recomputing is cheaper at every length");
+    } else {
+      row("break-even prefix", "give --recompute-rate or --compute");
+    }
+  }
+  if (r.transfer) {
+    const auto& t = *r.transfer;
+    std::printf("\ndisaggregated transfer of the workload's cache\n");
+    row("bytes", o.bytes(t.bytes));
+    row("transfer time", Out::secs(t.transfer_time_s));
+    row("in flight (both sides)", o.bytes(t.in_flight_bytes));
+    if (t.prefill_time_s) row("prefill compute", Out::secs(*t.prefill_time_s));
+    if (t.pipelined_ready_time_s)
+      row("ready, per-layer pipelined", Out::secs(*t.pipelined_ready_time_s));
+    if (t.sequential_ready_time_s)
+      row("ready, transfer after prefill", Out::secs(*t.sequential_ready_time_s));
+  }
+  if (!r.notes.empty()) {
+    std::printf("\nnotes\n");
+    for (const auto& n : r.notes) std::printf("  - %s\n", n.c_str());
+  }
+}
+
+std::string json_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          out += buf;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out;
+}
+
+class Json {
+ public:
+  void str(const char* k, const std::string& v) {
+    std::string quoted(1, '"');
+    quoted += json_escape(v);
+    quoted += '"';
+    add(k, quoted);
+  }
+  void u64(const char* k, uint64_t v) { add(k, std::to_string(v)); }
+  void i64(const char* k, int64_t v) { add(k, std::to_string(v)); }
+  void num(const char* k, double v) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.9g", v);
+    add(k, std::isfinite(v) ? buf : "null");
+  }
+  void boolean(const char* k, bool v) { add(k, v ? "true" : "false"); }
+  void raw(const char* k, const std::string& v) { add(k, v); }
+  std::string done() const { return "{\n" + body_ + "\n}\n"; }
+
+ private:
+  void add(const char* k, const std::string& v) {
+    if (!body_.empty()) body_ += ",\n";
+    body_ += "  \"" + std::string(k) + "\": " + v;
+  }
+  std::string body_;
+};
+
+std::string to_json(const PlanInput& in, const PlanResult& r) {
+  Json j;
+  j.str("model", r.model_name);
+  j.str("kv_dtype", r.kv_format_name);
+  j.i64("n_layers", r.n_layers);
+  j.i64("n_sequences", r.n_sequences);
+  j.u64("total_tokens", r.total_tokens);
+  j.num("kv_bytes_per_element", r.kv_bytes_per_element);
+  if (r.kv_bytes_per_token_exact)
+    j.u64("kv_bytes_per_token", r.kv_bytes_per_token_int);
+  else
+    j.num("kv_bytes_per_token", r.kv_bytes_per_token);
+  j.boolean("kv_bytes_per_token_exact", r.kv_bytes_per_token_exact);
+  std::string groups = "[";
+  for (const auto& g : r.layer_groups) {
+    char buf[256];
+    std::snprintf(buf, sizeof(buf),
+                  "%s{\"kind\": \"%s\", \"window\": %" PRId64 ", \"n_layers\": %" PRId64
+                  ", \"bytes_per_token_per_layer\": %.9g, \"payload_bytes\": %" PRIu64 "}",
+                  groups.size() > 1 ? ", " : "", capacity::layer_kind_name(g.kind), g.window,
+                  g.n_layers, g.bytes_per_token, g.payload_bytes);
+    groups += buf;
+  }
+  j.raw("layer_groups", groups + "]");
+  j.u64("kv_payload_bytes", r.kv_payload_bytes);
+  j.u64("kv_payload_bytes_unshared", r.kv_payload_bytes_unshared);
+  if (in.workload.shared_prefix > 0) j.i64("shared_prefix_tokens", in.workload.shared_prefix);
+  if (r.paging) {
+    const auto& p = *r.paging;
+    j.i64("block_size", p.block_size);
+    j.u64("block_bytes", p.block_bytes);
+    j.u64("block_count", p.block_count);
+    j.u64("slots", p.slots);
+    j.u64("tail_waste_tokens", p.tail_waste_tokens);
+    j.u64("kv_allocated_bytes", p.kv_allocated_bytes);
+    j.u64("residual_buffer_bytes", p.residual_buffer_bytes);
+    j.u64("table_bytes", p.table_bytes);
+    j.u64("allocator_total_bytes", p.allocator_total_bytes);
+    j.u64("block_count_unshared", p.block_count_unshared);
+    j.u64("kv_allocated_bytes_unshared", p.kv_allocated_bytes_unshared);
+  }
+  if (r.tp) {
+    const auto& t = *r.tp;
+    j.i64("tp", t.tp);
+    j.i64("kv_heads_per_rank", t.kv_heads_per_rank);
+    j.i64("kv_replication", t.replication);
+    j.u64("kv_payload_bytes_per_rank", t.kv_payload_bytes_per_rank);
+    if (r.paging) j.u64("kv_allocated_bytes_per_rank", t.kv_allocated_bytes_per_rank);
+    j.u64("kv_bytes_all_ranks", t.kv_bytes_all_ranks);
+    j.u64("kv_naive_per_rank_bytes", t.naive_per_rank_bytes);
+  }
+  const auto& m = r.memory;
+  j.u64("weights_bytes", m.weights_bytes);
+  j.u64("weights_bytes_total", m.weights_bytes_total);
+  j.u64("active_weights_bytes", m.active_weights_bytes);
+  j.u64("kv_memory_bytes", m.kv_bytes);
+  j.u64("activation_bytes", m.activation_bytes);
+  j.boolean("activation_estimated", m.activation_estimated);
+  j.u64("overhead_bytes", m.overhead_bytes);
+  j.u64("total_bytes", m.total_bytes);
+  if (in.hw.mem_budget) j.u64("mem_budget_bytes", in.hw.mem_budget);
+  if (r.max_batch_for_budget) j.i64("max_batch_for_budget", *r.max_batch_for_budget);
+  if (r.max_ctx_for_budget) j.i64("max_ctx_for_budget", *r.max_ctx_for_budget);
+  if (in.hw.mem_budget) {
+    j.i64("budget_ref_ctx", r.ref_ctx);
+    j.i64("budget_ref_batch", r.ref_batch);
+  }
+  if (r.crossover_tokens) j.i64("crossover_tokens", *r.crossover_tokens);
+  j.num("decode_attention_flops_per_step", r.attention.flops_per_step);
+  j.num("decode_attention_flop_per_byte", r.attention.flop_per_byte);
+  if (r.decode) {
+    j.u64("decode_bytes_per_step", r.decode->bytes_per_step);
+    j.num("decode_step_lower_bound_s", r.decode->step_lower_bound_s);
+    j.num("decode_tokens_per_s_upper_bound", r.decode->tokens_per_s_upper_bound);
+  }
+  if (r.fetch) {
+    const auto& f = *r.fetch;
+    j.i64("prefix_tokens", f.prefix_tokens);
+    j.u64("fetch_bytes", f.fetch_bytes);
+    j.num("fetch_time_s", f.fetch_time_s);
+    if (f.recompute_time_s) j.num("recompute_time_s", *f.recompute_time_s);
+    if (f.break_even_tokens) j.i64("break_even_tokens", *f.break_even_tokens);
+    if (f.recompute_time_s) j.boolean("fetch_never_wins", f.fetch_never_wins);
+  }
+  if (r.transfer) {
+    const auto& t = *r.transfer;
+    j.u64("transfer_bytes", t.bytes);
+    j.num("transfer_time_s", t.transfer_time_s);
+    j.u64("transfer_in_flight_bytes", t.in_flight_bytes);
+    if (t.prefill_time_s) j.num("prefill_time_s", *t.prefill_time_s);
+    if (t.pipelined_ready_time_s) j.num("pipelined_ready_time_s", *t.pipelined_ready_time_s);
+    if (t.sequential_ready_time_s) j.num("sequential_ready_time_s", *t.sequential_ready_time_s);
+  }
+  std::string notes = "[";
+  for (size_t i = 0; i < r.notes.size(); ++i) {
+    notes += (i ? ", \"" : "\"") + json_escape(r.notes[i]) + "\"";
+  }
+  j.raw("notes", notes + "]");
+  return j.done();
+}
+
+std::string xml_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
+}
+
+// Memory (GiB, per device) versus context length for r.ref_batch sequences:
+// weights, KV for each KV dtype, total for the chosen dtype, the budget.
+std::string render_svg(const PlanInput& in, const PlanResult& r) {
+  constexpr double kW = 900, kH = 560, kL = 80, kR = 200, kT = 50, kB = 60;
+  constexpr int kPoints = 64;
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  int64_t x_max = std::max<int64_t>(r.ref_ctx * 2, in.arch.context_length);
+  if (r.max_ctx_for_budget && *r.max_ctx_for_budget > 0) {
+    x_max = std::max<int64_t>(x_max, *r.max_ctx_for_budget + *r.max_ctx_for_budget / 4);
+  }
+  // Round axis ends up to 1, 2, 2.5 or 5 x 10^k so the five ticks are round numbers.
+  auto nice_ceil = [](double v) {
+    const double p = std::pow(10.0, std::floor(std::log10(v)));
+    for (double m : {1.0, 2.0, 2.5, 5.0, 10.0}) {
+      if (m * p >= v) return m * p;
+    }
+    return 10 * p;
+  };
+  x_max = static_cast<int64_t>(nice_ceil(static_cast<double>(std::max<int64_t>(x_max, 16))));
+  const int64_t batch = r.ref_batch;
+  int64_t replication = 1;
+  auto rank = capacity::arch_per_rank(in.arch, in.tp, &replication);
+  const ModelArch& rank_arch = rank.ok() ? *rank : in.arch;
+
+  struct Series {
+    std::string label;
+    std::string color;
+    bool dashed;
+    std::vector<double> y;  // bytes
+  };
+  std::vector<Series> series;
+  std::vector<double> xs(kPoints + 1);
+  for (int i = 0; i <= kPoints; ++i) {
+    xs[i] = std::max(1.0, std::round(static_cast<double>(x_max) * i / kPoints));
+  }
+  series.push_back({"weights", "#000000", false,
+                    std::vector<double>(kPoints + 1, static_cast<double>(r.memory.weights_bytes))});
+  const char* colors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"};
+  std::vector<KvFormat> formats;
+  for (const auto& f : capacity::kv_format_table()) {
+    if (f.name != "bf16") formats.push_back(f);  // bf16 draws on top of f16
+  }
+  bool chosen_listed = false;
+  for (const auto& f : formats) chosen_listed = chosen_listed || f.name == in.kv_format.name;
+  if (!chosen_listed) formats.push_back(in.kv_format);
+  size_t ci = 0;
+  for (const auto& f : formats) {
+    Series s{"KV " + f.name, colors[ci++ % 6], true, {}};
+    for (double x : xs) {
+      capacity::Workload w;
+      w.seq_tokens.assign(1, static_cast<int64_t>(x));
+      w.block_size = in.workload.block_size;
+      s.y.push_back(static_cast<double>(capacity::kv_payload_bytes(rank_arch, f, w)) *
+                    static_cast<double>(batch));
+    }
+    series.push_back(std::move(s));
+  }
+  Series total{"total (" + in.kv_format.name + ")", "#e377c2", false, {}};
+  for (double x : xs) {
+    total.y.push_back(static_cast<double>(capacity::total_bytes_for(
+        in, std::vector<int64_t>(static_cast<size_t>(batch), static_cast<int64_t>(x)))));
+  }
+  series.push_back(std::move(total));
+
+  double y_max = in.hw.mem_budget ? static_cast<double>(in.hw.mem_budget) * 1.1 : 0;
+  for (const auto& s : series) y_max = std::max(y_max, *std::max_element(s.y.begin(), s.y.end()));
+  y_max = std::max(y_max, 1.0);
+  if (in.hw.mem_budget) y_max = std::min(y_max, static_cast<double>(in.hw.mem_budget) * 3);
+  y_max = nice_ceil(y_max / gib) * gib;
+  const double pw = kW - kL - kR, ph = kH - kT - kB;
+  auto px = [&](double x) { return kL + pw * x / static_cast<double>(x_max); };
+  auto py = [&](double y) { return kT + ph * (1 - std::min(y, y_max) / y_max); };
+
+  std::string svg;
+  char buf[512];
+  std::snprintf(buf, sizeof(buf),
+                "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+                "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
+                "viewBox=\"0 0 %.0f %.0f\" font-family=\"sans-serif\" font-size=\"12\">\n"
+                "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
+                kW, kH, kW, kH);
+  svg += buf;
+  std::string title = "KV memory per device vs context: " + r.model_name + ", batch " +
+                      std::to_string(batch) + (in.tp > 1 ? ", tp " + std::to_string(in.tp) : "");
+  std::snprintf(buf, sizeof(buf), "<text x=\"%.0f\" y=\"24\" font-size=\"14\">", kL);
+  svg += buf + xml_escape(title) + "</text>\n";
+  // Axes, ticks and grid.
+  std::snprintf(buf, sizeof(buf),
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"black\"/>\n"
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"black\"/>\n",
+                kL, kT + ph, kL + pw, kT + ph, kL, kT, kL, kT + ph);
+  svg += buf;
+  for (int i = 0; i <= 5; ++i) {
+    const double xv = static_cast<double>(x_max) * i / 5;
+    const double yv = y_max * i / 5;
+    std::snprintf(buf, sizeof(buf),
+                  "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n"
+                  "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%.0f</text>\n"
+                  "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n"
+                  "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%.3g</text>\n",
+                  px(xv), kT, px(xv), kT + ph, px(xv), kT + ph + 16, xv, kL, py(yv), kL + pw,
+                  py(yv), kL - 6, py(yv) + 4, yv / gib);
+    svg += buf;
+  }
+  std::snprintf(buf, sizeof(buf),
+                "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">context length (tokens per "
+                "sequence)</text>\n"
+                "<text x=\"18\" y=\"%.1f\" text-anchor=\"middle\" transform=\"rotate(-90 18 "
+                "%.1f)\">memory per device (GiB)</text>\n",
+                kL + pw / 2, kH - 18, kT + ph / 2, kT + ph / 2);
+  svg += buf;
+  // Series and legend.
+  int li = 0;
+  auto legend = [&](const std::string& label, const std::string& color, bool dashed) {
+    const double ly = kT + 10 + 18 * li++;
+    std::snprintf(buf, sizeof(buf),
+                  "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
+                  "stroke-width=\"2\"%s/>\n<text x=\"%.1f\" y=\"%.1f\">",
+                  kL + pw + 12, ly, kL + pw + 40, ly, color.c_str(),
+                  dashed ? " stroke-dasharray=\"6 3\"" : "", kL + pw + 46, ly + 4);
+    svg += buf + xml_escape(label) + "</text>\n";
+  };
+  for (const auto& s : series) {
+    std::string pts;
+    for (int i = 0; i <= kPoints; ++i) {
+      std::snprintf(buf, sizeof(buf), "%s%.1f,%.1f", i ? " " : "", px(xs[i]), py(s.y[i]));
+      pts += buf;
+    }
+    std::snprintf(buf, sizeof(buf),
+                  "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\"%s points=\"",
+                  s.color.c_str(), s.dashed ? " stroke-dasharray=\"6 3\"" : "");
+    svg += buf + pts + "\"/>\n";
+    legend(s.label, s.color, s.dashed);
+  }
+  if (in.hw.mem_budget) {
+    const double by = py(static_cast<double>(in.hw.mem_budget));
+    std::snprintf(buf, sizeof(buf),
+                  "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#d00\" "
+                  "stroke-width=\"2\" stroke-dasharray=\"2 2\"/>\n",
+                  kL, by, kL + pw, by);
+    svg += buf;
+    legend("budget " + format_bytes(static_cast<double>(in.hw.mem_budget)), "#d00", true);
+  }
+  svg += "</svg>\n";
+  return svg;
+}
+
+// ---------------------------------------------------------------------------
+// --verify
+// ---------------------------------------------------------------------------
+
+int run_verify(const PlanInput& in, const PlanResult& predicted, const std::string& model_path) {
+  if (!in.workload.block_size) return fail(kCmd, "--verify needs --block-size");
+  capacity::VerifyRequest req;
+  req.model_path = model_path;
+  req.seq_tokens = in.workload.seq_tokens;
+  req.block_size = in.workload.block_size;
+  req.kv_dtype = in.kv_format.name;
+#if defined(KVSTACK_HAVE_PLAN_VERIFY)
+  auto measured = capacity::run_plan_verify(req);
+  if (!measured) return fail(kCmd, "--verify: " + measured.error().message);
+  const capacity::VerifyComparison c = capacity::compare_verify(predicted, *measured);
+  std::printf("\nverify against the engine (%s)\n", model_path.c_str());
+  std::printf("  %-20s %20s %20s  %s\n", "figure", "predicted", "measured", "");
+  for (const auto& row : c.rows) {
+    std::printf("  %-20s %20.0f %20.0f  %s\n", row.name.c_str(), row.predicted, row.measured,
+                row.must_match ? (row.matches ? "match" : "MISMATCH") : "(informative)");
+  }
+  if (!c.ok) {
+    std::fprintf(stderr, "kvstack plan: error: --verify: predicted and measured bytes differ\n");
+    return 1;
+  }
+  return 0;
+#else
+  (void)predicted;
+  return fail(kCmd,
+              "--verify is not available in this build yet: it needs the engine's "
+              "run_plan_verify() (src/engine), which is not implemented; the predictions above "
+              "are unverified");
+#endif
+}
+
+// ---------------------------------------------------------------------------
+
+std::vector<OptionSpec> plan_specs() {
+  return {
+      model_option(),
+      {"preset", 0, "NAME", "architecture preset instead of a GGUF (see --list-presets)"},
+      {"list-presets", 0, "", "print the presets and exit"},
+      {"layers", 0, "N", "explicit model: transformer layers"},
+      {"q-heads", 0, "N", "explicit model: query heads"},
+      {"kv-heads", 0, "N", "explicit model: key/value heads (default: q-heads, i.e. MHA)"},
+      {"head-dim", 0, "D", "explicit model: head dimension (default: hidden / q-heads)"},
+      {"hidden", 0, "N", "explicit model: embedding width"},
+      {"params", 0, "N",
+       "explicit model: parameters, e.g. 7e9 or 7B (weights = params x --weight-dtype)"},
+      {"weights", 0, "SIZE", "explicit model: weight bytes instead of --params (e.g. 13GiB)"},
+      {"ffn", 0, "N", "explicit model: FFN width per token (workspace estimate; default 0)"},
+      {"vocab", 0, "N", "explicit model: vocabulary size (workspace estimate; default 0)"},
+      {"context", 0, "N", "explicit model: trained context length in tokens"},
+      {"window", 0, "W", "explicit model: sliding window of W tokens"},
+      {"window-pattern", 0, "N", "with --window: every N-th layer is global (default 1: all)"},
+      {"mla-latent", 0, "D_C", "explicit model: MLA latent width d_c (caches d_c + d_R)"},
+      {"mla-rope-dim", 0, "D_R", "explicit model: MLA decoupled RoPE key width d_R"},
+      {"batch", 'b', "B", "concurrent requests (default 1)"},
+      {"ctx", 'c', "T", "tokens per request (default: the model's context, else 4096)"},
+      {"lengths", 0, "T1,T2,...", "per-request token counts instead of --batch/--ctx"},
+      {"shared-prefix", 0, "S", "tokens of prefix shared by every request (default 0)"},
+      {"block-size", 0, "P", "KV block size in tokens: paging figures (default: none)"},
+      {"kv-dtype", 0, "DTYPE", "f32, f16, bf16, fp8, int8, int4, kivi2, kivi4 (default f16)"},
+      {"kv-quant-group", 0, "G", "group size g of a quantized KV format (elements or tokens)"},
+      {"kv-quant-meta-bytes", 0, "S", "metadata bytes s per group (scale, zero/min)"},
+      {"kv-residual", 0, "R", "newest tokens kept in f16 per sequence and layer"},
+      {"tp", 0, "N", "tensor-parallel degree (default 1)"},
+      {"weight-dtype", 0, "DTYPE",
+       "weights for presets/explicit: f32, f16, bf16, fp8, int8, int4, q8_0, q4_0, q4_1, "
+       "q4_k, ... (default bf16)"},
+      {"mem", 0, "SIZE", "memory budget per device (e.g. 24GiB, 80GB)"},
+      {"act-bytes", 0, "SIZE", "activation/workspace bytes (default: estimate)"},
+      {"overhead", 0, "SIZE", "runtime overhead per device (default 0 B)"},
+      {"prefill-chunk", 0, "N", "tokens per prefill forward for the workspace estimate (512)"},
+      {"mem-bw", 0, "RATE", "memory bandwidth (e.g. 3.35TB/s, 50GiB/s): decode lower bound"},
+      {"link-bw", 0, "RATE", "fetch/transfer link bandwidth (e.g. 25GiB/s, 200Gbit/s)"},
+      {"link-latency", 0, "TIME", "link latency incl. queueing/mapping (e.g. 20us; default 0)"},
+      {"recompute-rate", 0, "RATE", "prefill rate in tokens/s (measured or given, e.g. 8000)"},
+      {"compute", 0, "FLOPS", "peak FLOP/s for a FLOP-based recompute estimate (989TFLOP/s)"},
+      {"prefix-tokens", 0, "L", "prefix for fetch vs recompute (default: shared prefix or ctx)"},
+      {"json", 0, "", "print one JSON object instead of the table"},
+      {"svg", 0, "FILE", "write a chart of memory versus context length (SVG)"},
+      {"gb", 0, "", "also print decimal GB next to each byte figure"},
+      {"verify", 0, "", "run the engine on this workload and compare (needs -m and --block-size)"},
+      help_option(),
+  };
+}
+
+int run_plan(const std::vector<std::string>& argv) {
+  const auto specs = plan_specs();
+  auto args_r = Args::parse(argv, specs);
+  if (!args_r) return fail(kCmd, args_r.error().message);
+  const Args& args = *args_r;
+  if (args.flag("help")) {
+    std::fputs(format_help("kvstack plan [-m MODEL | --preset NAME | --layers N --q-heads N ...] "
+                           "[--batch B --ctx T | --lengths ...] [options]",
+                           "Capacity and cost planning for the KV cache with the spec's "
+                           "formulas (section 3): bytes per token, payload, paging, prefix "
+                           "sharing, tensor parallelism, memory budget, decode bound, fetch "
+                           "versus recompute and disaggregated transfer. Every byte figure is "
+                           "an exact integer with its 2^k unit.",
+                           specs)
+                   .c_str(),
+               stdout);
+    return 0;
+  }
+  if (args.flag("list-presets")) {
+    for (const auto& p : capacity::list_presets()) {
+      std::printf("%-18s %s\n", p.id.c_str(), p.summary.c_str());
+    }
+    return 0;
+  }
+
+  // Model.
+  std::vector<std::string> notes;
+  const bool explicit_dims = args.has("layers") || args.has("q-heads");
+  if (args.has("preset") + args.has("model") + explicit_dims > 1) {
+    return fail(kCmd, "give one model source: -m FILE, --preset NAME or explicit dimensions");
+  }
+  Result<ModelArch> arch = make_error(Errc::kInternal, "no model");
+  std::string model_path;
+  if (args.has("preset")) {
+    arch = capacity::find_preset(*args.get("preset"));
+  } else if (explicit_dims) {
+    if (!args.has("layers")) return fail(kCmd, "--layers is required with explicit dimensions");
+    arch = arch_from_flags(args);
+  } else {
+    model_path = resolve_model_path(args);
+    arch = arch_from_gguf(model_path, &notes);
+  }
+  if (!arch) return fail(kCmd, arch.error().message);
+
+  PlanInput in;
+  in.arch = std::move(*arch);
+
+  // KV format.
+  auto kvf = capacity::find_kv_format(args.get_or("kv-dtype", "f16"));
+  if (!kvf) return fail(kCmd, "--kv-dtype: " + kvf.error().message);
+  std::optional<int64_t> group, meta, residual;
+  for (auto [flag, slot] :
+       {std::pair{"kv-quant-group", &group}, std::pair{"kv-quant-meta-bytes", &meta},
+        std::pair{"kv-residual", &residual}}) {
+    if (!args.has(flag)) continue;
+    auto v = args.get_int(flag, 0, std::string(flag) == "kv-quant-group" ? 1 : 0, int64_t{1} << 30);
+    if (!v) return fail(kCmd, v.error().message);
+    *slot = *v;
+  }
+  auto custom = capacity::customize_kv_format(*kvf, group, meta, residual);
+  if (!custom) return fail(kCmd, custom.error().message);
+  in.kv_format = *custom;
+
+  // Workload.
+  const int64_t default_ctx = in.arch.context_length > 0 ? in.arch.context_length : 4096;
+  if (args.has("lengths")) {
+    if (args.has("batch") || args.has("ctx")) {
+      return fail(kCmd, "--lengths replaces --batch/--ctx; give one or the other");
+    }
+    auto l = parse_lengths(*args.get("lengths"));
+    if (!l) return fail(kCmd, l.error().message);
+    in.workload.seq_tokens = *l;
+  } else {
+    auto batch = args.get_int("batch", 1, 1, int64_t{1} << 24);
+    if (!batch) return fail(kCmd, batch.error().message);
+    auto ctx = args.get_int("ctx", default_ctx, 1, int64_t{1} << 40);
+    if (!ctx) return fail(kCmd, ctx.error().message);
+    in.workload.seq_tokens.assign(static_cast<size_t>(*batch), *ctx);
+  }
+  auto shared = args.get_int("shared-prefix", 0, 0, int64_t{1} << 40);
+  if (!shared) return fail(kCmd, shared.error().message);
+  in.workload.shared_prefix = *shared;
+  auto block = args.get_int("block-size", 0, 1, int64_t{1} << 20);
+  if (!block) return fail(kCmd, block.error().message);
+  in.workload.block_size = *block;
+  auto tp = args.get_int("tp", 1, 1, 1 << 16);
+  if (!tp) return fail(kCmd, tp.error().message);
+  in.tp = *tp;
+
+  // Memory.
+  auto wf = capacity::find_weight_format(args.get_or("weight-dtype", "bf16"));
+  if (!wf) return fail(kCmd, "--weight-dtype: " + wf.error().message);
+  in.weight_format = *wf;
+  if (args.has("weight-dtype") && in.arch.weight_bytes && in.arch.weight_format_name != "given") {
+    in.arch.weight_bytes.reset();  // re-quantize the GGUF's parameter count hypothetically
+    in.arch.active_weight_bytes.reset();
+    notes.push_back("weights from the GGUF parameter count in --weight-dtype " + wf->name);
+  }
+  auto mem = args.get_bytes("mem", 0);
+  if (!mem) return fail(kCmd, mem.error().message);
+  if (args.has("mem") && *mem == 0) return fail(kCmd, "--mem must be > 0");
+  in.hw.mem_budget = *mem;
+  if (args.has("act-bytes")) {
+    auto act = args.get_bytes("act-bytes", 0);
+    if (!act) return fail(kCmd, act.error().message);
+    in.activation_bytes = *act;
+  }
+  auto overhead = args.get_bytes("overhead", 0);
+  if (!overhead) return fail(kCmd, overhead.error().message);
+  in.overhead_bytes = *overhead;
+  auto chunk = args.get_int("prefill-chunk", 512, 1, int64_t{1} << 30);
+  if (!chunk) return fail(kCmd, chunk.error().message);
+  in.prefill_chunk = *chunk;
+
+  // Hardware and costs.
+  auto mem_bw = get_rate(args, "mem-bw");
+  if (!mem_bw) return fail(kCmd, mem_bw.error().message);
+  in.hw.mem_bw = *mem_bw;
+  auto link_bw = get_rate(args, "link-bw");
+  if (!link_bw) return fail(kCmd, link_bw.error().message);
+  in.hw.link_bw = *link_bw;
+  if (auto v = args.get("link-latency")) {
+    auto s = parse_seconds("link-latency", *v);
+    if (!s) return fail(kCmd, s.error().message);
+    in.hw.link_latency_s = *s;
+  }
+  if (auto v = args.get("recompute-rate")) {
+    auto s = parse_token_rate("recompute-rate", *v);
+    if (!s) return fail(kCmd, s.error().message);
+    if (*s <= 0) return fail(kCmd, "--recompute-rate must be > 0");
+    in.hw.recompute_tokens_per_s = *s;
+  }
+  if (auto v = args.get("compute")) {
+    auto s = parse_flops("compute", *v);
+    if (!s) return fail(kCmd, s.error().message);
+    if (*s <= 0) return fail(kCmd, "--compute must be > 0");
+    in.hw.compute_flops = *s;
+  }
+  if (args.has("prefix-tokens")) {
+    auto l = args.get_int("prefix-tokens", 0, 1, int64_t{1} << 40);
+    if (!l) return fail(kCmd, l.error().message);
+    in.prefix_tokens = *l;
+  }
+  if ((in.hw.recompute_tokens_per_s > 0 || in.hw.compute_flops > 0) && in.hw.link_bw <= 0) {
+    notes.push_back("--recompute-rate/--compute are used with --link-bw (fetch and transfer)");
+  }
+
+  auto result = capacity::plan(in);
+  if (!result) return fail(kCmd, result.error().message);
+  PlanResult& r = *result;
+  r.notes.insert(r.notes.begin(), notes.begin(), notes.end());
+
+  if (auto svg_path = args.get("svg")) {
+    const std::string svg = render_svg(in, r);
+    FILE* f = std::fopen(svg_path->c_str(), "wb");
+    if (f == nullptr) return fail(kCmd, "--svg: cannot write '" + *svg_path + "'");
+    const bool ok = std::fwrite(svg.data(), 1, svg.size(), f) == svg.size();
+    if (std::fclose(f) != 0 || !ok) return fail(kCmd, "--svg: error writing '" + *svg_path + "'");
+  }
+  Out out;
+  out.gb = args.flag("gb");
+  if (args.flag("json")) {
+    std::fputs(to_json(in, r).c_str(), stdout);
+  } else {
+    print_table(in, r, out);
+  }
+  if (args.flag("verify")) {
+    if (model_path.empty()) {
+      return fail(kCmd, "--verify needs a GGUF model (-m FILE), not a preset or explicit dims");
+    }
+    std::fflush(stdout);
+    return run_verify(in, r, model_path);
+  }
+  return 0;
+}
+
+}  // namespace
+
+KVSTACK_COMMAND(kPlanCommand, "plan",
+                "capacity and cost planner: KV bytes, paging, memory budget, decode bound, "
+                "fetch vs recompute, transfer",
+                run_plan);
+
+}  // namespace kvstack::cli

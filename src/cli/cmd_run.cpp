@@ -1,0 +1,129 @@
+// `kvstack run`: generate text for one prompt, streaming it to stdout.
+#include <cstdio>
+
+#include "cli/args.h"
+#include "cli/chat_input.h"
+#include "cli/engine_options.h"
+#include "cli/text_input.h"
+#include "core/units.h"
+
+namespace kvstack::cli {
+namespace {
+
+std::string json_escape(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          out += buf;
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  return out;
+}
+
+int run_run(const std::vector<std::string>& argv) {
+  auto specs = engine_options();
+  specs.push_back({"prompt", 'p', "TEXT", "prompt text (special-token text is parsed)"});
+  specs.push_back({"file", 'f', "FILE", "read the prompt from a file"});
+  specs.push_back({"tokens", 0, "IDS", "prompt as token ids: 1,2,3"});
+  specs.push_back({"chat", 0, "", "wrap the prompt as a user message in the model's chat template"});
+  specs.push_back({"system", 0, "TEXT", "system message for --chat"});
+  specs.push_back({"chat-template", 0, "NAME", "override the template: chatml, llama3, mistral, gemma"});
+  for (auto& s : sampling_options()) specs.push_back(s);
+  specs.push_back({"json", 0, "", "print one JSON object (tokens, text, timings) at the end"});
+  specs.push_back(help_option());
+  auto args = Args::parse(argv, specs);
+  if (!args) return fail("run", args.error().message);
+  if (args->flag("help")) {
+    std::fputs(format_help("kvstack run [-m MODEL] -p PROMPT [-n N] [--chat] [--temp T] [--top-k K] "
+                           "[--top-p P] [--seed S] [--threads T] [--block-size P] "
+                           "[--kv-cache-mem SIZE] [--kv-dtype f32|f16|bf16]",
+                           "Generate a continuation of the prompt through the paged KV cache. Text "
+                           "streams to stdout; timings and KV memory go to stderr.",
+                           specs)
+                   .c_str(),
+               stdout);
+    return 0;
+  }
+  auto gen = generate_options_from(*args);
+  if (!gen) return fail("run", gen.error().message);
+  const bool json = args->flag("json");
+  auto engine = load_engine(*args, json);
+  if (!engine) return fail("run", engine.error().message);
+  Engine& e = **engine;
+
+  Result<std::vector<int32_t>> tokens = std::vector<int32_t>{};
+  if (args->flag("chat")) {
+    auto tmpl = chat_template_for(*args, e);
+    if (!tmpl) return fail("run", tmpl.error().message);
+    if (!args->has("prompt")) return fail("run", "--chat needs -p PROMPT");
+    std::vector<ChatMessage> msgs;
+    if (auto sys = args->get("system")) msgs.push_back({"system", *sys});
+    msgs.push_back({"user", *args->get("prompt")});
+    auto text = tmpl->render(msgs, true);
+    if (!text) return fail("run", text.error().message);
+    tokens = e.tokenizer().tokenize(*text, {.add_special = tmpl->bos_text().empty(), .parse_special = true});
+    for (const auto& s : tmpl->stop_strings()) gen->stop.push_back(s);
+  } else {
+    tokens = prompt_tokens(*args, e);
+  }
+  if (!tokens) return fail("run", tokens.error().message);
+
+  BlockTable table = e.new_table();
+  auto on_text = [&](std::string_view piece) {
+    if (json) return;
+    std::fwrite(piece.data(), 1, piece.size(), stdout);
+    std::fflush(stdout);
+  };
+  auto res = generate(e, table, *tokens, *gen, on_text);
+  if (!res) return fail("run", res.error().message);
+  const GenerateStats& st = res->stats;
+  const BlockPoolStats kv = e.pool().stats();
+  if (json) {
+    std::string ids;
+    for (size_t i = 0; i < res->tokens.size(); ++i) {
+      if (i) ids += ',';
+      ids += std::to_string(res->tokens[i]);
+    }
+    std::printf(
+        "{\"tokens\": [%s], \"text\": \"%s\", \"finish_reason\": \"%s\", \"prompt_tokens\": %lld, "
+        "\"completion_tokens\": %lld, \"ttft_ms\": %.2f, \"prefill_tok_s\": %.2f, "
+        "\"decode_tok_s\": %.2f, \"kv_payload_bytes\": %lld, \"kv_allocated_bytes\": %lld}\n",
+        ids.c_str(), json_escape(res->text).c_str(), finish_reason_name(res->finish),
+        static_cast<long long>(st.n_prompt), static_cast<long long>(st.n_generated),
+        st.ttft_s * 1e3, st.prefill_tok_s(), st.decode_tok_s(),
+        static_cast<long long>(kv.payload_bytes), static_cast<long long>(kv.allocated_bytes));
+  } else {
+    std::printf("\n");
+    std::fprintf(stderr,
+                 "\nkvstack run: %lld prompt tokens, %lld generated (%s); TTFT %.1f ms, prefill "
+                 "%.1f tok/s, decode %.1f tok/s\nkvstack run: KV %lld tokens, payload %lld bytes "
+                 "(%s), allocated %lld bytes (%s) in %lld blocks of %lld bytes\n",
+                 static_cast<long long>(st.n_prompt), static_cast<long long>(st.n_generated),
+                 finish_reason_name(res->finish), st.ttft_s * 1e3, st.prefill_tok_s(),
+                 st.decode_tok_s(), static_cast<long long>(table.length()),
+                 static_cast<long long>(kv.payload_bytes),
+                 format_bytes(static_cast<double>(kv.payload_bytes)).c_str(),
+                 static_cast<long long>(kv.allocated_bytes),
+                 format_bytes(static_cast<double>(kv.allocated_bytes)).c_str(),
+                 static_cast<long long>(kv.n_blocks_used), static_cast<long long>(kv.block_bytes));
+  }
+  return 0;
+}
+
+}  // namespace
+
+KVSTACK_COMMAND(g_run, "run", "generate text for a prompt (streams to stdout)", run_run);
+
+}  // namespace kvstack::cli

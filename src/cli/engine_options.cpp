@@ -1,0 +1,81 @@
+#include "cli/engine_options.h"
+
+#include <chrono>
+#include <cstdio>
+
+#include "core/cpu_features.h"
+#include "core/units.h"
+
+namespace kvstack::cli {
+
+std::vector<OptionSpec> engine_options() {
+  return {
+      model_option(),
+      {"threads", 't', "N", "worker threads (default: all cores)"},
+      {"block-size", 0, "P", "tokens per KV block, a power of two 1..256 (default 16)"},
+      {"kv-cache-mem", 0, "SIZE", "KV pool size in bytes, e.g. 512MiB, 2GiB (default: see tokens)"},
+      {"kv-cache-tokens", 0, "N", "KV pool size in tokens (default: the model's context length)"},
+      {"kv-dtype", 0, "TYPE", "KV element type: f32, f16 or bf16 (default f16)"},
+      {"prefill-chunk", 0, "N", "max tokens per prefill step (default 512)"},
+  };
+}
+
+Result<EngineConfig> engine_config_from(const Args& args) {
+  EngineConfig c;
+  c.model_path = resolve_model_path(args);
+  auto threads = args.get_int("threads", 0, 1, 1024);
+  if (!threads) return threads.error();
+  c.n_threads = static_cast<int>(*threads);
+  auto bs = args.get_int("block-size", 16, 1, 256);
+  if (!bs) return bs.error();
+  if ((*bs & (*bs - 1)) != 0) {
+    return make_error(Errc::kInvalidArgument,
+                      "--block-size: " + std::to_string(*bs) + " is not a power of two");
+  }
+  c.block_size = static_cast<int>(*bs);
+  if (args.has("kv-cache-mem") && args.has("kv-cache-tokens")) {
+    return make_error(Errc::kInvalidArgument,
+                      "give either --kv-cache-mem or --kv-cache-tokens, not both");
+  }
+  auto mem = args.get_bytes("kv-cache-mem", 0);
+  if (!mem) return mem.error();
+  if (args.has("kv-cache-mem") && *mem == 0) {
+    return make_error(Errc::kInvalidArgument, "--kv-cache-mem must be greater than 0");
+  }
+  c.kv_cache_mem = *mem;
+  auto tokens = args.get_int("kv-cache-tokens", 0, 1, int64_t{1} << 40);
+  if (!tokens) return tokens.error();
+  c.kv_cache_tokens = *tokens;
+  auto dtype = parse_kv_dtype(args.get_or("kv-dtype", "f16"));
+  if (!dtype) return make_error(Errc::kInvalidArgument, "--kv-dtype: " + dtype.error().message);
+  c.kv_dtype = *dtype;
+  auto chunk = args.get_int("prefill-chunk", 512, 1, 1 << 20);
+  if (!chunk) return chunk.error();
+  c.prefill_chunk = static_cast<int>(*chunk);
+  return c;
+}
+
+Result<std::unique_ptr<Engine>> load_engine(const Args& args, bool quiet) {
+  auto cfg = engine_config_from(args);
+  if (!cfg) return cfg.error();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto engine = Engine::create(*cfg);
+  if (!engine) return engine.error();
+  if (!quiet) {
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const auto st = (*engine)->pool().stats();
+    std::fprintf(stderr,
+                 "kvstack: loaded %s (%s weights) in %.0f ms; %d threads, %s kernels; KV pool "
+                 "%lld blocks x %d tokens (%s, %s)\n",
+                 cfg->model_path.c_str(),
+                 format_bytes(static_cast<double>((*engine)->model().weight_bytes())).c_str(), ms,
+                 (*engine)->threads().n_threads(), isa_name(best_isa()),
+                 static_cast<long long>(st.n_blocks_total), cfg->block_size,
+                 kv_dtype_name(cfg->kv_dtype),
+                 format_bytes(static_cast<double>(st.pool_bytes)).c_str());
+  }
+  return engine;
+}
+
+}  // namespace kvstack::cli

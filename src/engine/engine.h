@@ -1,0 +1,70 @@
+// Engine: one model, one KV block pool, one thread pool, and the forward
+// pass over them. The CLI commands and (later) the scheduler drive it.
+//
+// Thread-safety: single owner thread; internal parallelism via the pool.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/result.h"
+#include "core/thread_pool.h"
+#include "engine/forward.h"
+#include "engine/model.h"
+#include "kv/block_pool.h"
+#include "kv/block_table.h"
+#include "kv/layout.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kvstack {
+
+struct EngineConfig {
+  std::string model_path;
+  int n_threads = 0;         // 0 = all cores
+  int block_size = 16;       // tokens per KV block (power of two, 1..256)
+  KvDtype kv_dtype = KvDtype::kF16;
+  uint64_t kv_cache_mem = 0;     // bytes for the pool (0 = use kv_cache_tokens)
+  int64_t kv_cache_tokens = 0;   // tokens for the pool (0 = the model's context length)
+  int prefill_chunk = 512;       // max tokens per prefill step
+};
+
+class Engine {
+ public:
+  // Loads the model and creates the pool; errors name the file or flag at fault.
+  static Result<std::unique_ptr<Engine>> create(const EngineConfig& config);
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+  ~Engine();
+
+  const EngineConfig& config() const { return config_; }
+  const Model& model() const { return *model_; }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  BlockPool& pool() { return *pool_; }
+  ThreadPool& threads() { return *threads_; }
+  Forward& forward() { return *forward_; }
+  const KvLayout& layout() const { return pool_->layout(); }
+
+  // A new, empty sequence table in this engine's pool.
+  BlockTable new_table() { return BlockTable(*pool_); }
+
+  // Runs `tokens` through the model on top of `table` in chunks of at most
+  // config().prefill_chunk tokens. kAll appends logits for every token to
+  // *logits, kLast writes only the last token's row, kNone none. On error
+  // the table keeps the chunks that completed (each committed) and nothing
+  // of the failed chunk.
+  Status prefill(BlockTable& table, std::span<const int32_t> tokens, LogitsMode mode,
+                 std::vector<float>* logits);
+
+ private:
+  Engine() = default;
+  EngineConfig config_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<ThreadPool> threads_;
+  std::unique_ptr<BlockPool> pool_;
+  std::unique_ptr<Forward> forward_;
+};
+
+}  // namespace kvstack

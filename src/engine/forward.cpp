@@ -1,0 +1,164 @@
+#include "engine/forward.h"
+
+#include <cmath>
+#include <string>
+
+#include "attention/paged_attention.h"
+#include "ops/elementwise.h"
+
+namespace kvstack {
+
+Forward::Forward(const Model& model, ThreadPool& threads) : model_(model), threads_(threads) {}
+
+void Forward::ensure_workspace(int64_t n_tok) {
+  if (n_tok <= capacity_) return;
+  const ModelConfig& c = model_.config();
+  const auto n = static_cast<size_t>(n_tok);
+  x_.resize(n * c.n_embd);
+  h_.resize(n * c.n_embd);
+  q_.resize(n * c.n_heads * c.head_dim);
+  k_.resize(n * c.n_kv_heads * c.head_dim);
+  v_.resize(n * c.n_kv_heads * c.head_dim);
+  attn_.resize(n * c.n_heads * c.head_dim);
+  gate_.resize(n * c.n_ff);
+  up_.resize(n * c.n_ff);
+  pos_.resize(n);
+  capacity_ = n_tok;
+}
+
+Status Forward::step(std::span<const StepSeq> batch, std::vector<float>* logits) {
+  const ModelConfig& c = model_.config();
+  if (batch.empty()) return make_error(Errc::kInvalidArgument, "empty step");
+  int64_t n_tok = 0;
+  std::vector<BlockTable*> tables;
+  std::vector<int64_t> n_new;
+  tables.reserve(batch.size());
+  n_new.reserve(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const StepSeq& s = batch[i];
+    if (s.table == nullptr || s.tokens.empty()) {
+      return make_error(Errc::kInvalidArgument,
+                        "step entry " + std::to_string(i) + " has no table or no tokens");
+    }
+    for (int32_t t : s.tokens) {
+      if (t < 0 || t >= c.n_vocab) {
+        return make_error(Errc::kInvalidArgument, "token id " + std::to_string(t) +
+                                                      " is out of range [0, " +
+                                                      std::to_string(c.n_vocab) + ")");
+      }
+    }
+    if (s.table->length() + static_cast<int64_t>(s.tokens.size()) > c.n_ctx_train) {
+      return make_error(Errc::kInvalidArgument,
+                        "sequence would reach " +
+                            std::to_string(s.table->length() + s.tokens.size()) +
+                            " tokens, past the model's context length of " +
+                            std::to_string(c.n_ctx_train));
+    }
+    tables.push_back(s.table);
+    n_new.push_back(static_cast<int64_t>(s.tokens.size()));
+    n_tok += static_cast<int64_t>(s.tokens.size());
+  }
+  // Plan/commit: reserve every sequence's slots or none.
+  KV_TRY_STATUS(reserve_all(tables, n_new));
+
+  ensure_workspace(n_tok);
+  int64_t row = 0;
+  for (const StepSeq& s : batch) {
+    model_.embed(s.tokens.data(), static_cast<int64_t>(s.tokens.size()),
+                 x_.data() + row * c.n_embd);
+    for (size_t j = 0; j < s.tokens.size(); ++j) {
+      pos_[row + j] = static_cast<int32_t>(s.table->length() + static_cast<int64_t>(j));
+    }
+    row += static_cast<int64_t>(s.tokens.size());
+  }
+
+  for (int l = 0; l < c.n_layers; ++l) layer(l, batch, n_tok);
+
+  // Logits for the requested rows only.
+  std::vector<int64_t> rows;
+  row = 0;
+  for (const StepSeq& s : batch) {
+    const auto n = static_cast<int64_t>(s.tokens.size());
+    if (s.logits == LogitsMode::kAll) {
+      for (int64_t j = 0; j < n; ++j) rows.push_back(row + j);
+    } else if (s.logits == LogitsMode::kLast) {
+      rows.push_back(row + n - 1);
+    }
+    row += n;
+  }
+  if (logits != nullptr) {
+    const auto n_rows = static_cast<int64_t>(rows.size());
+    for (int64_t r = 0; r < n_rows; ++r) {
+      rms_norm(x_.data() + rows[r] * c.n_embd, model_.output_norm(), c.n_embd, c.norm_eps,
+               h_.data() + r * c.n_embd);
+    }
+    logits->resize(static_cast<size_t>(n_rows) * c.n_vocab);
+    if (n_rows > 0) matmul(model_.output(), h_.data(), n_rows, logits->data(), &threads_);
+  }
+
+  for (size_t i = 0; i < batch.size(); ++i) batch[i].table->commit(n_new[i]);
+  return {};
+}
+
+void Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
+  const ModelConfig& c = model_.config();
+  const LayerWeights& w = model_.layers()[l];
+  const int64_t q_dim = static_cast<int64_t>(c.n_heads) * c.head_dim;
+  const int64_t kv_dim = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
+
+  // Attention block.
+  rms_norm(x_.data(), w.attn_norm, n_tok, c.n_embd, c.norm_eps, h_.data());
+  matmul(w.wq, h_.data(), n_tok, q_.data(), &threads_);
+  matmul(w.wk, h_.data(), n_tok, k_.data(), &threads_);
+  matmul(w.wv, h_.data(), n_tok, v_.data(), &threads_);
+  if (w.bq != nullptr) {
+    for (int64_t t = 0; t < n_tok; ++t) {
+      add(q_.data() + t * q_dim, w.bq, q_.data() + t * q_dim, q_dim);
+      add(k_.data() + t * kv_dim, w.bk, k_.data() + t * kv_dim, kv_dim);
+      add(v_.data() + t * kv_dim, w.bv, v_.data() + t * kv_dim, kv_dim);
+    }
+  }
+  const RopeParams rp{.style = c.rope_neox ? RopeStyle::kNeox : RopeStyle::kNormal,
+                      .n_rot = c.n_rot,
+                      .freq_base = c.rope_freq_base,
+                      .freq_scale = c.rope_freq_scale};
+  rope(q_.data(), pos_.data(), n_tok, c.n_heads, c.head_dim, rp);
+  rope(k_.data(), pos_.data(), n_tok, c.n_kv_heads, c.head_dim, rp);
+
+  // Write this layer's K/V for every sequence, then attend through the tables.
+  std::vector<AttnSeq> seqs;
+  seqs.reserve(batch.size());
+  int64_t row = 0;
+  for (const StepSeq& s : batch) {
+    const auto n = static_cast<int64_t>(s.tokens.size());
+    s.table->write(l, s.table->length(), k_.data() + row * kv_dim, v_.data() + row * kv_dim, n);
+    seqs.push_back(AttnSeq{.block_table = s.table->data(),
+                           .n_blocks = static_cast<int32_t>(s.table->n_blocks()),
+                           .n_past = static_cast<int32_t>(s.table->length()),
+                           .n_new = static_cast<int32_t>(n),
+                           .q = q_.data() + row * q_dim,
+                           .out = attn_.data() + row * q_dim});
+    row += n;
+  }
+  const AttnParams ap{.n_q_heads = c.n_heads,
+                      .n_kv_heads = c.n_kv_heads,
+                      .head_dim = c.head_dim,
+                      .scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
+                      .window = c.sliding_window};
+  const Status st =
+      paged_attention(batch.front().table->pool().layer_view(l), ap, seqs, &threads_);
+  KV_CHECK(st.ok(), "paged_attention rejected arguments the forward pass built");
+
+  matmul(w.wo, attn_.data(), n_tok, h_.data(), &threads_);
+  add(x_.data(), h_.data(), x_.data(), n_tok * c.n_embd);
+
+  // Feed-forward block.
+  rms_norm(x_.data(), w.ffn_norm, n_tok, c.n_embd, c.norm_eps, h_.data());
+  matmul(w.w_gate, h_.data(), n_tok, gate_.data(), &threads_);
+  matmul(w.w_up, h_.data(), n_tok, up_.data(), &threads_);
+  swiglu(gate_.data(), up_.data(), gate_.data(), n_tok * c.n_ff);
+  matmul(w.w_down, gate_.data(), n_tok, h_.data(), &threads_);
+  add(x_.data(), h_.data(), x_.data(), n_tok * c.n_embd);
+}
+
+}  // namespace kvstack

@@ -1,0 +1,66 @@
+// The model forward pass over a batch that mixes prefill chunks and decode
+// tokens of different sequences, reading and writing K/V through each
+// sequence's block table (kv-cache-spec.md sections 2 and 4).
+//
+// One step: reserve KV slots for every sequence (all or nothing), embed,
+// then per layer RMSNorm -> Q/K/V projections -> RoPE at logical positions ->
+// write K/V -> paged attention -> output projection -> residual -> RMSNorm ->
+// SwiGLU FFN -> residual; final norm and the output projection only for the
+// rows whose logits were asked for; commit every sequence's new length.
+//
+// Thread-safety: one Forward is driven by one thread; it uses the ThreadPool
+// for matmuls and attention.
+#pragma once
+
+#include <span>
+#include <vector>
+
+#include "core/result.h"
+#include "core/thread_pool.h"
+#include "engine/model.h"
+#include "kv/block_table.h"
+
+namespace kvstack {
+
+enum class LogitsMode : uint8_t {
+  kNone,  // intermediate prefill chunk: no logits
+  kLast,  // logits of the last new token (prefill end, decode)
+  kAll,   // logits of every new token (scoring, perplexity)
+};
+
+// One sequence's part of a step. Its new tokens take logical positions
+// table->length() .. table->length() + tokens.size() - 1.
+struct StepSeq {
+  BlockTable* table = nullptr;
+  std::span<const int32_t> tokens;
+  LogitsMode logits = LogitsMode::kLast;
+};
+
+class Forward {
+ public:
+  // REQUIRES: model and pool outlive this object; the pool's layout matches
+  // the model (one standard layer per model layer, n_kv_heads, head_dim).
+  Forward(const Model& model, ThreadPool& threads);
+
+  // Runs one step. On success `logits` holds the requested rows in batch
+  // order ([n_rows, n_vocab]) and every table's length has advanced by its
+  // token count. Errors (no state changed): kInvalidArgument for an empty
+  // step, a token id out of range or a sequence past the model's context,
+  // kOutOfBlocks when the pool cannot hold the new tokens.
+  Status step(std::span<const StepSeq> batch, std::vector<float>* logits);
+
+  int64_t n_vocab() const { return model_.config().n_vocab; }
+
+ private:
+  void layer(int l, std::span<const StepSeq> batch, int64_t n_tok);
+  void ensure_workspace(int64_t n_tok);
+
+  const Model& model_;
+  ThreadPool& threads_;
+  // Workspace, grown on demand ([n_tok, ...] float32 each).
+  int64_t capacity_ = 0;
+  std::vector<float> x_, h_, q_, k_, v_, attn_, gate_, up_;
+  std::vector<int32_t> pos_;
+};
+
+}  // namespace kvstack

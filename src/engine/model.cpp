@@ -1,0 +1,128 @@
+#include "engine/model.h"
+
+#include <algorithm>
+
+#include "model/dequant.h"
+
+namespace kvstack {
+
+Result<std::unique_ptr<Model>> Model::load(const std::string& path) {
+  auto file = GgufFile::open(path);
+  if (!file) return file.error();
+  std::unique_ptr<Model> m(new Model(std::move(*file)));
+  auto cfg = load_model_config(m->file_);
+  if (!cfg) return cfg.error();
+  m->config_ = std::move(*cfg);
+  KV_TRY_STATUS(m->bind());
+  return m;
+}
+
+Result<WeightView> Model::matrix(const std::string& name, int64_t n_in, int64_t n_out) {
+  const GgufTensor* t = file_.find_tensor(name);
+  if (t == nullptr) {
+    return make_error(Errc::kCorruptFile, file_.path() + ": missing tensor '" + name + "'");
+  }
+  if (t->dims.size() != 2 || t->dims[0] != n_in || t->dims[1] != n_out) {
+    std::string shape;
+    for (auto d : t->dims) shape += (shape.empty() ? "" : " x ") + std::to_string(d);
+    return make_error(Errc::kCorruptFile, file_.path() + ": tensor '" + name + "' has shape [" +
+                                              shape + "], expected [" + std::to_string(n_in) +
+                                              " x " + std::to_string(n_out) + "]");
+  }
+  WeightView w{t->type, t->data, n_in, n_out};
+  if (!matmul_supported(t->type)) {
+    // No kernel for this format yet: dequantize once to f32.
+    auto buf = std::make_unique<float[]>(static_cast<size_t>(n_in * n_out));
+    KV_TRY_STATUS(dequantize_tensor(*t, buf.get()));
+    const auto* tr = ggml_type_traits(static_cast<uint32_t>(t->type));
+    const std::string tn = tr ? tr->name : "?";
+    if (std::find(dequantized_types_.begin(), dequantized_types_.end(), tn) ==
+        dequantized_types_.end()) {
+      dequantized_types_.push_back(tn);
+    }
+    dequantized_bytes_ += static_cast<uint64_t>(n_in * n_out) * sizeof(float);
+    w = WeightView{GgmlType::kF32, reinterpret_cast<const uint8_t*>(buf.get()), n_in, n_out};
+    owned_.push_back(std::move(buf));
+  }
+  return w;
+}
+
+Result<const float*> Model::vector_f32(const std::string& name, int64_t n, bool required) {
+  const GgufTensor* t = file_.find_tensor(name);
+  if (t == nullptr) {
+    if (!required) return static_cast<const float*>(nullptr);
+    return make_error(Errc::kCorruptFile, file_.path() + ": missing tensor '" + name + "'");
+  }
+  if (t->n_elements() != n) {
+    return make_error(Errc::kCorruptFile, file_.path() + ": tensor '" + name + "' has " +
+                                              std::to_string(t->n_elements()) +
+                                              " elements, expected " + std::to_string(n));
+  }
+  if (t->type == GgmlType::kF32) return reinterpret_cast<const float*>(t->data);
+  auto buf = std::make_unique<float[]>(static_cast<size_t>(n));
+  KV_TRY_STATUS(dequantize_tensor(*t, buf.get()));
+  owned_.push_back(std::move(buf));
+  return static_cast<const float*>(owned_.back().get());
+}
+
+Status Model::bind() {
+  const ModelConfig& c = config_;
+  for (const auto& t : file_.tensors()) weight_bytes_ += t.n_bytes;
+  const int64_t q_dim = static_cast<int64_t>(c.n_heads) * c.head_dim;
+  const int64_t kv_dim = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
+
+#define KV_BIND(dst, expr)   \
+  do {                       \
+    auto r_ = (expr);        \
+    if (!r_) return r_.error(); \
+    dst = *r_;               \
+  } while (0)
+
+  // token_embd is only ever read a row at a time (embed()), so it is not
+  // dequantized even when the matmul has no kernel for its type.
+  const GgufTensor* emb = file_.find_tensor("token_embd.weight");
+  if (emb == nullptr || emb->dims.size() != 2 || emb->dims[0] != c.n_embd ||
+      emb->dims[1] != c.n_vocab) {
+    return make_error(Errc::kCorruptFile, file_.path() +
+                                              ": tensor 'token_embd.weight' is missing or not [" +
+                                              std::to_string(c.n_embd) + " x " +
+                                              std::to_string(c.n_vocab) + "]");
+  }
+  token_embd_ = WeightView{emb->type, emb->data, c.n_embd, c.n_vocab};
+  KV_BIND(output_norm_, vector_f32("output_norm.weight", c.n_embd));
+  if (c.tied_embeddings) {
+    KV_BIND(output_, matrix("token_embd.weight", c.n_embd, c.n_vocab));
+  } else {
+    KV_BIND(output_, matrix("output.weight", c.n_embd, c.n_vocab));
+  }
+  layers_.resize(c.n_layers);
+  for (int i = 0; i < c.n_layers; ++i) {
+    const std::string p = "blk." + std::to_string(i) + ".";
+    LayerWeights& l = layers_[i];
+    KV_BIND(l.attn_norm, vector_f32(p + "attn_norm.weight", c.n_embd));
+    KV_BIND(l.wq, matrix(p + "attn_q.weight", c.n_embd, q_dim));
+    KV_BIND(l.wk, matrix(p + "attn_k.weight", c.n_embd, kv_dim));
+    KV_BIND(l.wv, matrix(p + "attn_v.weight", c.n_embd, kv_dim));
+    KV_BIND(l.wo, matrix(p + "attn_output.weight", q_dim, c.n_embd));
+    KV_BIND(l.bq, vector_f32(p + "attn_q.bias", q_dim, c.qkv_bias));
+    KV_BIND(l.bk, vector_f32(p + "attn_k.bias", kv_dim, c.qkv_bias));
+    KV_BIND(l.bv, vector_f32(p + "attn_v.bias", kv_dim, c.qkv_bias));
+    KV_BIND(l.ffn_norm, vector_f32(p + "ffn_norm.weight", c.n_embd));
+    KV_BIND(l.w_gate, matrix(p + "ffn_gate.weight", c.n_embd, c.n_ff));
+    KV_BIND(l.w_up, matrix(p + "ffn_up.weight", c.n_embd, c.n_ff));
+    KV_BIND(l.w_down, matrix(p + "ffn_down.weight", c.n_ff, c.n_embd));
+  }
+#undef KV_BIND
+  return {};
+}
+
+void Model::embed(const int32_t* tokens, int64_t n, float* out) const {
+  const size_t row_bytes = ggml_row_bytes(token_embd_.type, token_embd_.n_in);
+  for (int64_t i = 0; i < n; ++i) {
+    KV_DCHECK(tokens[i] >= 0 && tokens[i] < token_embd_.n_out, "token id out of range");
+    dequantize_row(token_embd_.type, token_embd_.data + static_cast<size_t>(tokens[i]) * row_bytes,
+                   out + i * token_embd_.n_in, token_embd_.n_in);
+  }
+}
+
+}  // namespace kvstack

@@ -1,0 +1,260 @@
+#include "kv/block_pool.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "kv/block_table.h"
+
+namespace kvstack {
+
+// ---------------------------------------------------------------- BlockRef
+
+BlockRef::BlockRef(BlockRef&& other) noexcept : pool_(other.pool_), id_(other.id_) {
+  other.pool_ = nullptr;
+  other.id_ = BlockId{};
+}
+
+BlockRef& BlockRef::operator=(BlockRef&& other) noexcept {
+  if (this != &other) {
+    reset();
+    pool_ = other.pool_;
+    id_ = other.id_;
+    other.pool_ = nullptr;
+    other.id_ = BlockId{};
+  }
+  return *this;
+}
+
+void BlockRef::reset() {
+  if (pool_ == nullptr) return;
+  BlockPool* pool = pool_;
+  const int32_t id = id_.value;
+  pool_ = nullptr;
+  id_ = BlockId{};
+  KV_CHECK(pool->loose_refs_[id] > 0, "BlockRef released without a loose reference");
+  --pool->loose_refs_[id];
+  pool->drop_ref(id);
+  pool->debug_check();
+}
+
+// --------------------------------------------------------------- BlockPool
+
+namespace {
+int64_t page_size() {
+  static const int64_t p = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : 4096;
+  return p;
+}
+}  // namespace
+
+Result<std::unique_ptr<BlockPool>> BlockPool::create(const KvLayout& layout,
+                                                     const BlockPoolConfig& config) {
+  const int64_t bb = layout.block_bytes();
+  const int64_t p = layout.block_size();
+  if ((config.mem_bytes > 0) == (config.n_tokens > 0)) {
+    return make_error(Errc::kInvalidArgument,
+                      "KV pool: set exactly one of --kv-cache-mem and --kv-cache-tokens (got " +
+                          std::to_string(config.mem_bytes) + " bytes, " +
+                          std::to_string(config.n_tokens) + " tokens)");
+  }
+  if (config.mem_bytes < 0 || config.n_tokens < 0) {
+    return make_error(Errc::kInvalidArgument, "KV pool: negative cache size");
+  }
+  int64_t n_blocks = 0;
+  if (config.mem_bytes > 0) {
+    n_blocks = config.mem_bytes / bb;
+    if (n_blocks == 0) {
+      return make_error(Errc::kInvalidArgument,
+                        "KV pool: --kv-cache-mem " + std::to_string(config.mem_bytes) +
+                            " bytes is smaller than one block (" + std::to_string(bb) +
+                            " bytes = " + std::to_string(p) + " tokens)");
+    }
+  } else {
+    n_blocks = config.n_tokens / p + (config.n_tokens % p != 0 ? 1 : 0);
+  }
+  if (n_blocks > std::numeric_limits<int32_t>::max()) {
+    return make_error(Errc::kInvalidArgument,
+                      "KV pool: " + std::to_string(n_blocks) + " blocks exceed the 2^31-1 limit");
+  }
+  if (n_blocks > std::numeric_limits<int64_t>::max() / bb - page_size()) {
+    return make_error(Errc::kInvalidArgument, "KV pool: size overflows");
+  }
+  const int64_t pool_bytes = n_blocks * bb;
+  const int64_t map_bytes = (pool_bytes + page_size() - 1) / page_size() * page_size();
+  int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+  if (config.populate) flags |= MAP_POPULATE;
+  void* mem = mmap(nullptr, static_cast<size_t>(map_bytes), PROT_READ | PROT_WRITE, flags, -1, 0);
+  if (mem == MAP_FAILED) {
+    return make_error(Errc::kIo, "KV pool: cannot map " + std::to_string(map_bytes) +
+                                     " bytes: " + std::strerror(errno));
+  }
+  return std::unique_ptr<BlockPool>(
+      new BlockPool(layout, static_cast<uint8_t*>(mem), map_bytes, n_blocks));
+}
+
+BlockPool::BlockPool(const KvLayout& layout, uint8_t* base, int64_t map_bytes, int64_t n_blocks)
+    : layout_(layout),
+      base_(base),
+      map_bytes_(map_bytes),
+      state_(n_blocks, BlockState::kFree),
+      ref_count_(n_blocks, 0),
+      loose_refs_(n_blocks, 0),
+      hash_(n_blocks, 0),
+      parent_(n_blocks, kNullBlock),
+      last_use_(n_blocks, 0) {
+  free_list_.reserve(n_blocks);
+  for (int64_t i = n_blocks - 1; i >= 0; --i) free_list_.push_back(static_cast<int32_t>(i));
+}
+
+BlockPool::~BlockPool() {
+  // Outstanding holders would dangle; this is a lifetime bug in the caller.
+  KV_CHECK(tables_.empty(), "BlockPool destroyed while block tables are alive");
+  for (int32_t r : loose_refs_) KV_CHECK(r == 0, "BlockPool destroyed while BlockRefs are alive");
+  munmap(base_, static_cast<size_t>(map_bytes_));
+}
+
+uint8_t* BlockPool::block_data(BlockId id) const {
+  KV_CHECK(id.value >= 0 && id.value < n_blocks(), "block id out of range");
+  return base_ + static_cast<int64_t>(id.value) * block_bytes();
+}
+
+Result<BlockRef> BlockPool::allocate() {
+  if (free_list_.empty()) {
+    ++n_out_of_blocks_;
+    return make_error(Errc::kOutOfBlocks, "KV pool exhausted: need 1 block, 0 available of " +
+                                              std::to_string(n_blocks()));
+  }
+  std::vector<int32_t> got;
+  take_free(1, got);
+  ++loose_refs_[got[0]];
+  debug_check();
+  return BlockRef(this, BlockId{got[0]});
+}
+
+void BlockPool::take_free(int64_t n, std::vector<int32_t>& out) {
+  KV_CHECK(n >= 0 && n <= n_free(), "take_free: not enough free blocks (plan violated)");
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t id = free_list_.back();
+    free_list_.pop_back();
+    KV_DCHECK(state_[id] == BlockState::kFree && ref_count_[id] == 0, "free list corrupt");
+    state_[id] = BlockState::kUsed;
+    ref_count_[id] = 1;
+    hash_[id] = 0;
+    parent_[id] = kNullBlock;
+    out.push_back(id);
+  }
+  n_allocations_ += n;
+}
+
+void BlockPool::add_ref(int32_t id) {
+  KV_CHECK(id >= 0 && id < n_blocks(), "block id out of range");
+  KV_CHECK(state_[id] == BlockState::kUsed && ref_count_[id] > 0,
+           "add_ref on a block that is not in use");
+  KV_CHECK(ref_count_[id] < std::numeric_limits<int32_t>::max(), "ref count overflow");
+  ++ref_count_[id];
+}
+
+void BlockPool::drop_ref(int32_t id) {
+  KV_CHECK(id >= 0 && id < n_blocks(), "block id out of range");
+  KV_CHECK(state_[id] == BlockState::kUsed && ref_count_[id] > 0,
+           "reference released twice (ref count already 0)");
+  if (--ref_count_[id] == 0) {
+    // The prefix index (next issue) will keep published blocks as kCached here.
+    state_[id] = BlockState::kFree;
+    free_list_.push_back(id);
+    ++n_releases_;
+  }
+}
+
+BlockPoolStats BlockPool::stats() const {
+  BlockPoolStats s;
+  s.n_blocks_total = n_blocks();
+  s.n_blocks_free = n_free();
+  s.n_blocks_cached = n_cached_;
+  s.n_blocks_used = s.n_blocks_total - s.n_blocks_free - s.n_blocks_cached;
+  s.n_tables = static_cast<int64_t>(tables_.size());
+  s.n_tokens_committed = n_tokens_committed_;
+  s.n_tokens_reserved = n_tokens_reserved_;
+  s.block_size = block_size();
+  s.block_bytes = block_bytes();
+  s.payload_bytes = layout_.payload_bytes_per_token() * n_tokens_committed_;
+  s.allocated_bytes = (s.n_blocks_used + s.n_blocks_cached) * block_bytes();
+  s.pool_bytes = n_blocks() * block_bytes();
+  {
+    const int64_t n_pages = map_bytes_ / page_size();
+    std::vector<unsigned char> vec(static_cast<size_t>(n_pages));
+    if (n_pages > 0 && mincore(base_, static_cast<size_t>(map_bytes_), vec.data()) == 0) {
+      int64_t resident = 0;
+      for (unsigned char c : vec) resident += (c & 1u);
+      s.resident_bytes = resident * page_size();
+    } else {
+      s.resident_bytes = -1;  // unknown
+    }
+  }
+  s.n_allocations = n_allocations_;
+  s.n_releases = n_releases_;
+  s.n_out_of_blocks = n_out_of_blocks_;
+  return s;
+}
+
+void BlockPool::check_invariants() const {
+  const int64_t n = n_blocks();
+  std::vector<int32_t> holders(loose_refs_.begin(), loose_refs_.end());
+  int64_t committed = 0;
+  int64_t reserved = 0;
+  for (const BlockTable* t : tables_) {
+    KV_CHECK(t->pool_ == this, "registered table belongs to another pool");
+    KV_CHECK(t->length_ >= 0 && t->length_ <= t->capacity(), "table length exceeds capacity");
+    committed += t->length_;
+    reserved += t->capacity() - t->length_;
+    for (int32_t id : t->ids_) {
+      KV_CHECK(id >= 0 && id < n, "table holds an out-of-range block id");
+      ++holders[id];
+    }
+  }
+  // Blocks not fully committed (the tail and reserved ones) are private: only
+  // full committed blocks are shared, so writes never touch shared data.
+  for (const BlockTable* t : tables_) {
+    for (int64_t j = t->length_ / t->block_size_; j < t->n_blocks(); ++j) {
+      KV_CHECK(holders[t->ids_[j]] == 1, "a writable (not fully committed) block is shared");
+    }
+  }
+  KV_CHECK(committed == n_tokens_committed_, "committed token total out of sync with tables");
+  KV_CHECK(reserved == n_tokens_reserved_, "reserved token total out of sync with tables");
+  std::vector<uint8_t> on_free_list(n, 0);
+  for (int32_t id : free_list_) {
+    KV_CHECK(id >= 0 && id < n, "free list holds an out-of-range block id");
+    KV_CHECK(on_free_list[id] == 0, "block on the free list twice");
+    on_free_list[id] = 1;
+  }
+  int64_t n_free = 0, n_used = 0, n_cached = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    KV_CHECK(ref_count_[i] == holders[i], "ref count differs from the number of holders");
+    switch (state_[i]) {
+      case BlockState::kFree:
+        ++n_free;
+        KV_CHECK(ref_count_[i] == 0, "free block with a nonzero ref count");
+        KV_CHECK(on_free_list[i] == 1, "free block missing from the free list");
+        break;
+      case BlockState::kUsed:
+        ++n_used;
+        KV_CHECK(ref_count_[i] > 0, "used block with ref count 0");
+        KV_CHECK(on_free_list[i] == 0, "used block on the free list");
+        break;
+      case BlockState::kCached:
+        ++n_cached;
+        KV_CHECK(ref_count_[i] == 0, "cached block must have no active reference");
+        KV_CHECK(on_free_list[i] == 0, "cached block on the free list");
+        break;
+    }
+  }
+  KV_CHECK(n_free == static_cast<int64_t>(free_list_.size()), "free count != free list size");
+  KV_CHECK(n_cached == n_cached_, "cached block count out of sync");
+  KV_CHECK(n_free + n_used + n_cached == n, "free + used + cached != total");
+}
+
+}  // namespace kvstack

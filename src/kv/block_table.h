@@ -1,0 +1,114 @@
+// BlockTable: one sequence's view of the pool. Maps logical position t to
+// block ids()[t / P], slot t % P (spec section 4) and owns one pool
+// reference per entry (move-only RAII: destruction releases every entry
+// exactly once).
+//
+// Two lengths:
+//   length()    committed tokens: their K/V were written for every layer and
+//               the forward that produced them finished. Only this is visible
+//               to readers and (later) to the prefix index.
+//   capacity()  slots covered by the table (n_blocks * P) >= length().
+// A step appends n_new tokens in phases:
+//   1. plan:     blocks_needed(n_new) / plan_reserve(...)  (no side effect)
+//   2. reserve:  reserve(n_new) or reserve_all(...)         (all or nothing)
+//   3. write:    write(layer, pos, k, v, n) for pos in [length, length + n_new)
+//   4. commit:   commit(n_new) once every layer is written
+// or rollback() to drop the uncommitted reservation (a failed or cancelled
+// forward: the blocks go back, length is unchanged, nothing is published).
+// "Sampled" tokens are not in the table; a token enters it only by commit.
+//
+// Sharing: full committed blocks may be shared with other tables/holders
+// (share_block / adopt_prefix); such blocks are immutable because writes only
+// target positions >= length(). Partial-block sharing and copy-on-write come
+// with the prefix cache; until then the tail block of a table is private.
+//
+// Thread-safety: same as BlockPool (single owner). write() on distinct
+// positions may run concurrently while no table/pool is mutated.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/result.h"
+#include "kv/block_pool.h"
+
+namespace kvstack {
+
+class BlockTable {
+ public:
+  // An empty table of `pool` (registered with it for stats and checks).
+  // REQUIRES: pool outlives the table.
+  explicit BlockTable(BlockPool& pool);
+  BlockTable(BlockTable&& other) noexcept;
+  BlockTable& operator=(BlockTable&& other) noexcept;
+  BlockTable(const BlockTable&) = delete;
+  BlockTable& operator=(const BlockTable&) = delete;
+  ~BlockTable();
+
+  BlockPool& pool() const { return *pool_; }
+  int64_t length() const { return length_; }
+  int64_t capacity() const { return n_blocks() * block_size_; }
+  int64_t n_blocks() const { return static_cast<int64_t>(ids_.size()); }
+  // Block ids for the attention kernel: [n_blocks] int32 indices into the
+  // pool, valid until the next reserve/rollback/release/adopt.
+  std::span<const int32_t> ids() const { return ids_; }
+  const int32_t* data() const { return ids_.data(); }
+
+  // Blocks a reservation of n_new more tokens on top of length() would take
+  // from the pool (0 when already reserved). No side effect. REQUIRES n_new >= 0.
+  int64_t blocks_needed(int64_t n_new) const;
+
+  // Ensures capacity() >= length() + n_new. All or nothing: on kOutOfBlocks
+  // (message gives needed and available blocks) nothing changed.
+  // REQUIRES n_new >= 0.
+  Status reserve(int64_t n_new);
+
+  // Writes layer l's K/V for tokens [pos, pos + n_tokens), converting from
+  // float32 to the layer's dtype.
+  // k_rows, v_rows: [n_tokens, n_kv_heads, head_dim] float32 (MLA: k_rows is
+  // [n_tokens, latent_dim + rope_dim], v_rows must be null).
+  // REQUIRES: length() <= pos and pos + n_tokens <= capacity() (only reserved,
+  // uncommitted slots are writable; committed K/V are immutable).
+  void write(int l, int64_t pos, const float* k_rows, const float* v_rows, int64_t n_tokens);
+
+  // Marks n_new more tokens as written for every layer.
+  // REQUIRES: n_new >= 0 and length() + n_new <= capacity().
+  void commit(int64_t n_new);
+
+  // Releases blocks beyond those the committed length needs
+  // (ceil(length / P) remain). Returns the number of blocks released.
+  int64_t rollback();
+
+  // Releases every reference; the table becomes empty with length 0 and stays
+  // usable. Also run by the destructor.
+  void release();
+
+  // Another reference to entry i, which must be a full committed block
+  // (REQUIRES (i + 1) * P <= length()).
+  BlockRef share_block(int64_t i) const;
+
+  // Appends full, already-written blocks (e.g. a prefix-cache match) as
+  // committed tokens: length += refs.size() * P. The references move into
+  // the table. REQUIRES: length() == capacity() and length() % P == 0 (no
+  // partial tail, nothing reserved), every ref valid and from this pool.
+  void adopt_prefix(std::vector<BlockRef> refs);
+
+ private:
+  friend class BlockPool;
+  void unregister();
+
+  BlockPool* pool_ = nullptr;
+  int block_size_ = 0;
+  std::vector<int32_t> ids_;  // [n_blocks]; each entry holds one reference
+  int64_t length_ = 0;
+};
+
+// Batch plan/commit for one engine step over distinct tables of one pool:
+// plan_reserve sums blocks_needed (no side effect); reserve_all reserves for
+// every table or, on kOutOfBlocks, for none.
+// REQUIRES: tables.size() == n_new.size(), tables distinct, same pool.
+int64_t plan_reserve(std::span<BlockTable* const> tables, std::span<const int64_t> n_new);
+Status reserve_all(std::span<BlockTable* const> tables, std::span<const int64_t> n_new);
+
+}  // namespace kvstack

@@ -1,0 +1,33 @@
+// Writing freshly computed K/V rows into paged storage.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "core/cpu_features.h"
+#include "kv/kv_view.h"
+
+namespace kvstack {
+
+// Stores tokens [pos, pos + n_tokens) of one layer: token t goes to block
+// block_table[t / P], slot t % P, converted from float32 to view.dtype
+// (f16: IEEE round-to-nearest-even, bf16: round-to-nearest-even, both
+// bit-identical to core/half.h).
+// k_rows, v_rows: [n_tokens, n_kv_heads, head_dim] float32, row-major.
+// v_rows is ignored (may be null) when view.v is null (MLA latent layer).
+// REQUIRES: pos >= 0, (pos + n_tokens) <= block_table.size() * P, table
+// entries valid ids of the view's pool (checked with KV_CHECK; the view
+// itself is trusted, it comes from BlockPool::layer_view).
+void write_kv(const PagedKvLayerView& view, std::span<const int32_t> block_table, int64_t pos,
+              const float* k_rows, const float* v_rows, int64_t n_tokens);
+
+// Same, forcing an ISA level (tests and benchmarks compare paths); `isa` is
+// clamped to what the CPU supports.
+void write_kv_isa(Isa isa, const PagedKvLayerView& view, std::span<const int32_t> block_table,
+                  int64_t pos, const float* k_rows, const float* v_rows, int64_t n_tokens);
+
+// Row converters used above, exposed for tests: dst[i] = convert(src[i]).
+// dst is [n] elements of `dtype` (unaligned is fine).
+void convert_f32_row(Isa isa, KvDtype dtype, const float* src, void* dst, int64_t n);
+
+}  // namespace kvstack

@@ -1,0 +1,191 @@
+#include "kv/layout.h"
+
+#include <string>
+
+namespace kvstack {
+
+const char* kv_dtype_name(KvDtype t) {
+  switch (t) {
+    case KvDtype::kF32:
+      return "f32";
+    case KvDtype::kF16:
+      return "f16";
+    case KvDtype::kBF16:
+      return "bf16";
+  }
+  return "unknown";
+}
+
+Result<KvDtype> parse_kv_dtype(std::string_view name) {
+  if (name == "f32") return KvDtype::kF32;
+  if (name == "f16") return KvDtype::kF16;
+  if (name == "bf16") return KvDtype::kBF16;
+  return make_error(Errc::kInvalidArgument,
+                    "unknown KV dtype '" + std::string(name) + "' (expected f32, f16 or bf16)");
+}
+
+namespace {
+
+constexpr int kMaxHeads = 1 << 12;
+constexpr int kMaxDim = 1 << 16;
+constexpr int kMaxLayers = 1 << 12;
+
+int64_t align_up(int64_t x, int64_t a) {
+  return (x + a - 1) / a * a;
+}
+
+bool valid_dtype(KvDtype t) {
+  return t == KvDtype::kF32 || t == KvDtype::kF16 || t == KvDtype::kBF16;
+}
+
+Error layer_error(Errc code, int l, const std::string& what) {
+  return make_error(code, "KV layout: layer " + std::to_string(l) + ": " + what);
+}
+
+}  // namespace
+
+Result<KvLayout> KvLayout::create(std::vector<KvLayerSpec> layers, int block_size) {
+  if (block_size < 1 || block_size > kMaxBlockSize || (block_size & (block_size - 1)) != 0) {
+    return make_error(Errc::kInvalidArgument, "KV layout: block size " +
+                                                  std::to_string(block_size) +
+                                                  " must be a power of two in [1, 256]");
+  }
+  if (layers.empty() || static_cast<int64_t>(layers.size()) > kMaxLayers) {
+    return make_error(
+        Errc::kInvalidArgument,
+        "KV layout: layer count " + std::to_string(layers.size()) + " must be in [1, 4096]");
+  }
+  KvLayout out;
+  out.block_size_ = block_size;
+  int64_t offset = 0;
+  for (int l = 0; l < static_cast<int>(layers.size()); ++l) {
+    const KvLayerSpec& s = layers[l];
+    if (!valid_dtype(s.dtype)) return layer_error(Errc::kInvalidArgument, l, "invalid dtype");
+    if (s.window < 0) {
+      return layer_error(Errc::kInvalidArgument, l,
+                         "window " + std::to_string(s.window) + " must be >= 0 (0 = full)");
+    }
+    const int64_t b = kv_dtype_bytes(s.dtype);
+    KvLayerPlacement p;
+    int64_t payload = 0;
+    if (s.kind == KvLayerKind::kStandard) {
+      if (s.n_kv_heads < 1 || s.n_kv_heads > kMaxHeads) {
+        return layer_error(Errc::kInvalidArgument, l,
+                           "n_kv_heads " + std::to_string(s.n_kv_heads) + " must be in [1, 4096]");
+      }
+      if (s.head_dim_k < 1 || s.head_dim_k > kMaxDim || s.head_dim_v < 1 ||
+          s.head_dim_v > kMaxDim) {
+        return layer_error(Errc::kInvalidArgument, l,
+                           "head dims k=" + std::to_string(s.head_dim_k) +
+                               " v=" + std::to_string(s.head_dim_v) + " must be in [1, 65536]");
+      }
+      if (s.head_dim_k != s.head_dim_v) {
+        return layer_error(Errc::kUnsupported, l,
+                           "head_dim_k " + std::to_string(s.head_dim_k) + " != head_dim_v " +
+                               std::to_string(s.head_dim_v) + " is not supported yet");
+      }
+      if (s.latent_dim != 0 || s.rope_dim != 0) {
+        return layer_error(Errc::kInvalidArgument, l,
+                           "latent_dim/rope_dim are only for MLA layers");
+      }
+      p.slot_stride = s.head_dim_k * b;
+      p.head_stride = p.slot_stride * block_size;
+      p.k_bytes = p.head_stride * s.n_kv_heads;
+      p.v_bytes = static_cast<int64_t>(s.head_dim_v) * b * block_size * s.n_kv_heads;
+      p.k_offset = offset;
+      p.v_offset = offset + align_up(p.k_bytes, kAlign);
+      p.end_offset = p.v_offset + align_up(p.v_bytes, kAlign);
+      payload = static_cast<int64_t>(s.n_kv_heads) * (s.head_dim_k + s.head_dim_v) * b;
+    } else if (s.kind == KvLayerKind::kMlaLatent) {
+      if (s.latent_dim < 1 || s.latent_dim > kMaxDim || s.rope_dim < 0 || s.rope_dim > kMaxDim) {
+        return layer_error(Errc::kInvalidArgument, l,
+                           "MLA latent_dim " + std::to_string(s.latent_dim) + " / rope_dim " +
+                               std::to_string(s.rope_dim) + " must be in [1, 65536] / [0, 65536]");
+      }
+      if (s.n_kv_heads != 0 || s.head_dim_k != 0 || s.head_dim_v != 0) {
+        return layer_error(Errc::kInvalidArgument, l,
+                           "MLA layers take latent_dim/rope_dim, not n_kv_heads/head_dim");
+      }
+      p.slot_stride = static_cast<int64_t>(s.latent_dim + s.rope_dim) * b;
+      p.head_stride = 0;
+      p.k_bytes = p.slot_stride * block_size;
+      p.v_bytes = 0;
+      p.k_offset = offset;
+      p.v_offset = -1;
+      p.end_offset = offset + align_up(p.k_bytes, kAlign);
+      payload = p.slot_stride;
+    } else {
+      return layer_error(Errc::kInvalidArgument, l, "unknown layer kind");
+    }
+    offset = p.end_offset;
+    out.payload_per_token_ += payload;
+    out.placements_.push_back(p);
+  }
+  out.block_bytes_ = offset;  // multiple of kAlign: every region end is aligned
+  out.layers_ = std::move(layers);
+  return out;
+}
+
+Result<KvLayout> KvLayout::uniform(int n_layers, int n_kv_heads, int head_dim, KvDtype dtype,
+                                   int block_size) {
+  if (n_layers < 1 || n_layers > kMaxLayers) {
+    return make_error(Errc::kInvalidArgument, "KV layout: layer count " + std::to_string(n_layers) +
+                                                  " must be in [1, 4096]");
+  }
+  std::vector<KvLayerSpec> layers(n_layers, KvLayerSpec{.kind = KvLayerKind::kStandard,
+                                                        .n_kv_heads = n_kv_heads,
+                                                        .head_dim_k = head_dim,
+                                                        .head_dim_v = head_dim,
+                                                        .dtype = dtype});
+  return create(std::move(layers), block_size);
+}
+
+int64_t KvLayout::layer_payload_bytes_per_token(int l) const {
+  KV_CHECK(l >= 0 && l < n_layers(), "layer index out of range");
+  const KvLayerSpec& s = layers_[l];
+  const int64_t b = kv_dtype_bytes(s.dtype);
+  if (s.kind == KvLayerKind::kMlaLatent) return static_cast<int64_t>(s.latent_dim + s.rope_dim) * b;
+  return static_cast<int64_t>(s.n_kv_heads) * (s.head_dim_k + s.head_dim_v) * b;
+}
+
+PagedKvLayerView KvLayout::layer_view(int l, uint8_t* pool_base) const {
+  KV_CHECK(l >= 0 && l < n_layers(), "layer index out of range");
+  KV_CHECK(reinterpret_cast<uintptr_t>(pool_base) % kAlign == 0, "pool base not 64-byte aligned");
+  const KvLayerSpec& s = layers_[l];
+  const KvLayerPlacement& p = placements_[l];
+  PagedKvLayerView v;
+  v.k = pool_base + p.k_offset;
+  v.v = p.v_offset >= 0 ? pool_base + p.v_offset : nullptr;
+  v.block_stride = block_bytes_;
+  v.head_stride = p.head_stride;
+  v.slot_stride = p.slot_stride;
+  v.dtype = s.dtype;
+  v.block_size = block_size_;
+  if (s.kind == KvLayerKind::kMlaLatent) {
+    v.n_kv_heads = 1;
+    v.head_dim = s.latent_dim + s.rope_dim;
+  } else {
+    v.n_kv_heads = s.n_kv_heads;
+    v.head_dim = s.head_dim_k;
+  }
+  return v;
+}
+
+bool KvLayout::same_format(const KvLayout& o) const {
+  if (block_size_ != o.block_size_ || block_bytes_ != o.block_bytes_ ||
+      layers_.size() != o.layers_.size()) {
+    return false;
+  }
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const KvLayerSpec& a = layers_[l];
+    const KvLayerSpec& b = o.layers_[l];
+    if (a.kind != b.kind || a.n_kv_heads != b.n_kv_heads || a.head_dim_k != b.head_dim_k ||
+        a.head_dim_v != b.head_dim_v || a.latent_dim != b.latent_dim || a.rope_dim != b.rope_dim ||
+        a.dtype != b.dtype || a.window != b.window) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace kvstack

@@ -1,0 +1,152 @@
+// Physical layout of one KV block: which bytes of a block hold which layer's
+// K and V. The pool, block tables and (future) prefix index only ever see
+// whole blocks of `block_bytes()`; everything about per-layer shapes, dtypes
+// and formats lives here and in the views it produces.
+//
+// ---------------------------------------------------------------------------
+// Design notes (docs/kv-layout.md material)
+// ---------------------------------------------------------------------------
+// Block identity. One block holds ALL layers of P consecutive logical
+// positions of one sequence. A block is therefore the unit that the prefix
+// cache hashes and shares (its key covers P tokens across the whole model),
+// that tiers move and that disaggregated transfer ships. Layer l of block b
+// starts at `pool_base + b * block_bytes + placement(l).k_offset`.
+//
+// Inside a block, per standard layer:
+//   K region: [n_kv_heads][P][head_dim] elements, padded to 64 bytes
+//   V region: [n_kv_heads][P][head_dim] elements, padded to 64 bytes
+// so one KV head of one block is a contiguous [P, head_dim] tile (what a
+// paged attention kernel streams), and every region starts 64-byte aligned
+// (the pool aligns every block to 64 bytes and block_bytes is a multiple of
+// 64). PagedKvLayerView (kv_view.h) exposes exactly this addressing.
+//
+// Quantized formats (int8/fp8/int4/KIVI). A quantized dtype is a new KvDtype
+// plus, per layer, a metadata region placed after the V region inside the
+// same block: [n_kv_heads][n_groups] scales/zeros for K and for V, with the
+// group shape fixed by the format (per-token groups for V, per-channel groups
+// along the block's P tokens for K). KvLayerPlacement gains k_meta_offset /
+// v_meta_offset and the view gains the matching pointers/strides; the block
+// is still one opaque run of block_bytes, so the pool, tables and prefix
+// index are unchanged, and a shared block carries its own scales. Blocks
+// that must stay in full precision (a KIVI residual of R recent tokens) are
+// a second layout (a second pool or a second block class): the sequence's
+// tail lives there until a group fills, then is converted in one step and
+// the table entry is swapped, so a reader never sees a half-converted group.
+// Per-token payload for such layers is w/8 + s/g bytes per element (spec
+// section 3); since that can be fractional per token, the layout will
+// compute it per block (bytes of one block's data + metadata for P tokens)
+// and report payload for T tokens from that, keeping the figures exact.
+//
+// Sliding windows. `KvLayerSpec::window` (w > 0) is recorded and exposed so
+// the kernel masks positions < pos - w + 1; storing the full history is
+// exact. To save memory, layers are grouped by retention class (all full-
+// attention layers in one KvLayout, each window size in another); each group
+// has its own pool and a sequence holds one block table per group. In a
+// window group the table keeps LOGICAL indexing (entry j covers positions
+// [j*P, (j+1)*P)) but entries whose positions all fall before len - w are
+// released and set to kNullBlock, so residency is at most ceil(w/P) + 1
+// blocks while positions (and hence RoPE) stay logical. A ring of block
+// slots (slot t mod w) is the same thing at token granularity. Neither needs
+// a change to the pool; the prefix index matches on the cumulative logical
+// length (spec section 8).
+//
+// MLA. A KvLayerKind::kMlaLatent layer caches one latent row per token:
+// [P][latent_dim + rope_dim] elements (c_t then the decoupled RoPE key), no
+// heads and no V. It is just another region inside the block: its view has
+// n_kv_heads = 1, head_dim = latent_dim + rope_dim, head_stride = 0 and
+// v == nullptr, and its payload is (d_c + d_R) * b per token (no factor 2).
+// Mixed models (some MLA layers, some standard) need no special casing.
+//
+// Thread-safety: KvLayout is immutable after create(); share it freely.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "core/result.h"
+#include "kv/kv_view.h"
+
+namespace kvstack {
+
+// What one layer caches per token.
+enum class KvLayerKind : uint8_t {
+  kStandard = 0,   // K and V per KV head (MHA/GQA/MQA)
+  kMlaLatent = 1,  // one latent row c_t (latent_dim) + decoupled RoPE key (rope_dim)
+};
+
+// Parses "f32", "f16", "bf16" (as used by --kv-dtype).
+Result<KvDtype> parse_kv_dtype(std::string_view name);
+
+struct KvLayerSpec {
+  KvLayerKind kind = KvLayerKind::kStandard;
+  // kStandard: H_kv >= 1 and head dims >= 1. Only head_dim_k == head_dim_v is
+  // supported for now (PagedKvLayerView has one head_dim); create() returns
+  // kUnsupported otherwise.
+  int n_kv_heads = 0;
+  int head_dim_k = 0;
+  int head_dim_v = 0;
+  // kMlaLatent: d_c >= 1, d_R >= 0 (n_kv_heads / head_dim_* must be 0).
+  int latent_dim = 0;
+  int rope_dim = 0;
+  KvDtype dtype = KvDtype::kF16;
+  int window = 0;  // sliding-window width in tokens; 0 = full attention
+};
+
+// Byte offsets of one layer's regions inside a block (relative to the block
+// start) and its in-block strides. All offsets are multiples of 64.
+struct KvLayerPlacement {
+  int64_t k_offset = 0;     // start of the K region (MLA: latent region)
+  int64_t v_offset = -1;    // start of the V region; -1 for MLA (no V)
+  int64_t head_stride = 0;  // bytes between KV heads (0 for MLA)
+  int64_t slot_stride = 0;  // bytes between consecutive slots (tokens)
+  int64_t k_bytes = 0;      // K region size before padding
+  int64_t v_bytes = 0;      // V region size before padding (0 for MLA)
+  int64_t end_offset = 0;   // first byte after this layer's padded regions
+};
+
+class KvLayout {
+ public:
+  static constexpr int kMaxBlockSize = 256;
+  static constexpr int64_t kAlign = 64;  // block and region alignment, bytes
+
+  // Validates and lays out `layers` (in model order) with `block_size` tokens
+  // per block (a power of two in [1, 256]). Errors name the offending layer
+  // and field (kInvalidArgument) or an unsupported combination (kUnsupported).
+  static Result<KvLayout> create(std::vector<KvLayerSpec> layers, int block_size);
+
+  // Convenience: n_layers identical standard layers (d_k = d_v = head_dim).
+  static Result<KvLayout> uniform(int n_layers, int n_kv_heads, int head_dim, KvDtype dtype,
+                                  int block_size);
+
+  int n_layers() const { return static_cast<int>(layers_.size()); }
+  int block_size() const { return block_size_; }
+  const KvLayerSpec& layer(int l) const { return layers_[l]; }
+  const KvLayerPlacement& placement(int l) const { return placements_[l]; }
+
+  // Bytes of one block: sum over layers of the padded regions; multiple of 64.
+  int64_t block_bytes() const { return block_bytes_; }
+  // Payload bytes cached per token, summed over layers, without paging or
+  // padding: standard 2 * H_kv * d * b (H_kv * (d_k + d_v) * b), MLA
+  // (d_c + d_R) * b. B_KV for T tokens is T * this (spec section 3).
+  int64_t payload_bytes_per_token() const { return payload_per_token_; }
+  int64_t layer_payload_bytes_per_token(int l) const;
+
+  // View of layer l over a pool whose block 0 starts at `pool_base`.
+  // REQUIRES: 0 <= l < n_layers(); pool_base 64-byte aligned.
+  PagedKvLayerView layer_view(int l, uint8_t* pool_base) const;
+
+  // True when both layouts address memory identically (same layers, block
+  // size and offsets): a block written under one can be read under the other.
+  bool same_format(const KvLayout& other) const;
+
+ private:
+  KvLayout() = default;
+  std::vector<KvLayerSpec> layers_;
+  std::vector<KvLayerPlacement> placements_;
+  int block_size_ = 0;
+  int64_t block_bytes_ = 0;
+  int64_t payload_per_token_ = 0;
+};
+
+}  // namespace kvstack

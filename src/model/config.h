@@ -1,0 +1,44 @@
+// Architecture hyper-parameters of a decoder-only model, read from GGUF
+// metadata into one struct. Supported architectures: `llama` (SmolLM2,
+// Llama 2/3, Mistral-style) and `qwen2` (QKV bias, NeoX RoPE).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/result.h"
+
+namespace kvstack {
+
+class GgufFile;
+
+struct ModelConfig {
+  std::string arch;  // "llama" | "qwen2"
+  std::string name;  // general.name, may be empty
+  int n_layers = 0;
+  int n_embd = 0;      // hidden size
+  int n_heads = 0;     // query heads
+  int n_kv_heads = 0;  // key/value heads (GQA when < n_heads)
+  int head_dim = 0;    // per-head dimension of q/k/v
+  int n_ff = 0;        // feed-forward inner size
+  int n_vocab = 0;
+  int n_ctx_train = 0;  // context length the model was trained for
+  int n_rot = 0;        // rotary dimensions (<= head_dim)
+  // RoPE pairing: false = adjacent pairs (x[2i], x[2i+1]), the llama GGUF
+  // convention; true = halves (x[i], x[i + n_rot/2]) as qwen2/gpt-neox.
+  bool rope_neox = false;
+  float rope_freq_base = 10000.0f;
+  float rope_freq_scale = 1.0f;     // 1 / linear scaling factor
+  std::string rope_scaling_type;    // "none" | "linear" (others rejected)
+  float norm_eps = 1e-5f;
+  bool tied_embeddings = false;     // output.weight absent: reuse token_embd
+  bool qkv_bias = false;            // qwen2
+  int sliding_window = 0;           // 0 = full attention in every layer
+
+  int n_gqa() const { return n_heads / n_kv_heads; }
+};
+
+// Reads and validates the config; errors name the file and the key at fault.
+Result<ModelConfig> load_model_config(const GgufFile& file);
+
+}  // namespace kvstack

@@ -1,0 +1,49 @@
+// Row-wise and element-wise float32 ops of the llama forward pass, with the
+// same formulas (and accumulation precision) as ggml's CPU backend.
+// All pointers are float32; `out` may alias the first input unless stated.
+#pragma once
+
+#include <cstdint>
+
+namespace kvstack {
+
+// out[r, i] = (x[r, i] * s_r) * weight[i], s_r = 1 / sqrt(mean_i(x[r, i]^2) + eps);
+// the sum of squares is accumulated in double (as ggml does).
+// x, out: [n_rows, n]; weight: [n] (nullptr = no weight). out may alias x.
+void rms_norm(const float* x, const float* weight, int64_t n_rows, int64_t n, float eps,
+              float* out);
+// One row: the n_rows = 1 case.
+inline void rms_norm(const float* x, const float* weight, int64_t n, float eps, float* out) {
+  rms_norm(x, weight, 1, n, eps, out);
+}
+
+enum class RopeStyle {
+  kNormal,  // llama: rotates adjacent pairs (x[2i], x[2i+1])
+  kNeox,    // neox/qwen: rotates (x[i], x[i + n_rot/2])
+};
+
+struct RopeParams {
+  RopeStyle style = RopeStyle::kNormal;
+  int n_rot = 0;  // rotary dims, even, <= head_dim; dims >= n_rot are untouched
+  float freq_base = 10000.f;
+  float freq_scale = 1.f;  // linear position scaling (1 / scaling factor)
+};
+
+// In-place rotary embedding of x: [n_tokens, n_heads, head_dim] (rows
+// contiguous), token t at logical position pos[t]. Angle for pair i:
+// pos * freq_scale * freq_base^(-2i/n_rot), computed as ggml does (running
+// product of theta_scale in float).
+// REQUIRES: n_rot even, 0 < n_rot <= head_dim.
+void rope(float* x, const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t head_dim,
+          const RopeParams& params);
+
+// out[i] = silu(gate[i]) * up[i], silu(v) = v / (1 + exp(-v)). out may alias gate or up.
+void swiglu(const float* gate, const float* up, float* out, int64_t n);
+// out[i] = a[i] + b[i]  (residual add).
+void add(const float* a, const float* b, float* out, int64_t n);
+// out[i] = a[i] * b[i].
+void mul(const float* a, const float* b, float* out, int64_t n);
+// x[i] *= s.
+void scale(float* x, float s, int64_t n);
+
+}  // namespace kvstack

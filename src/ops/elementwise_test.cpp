@@ -1,0 +1,126 @@
+#include "ops/elementwise.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+namespace kvstack {
+namespace {
+
+std::vector<float> randn(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+TEST(Elementwise, RmsNormMatchesFormula) {
+  const int64_t n_rows = 3, n = 37;
+  const auto x = randn(n_rows * n, 1);
+  const auto w = randn(n, 2);
+  std::vector<float> out(n_rows * n);
+  rms_norm(x.data(), w.data(), n_rows, n, 1e-5f, out.data());
+  for (int64_t r = 0; r < n_rows; ++r) {
+    double ss = 0;
+    for (int64_t i = 0; i < n; ++i) ss += double(x[r * n + i]) * x[r * n + i];
+    const double s = 1.0 / std::sqrt(ss / n + 1e-5);
+    for (int64_t i = 0; i < n; ++i) {
+      EXPECT_NEAR(out[r * n + i], x[r * n + i] * s * w[i],
+                  1e-5 * std::fabs(x[r * n + i] * s * w[i]) + 1e-7);
+    }
+  }
+  // In place, no weight: the row's mean square becomes ~1.
+  auto y = x;
+  rms_norm(y.data(), nullptr, n_rows, n, 0.f, y.data());
+  double ms = 0;
+  for (int64_t i = 0; i < n; ++i) ms += double(y[i]) * y[i];
+  EXPECT_NEAR(ms / n, 1.0, 1e-5);
+  // Single-row overload.
+  std::vector<float> one(n);
+  rms_norm(x.data(), w.data(), n, 1e-5f, one.data());
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(one[i], out[i]);
+}
+
+// Reference rotation in double: pair (a, b) rotated by pos * base^(-2i/n_rot) * scale.
+void rope_ref(std::vector<double>& v, int pos, int head_dim, const RopeParams& p) {
+  const int half = p.n_rot / 2;
+  for (int i = 0; i < half; ++i) {
+    const double theta = pos * p.freq_scale * std::pow(double(p.freq_base), -2.0 * i / p.n_rot);
+    const int ia = p.style == RopeStyle::kNormal ? 2 * i : i;
+    const int ib = p.style == RopeStyle::kNormal ? 2 * i + 1 : i + half;
+    const double a = v[ia], b = v[ib];
+    v[ia] = a * std::cos(theta) - b * std::sin(theta);
+    v[ib] = a * std::sin(theta) + b * std::cos(theta);
+  }
+  (void)head_dim;
+}
+
+TEST(Elementwise, RopeBothStylesMatchReference) {
+  const int n_tokens = 4, n_heads = 3, head_dim = 16;
+  const int32_t pos[n_tokens] = {0, 1, 7, 300};
+  for (RopeStyle style : {RopeStyle::kNormal, RopeStyle::kNeox}) {
+    for (int n_rot : {16, 8}) {
+      const RopeParams p{.style = style, .n_rot = n_rot, .freq_base = 10000.f, .freq_scale = 0.5f};
+      auto x = randn(n_tokens * n_heads * head_dim, 3);
+      const auto orig = x;
+      rope(x.data(), pos, n_tokens, n_heads, head_dim, p);
+      for (int t = 0; t < n_tokens; ++t) {
+        for (int h = 0; h < n_heads; ++h) {
+          const size_t off = (size_t(t) * n_heads + h) * head_dim;
+          std::vector<double> ref(orig.begin() + off, orig.begin() + off + head_dim);
+          rope_ref(ref, pos[t], head_dim, p);
+          for (int d = 0; d < head_dim; ++d) {
+            // theta is a running float product (as in ggml): ~1e-7 relative per
+            // step, times pos for the angle.
+            EXPECT_NEAR(x[off + d], ref[d], 2e-4) << "t " << t << " h " << h << " d " << d;
+            if (d >= n_rot) {
+              EXPECT_EQ(x[off + d], orig[off + d]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Elementwise, RopeNormalRotatesAdjacentPairsNeoxHalves) {
+  // head_dim 4, n_rot 4, pos 1, base 1 -> every angle is 1 rad.
+  float v[4] = {1, 0, 0, 0};
+  const int32_t pos = 1;
+  rope(v, &pos, 1, 1, 4, RopeParams{.style = RopeStyle::kNormal, .n_rot = 4, .freq_base = 1.f});
+  EXPECT_NEAR(v[0], std::cos(1.0), 1e-6);
+  EXPECT_NEAR(v[1], std::sin(1.0), 1e-6);  // partner of element 0 is element 1
+  EXPECT_EQ(v[2], 0.f);
+  float u[4] = {1, 0, 0, 0};
+  rope(u, &pos, 1, 1, 4, RopeParams{.style = RopeStyle::kNeox, .n_rot = 4, .freq_base = 1.f});
+  EXPECT_NEAR(u[0], std::cos(1.0), 1e-6);
+  EXPECT_EQ(u[1], 0.f);
+  EXPECT_NEAR(u[2], std::sin(1.0), 1e-6);  // partner of element 0 is element n_rot/2
+}
+
+TEST(Elementwise, SwigluAddMulScale) {
+  const int64_t n = 19;
+  const auto g = randn(n, 4), u = randn(n, 5);
+  std::vector<float> out(n);
+  swiglu(g.data(), u.data(), out.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    const double ref = g[i] / (1.0 + std::exp(-double(g[i]))) * u[i];
+    EXPECT_NEAR(out[i], ref, 1e-6 * std::fabs(ref) + 1e-7);
+  }
+  add(g.data(), u.data(), out.data(), n);
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(out[i], g[i] + u[i]);
+  mul(g.data(), u.data(), out.data(), n);
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(out[i], g[i] * u[i]);
+  scale(out.data(), 2.f, n);
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(out[i], 2.f * (g[i] * u[i]));
+  // Large negative gate: silu -> 0 without NaN.
+  const float big[1] = {-1000.f}, one[1] = {1.f};
+  swiglu(big, one, out.data(), 1);
+  EXPECT_EQ(out[0], -0.f);
+}
+
+}  // namespace
+}  // namespace kvstack

@@ -1,0 +1,36 @@
+// Internal to kvstack_ops: the per-ISA matmul kernels behind matmul() and the
+// prepared (converted or quantized) activations they read.
+#pragma once
+
+#include <cstdint>
+
+#include "core/ggml_types.h"
+#include "ops/matmul.h"
+
+namespace kvstack::ops_detail {
+
+// What the activation is turned into before it meets a weight type.
+enum class ActKind { kF32, kF16, kQ8_0, kQ8_1, kQ8_K };
+ActKind act_kind(GgmlType type);
+
+// Activations prepared once per matmul call and read by every thread.
+struct PreparedAct {
+  int64_t m = 0;
+  int64_t n_in = 0;
+  const float* f32 = nullptr;      // [m, n_in]: x (kF32) or x rounded to f16 (kF16)
+  const int8_t* qs = nullptr;      // [m, n_in]            (kQ8_0, kQ8_1)
+  const float* d = nullptr;        // [m, n_in / 32]       (kQ8_0, kQ8_1)
+  const float* s = nullptr;        // [m, n_in / 32]       (kQ8_1)
+  const BlockQ8_K* q8k = nullptr;  // [m, n_in / 256]      (kQ8_K)
+};
+
+// Computes y[r * ldy + c] for every r < act.m and c in [c0, c1).
+using MatmulKernel = void (*)(const WeightView& w, const PreparedAct& act, int64_t c0, int64_t c1,
+                              float* y, int64_t ldy);
+
+// Scalar reference kernel for a type (nullptr if unsupported).
+MatmulKernel scalar_kernel(GgmlType type);
+// AVX2 kernel for a type (nullptr if there is none; callers fall back to scalar).
+MatmulKernel avx2_kernel(GgmlType type);
+
+}  // namespace kvstack::ops_detail

@@ -1,0 +1,462 @@
+#include "ops/matmul.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "core/cpu_features.h"
+#include "core/half.h"
+#include "ops/quantize_act.h"
+
+namespace kvstack {
+namespace {
+
+// ---- Test weights: random valid blocks and an independent dequantizer. ----
+
+uint16_t rand_scale(std::mt19937& rng, float lo, float hi) {
+  return f32_to_f16(std::uniform_real_distribution<float>(lo, hi)(rng));
+}
+
+// A random weight matrix [n_out, n_in] of `type`: quant bytes uniform, block
+// scales in ranges typical of real models.
+std::vector<uint8_t> random_weights(GgmlType type, int64_t n_in, int64_t n_out, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const size_t row = ggml_row_bytes(type, n_in);
+  std::vector<uint8_t> buf(row * n_out);
+  std::uniform_int_distribution<int> byte(0, 255);
+  if (type == GgmlType::kF32) {
+    std::normal_distribution<float> nd(0.f, 0.05f);
+    auto* f = reinterpret_cast<float*>(buf.data());
+    for (int64_t i = 0; i < n_in * n_out; ++i) f[i] = nd(rng);
+    return buf;
+  }
+  if (type == GgmlType::kF16) {
+    std::normal_distribution<float> nd(0.f, 0.05f);
+    auto* h = reinterpret_cast<uint16_t*>(buf.data());
+    for (int64_t i = 0; i < n_in * n_out; ++i) h[i] = f32_to_f16(nd(rng));
+    return buf;
+  }
+  for (auto& b : buf) b = static_cast<uint8_t>(byte(rng));
+  const int64_t n_blocks =
+      n_in * n_out / ggml_type_traits(static_cast<uint32_t>(type))->block_elems;
+  for (int64_t i = 0; i < n_blocks; ++i) {
+    switch (type) {
+      case GgmlType::kQ4_0:
+        reinterpret_cast<BlockQ4_0*>(buf.data())[i].d = rand_scale(rng, -0.02f, 0.02f);
+        break;
+      case GgmlType::kQ5_0:
+        reinterpret_cast<BlockQ5_0*>(buf.data())[i].d = rand_scale(rng, -0.01f, 0.01f);
+        break;
+      case GgmlType::kQ8_0: {
+        auto& b = reinterpret_cast<BlockQ8_0*>(buf.data())[i];
+        b.d = rand_scale(rng, 0.f, 0.001f);
+        for (auto& q : b.qs) q = static_cast<int8_t>(std::max(-127, static_cast<int>(q)));
+        break;
+      }
+      case GgmlType::kQ4_1: {
+        auto& b = reinterpret_cast<BlockQ4_1*>(buf.data())[i];
+        b.d = rand_scale(rng, 0.f, 0.02f);
+        b.m = rand_scale(rng, -0.15f, 0.f);
+        break;
+      }
+      case GgmlType::kQ5_1: {
+        auto& b = reinterpret_cast<BlockQ5_1*>(buf.data())[i];
+        b.d = rand_scale(rng, 0.f, 0.01f);
+        b.m = rand_scale(rng, -0.15f, 0.f);
+        break;
+      }
+      case GgmlType::kQ4_K: {
+        auto& b = reinterpret_cast<BlockQ4_K*>(buf.data())[i];
+        b.d = rand_scale(rng, 0.f, 0.001f);
+        b.dmin = rand_scale(rng, 0.f, 0.002f);
+        break;
+      }
+      case GgmlType::kQ5_K: {
+        auto& b = reinterpret_cast<BlockQ5_K*>(buf.data())[i];
+        b.d = rand_scale(rng, 0.f, 0.0005f);
+        b.dmin = rand_scale(rng, 0.f, 0.002f);
+        break;
+      }
+      case GgmlType::kQ6_K: {
+        auto& b = reinterpret_cast<BlockQ6_K*>(buf.data())[i];
+        b.d = rand_scale(rng, 0.f, 0.0005f);
+        break;
+      }
+      default:
+        ADD_FAILURE() << "no generator for type";
+        break;
+    }
+  }
+  return buf;
+}
+
+uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+void k4_scale_min(int j, const uint8_t* s, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Row of `type` -> doubles, written from the format description.
+std::vector<double> dequant(GgmlType type, const uint8_t* p, int64_t n) {
+  std::vector<double> out(n);
+  switch (type) {
+    case GgmlType::kF32:
+      for (int64_t i = 0; i < n; ++i) out[i] = reinterpret_cast<const float*>(p)[i];
+      break;
+    case GgmlType::kF16:
+      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(reinterpret_cast<const uint16_t*>(p)[i]);
+      break;
+    case GgmlType::kQ4_0:
+    case GgmlType::kQ4_1:
+    case GgmlType::kQ5_0:
+    case GgmlType::kQ5_1:
+      for (int64_t b = 0; b < n / 32; ++b) {
+        double d, m = 0;
+        const uint8_t* qs;
+        uint32_t qh = 0;
+        int offset = 0;
+        if (type == GgmlType::kQ4_0) {
+          const auto& k = reinterpret_cast<const BlockQ4_0*>(p)[b];
+          d = f16_to_f32(k.d), qs = k.qs, offset = -8;
+        } else if (type == GgmlType::kQ4_1) {
+          const auto& k = reinterpret_cast<const BlockQ4_1*>(p)[b];
+          d = f16_to_f32(k.d), m = f16_to_f32(k.m), qs = k.qs;
+        } else if (type == GgmlType::kQ5_0) {
+          const auto& k = reinterpret_cast<const BlockQ5_0*>(p)[b];
+          d = f16_to_f32(k.d), qs = k.qs, qh = u32(k.qh), offset = -16;
+        } else {
+          const auto& k = reinterpret_cast<const BlockQ5_1*>(p)[b];
+          d = f16_to_f32(k.d), m = f16_to_f32(k.m), qs = k.qs, qh = u32(k.qh);
+        }
+        for (int j = 0; j < 16; ++j) {
+          const int lo = (qs[j] & 15) + static_cast<int>(((qh >> j) & 1) << 4);
+          const int hi = (qs[j] >> 4) + static_cast<int>(((qh >> (j + 16)) & 1) << 4);
+          out[b * 32 + j] = d * (lo + offset) + m;
+          out[b * 32 + j + 16] = d * (hi + offset) + m;
+        }
+      }
+      break;
+    case GgmlType::kQ8_0:
+      for (int64_t b = 0; b < n / 32; ++b) {
+        const auto& k = reinterpret_cast<const BlockQ8_0*>(p)[b];
+        for (int j = 0; j < 32; ++j)
+          out[b * 32 + j] = f16_to_f32(k.d) * static_cast<double>(k.qs[j]);
+      }
+      break;
+    case GgmlType::kQ4_K:
+    case GgmlType::kQ5_K:
+      for (int64_t b = 0; b < n / 256; ++b) {
+        const bool five = type == GgmlType::kQ5_K;
+        const auto* k4 = reinterpret_cast<const BlockQ4_K*>(p) + b;
+        const auto* k5 = reinterpret_cast<const BlockQ5_K*>(p) + b;
+        const double d = f16_to_f32(five ? k5->d : k4->d);
+        const double dmin = f16_to_f32(five ? k5->dmin : k4->dmin);
+        const uint8_t* sc = five ? k5->scales : k4->scales;
+        const uint8_t* qs = five ? k5->qs : k4->qs;
+        for (int e = 0; e < 256; ++e) {
+          const int sub = e / 32, chunk = e / 64, l = e % 32;
+          int s, m;
+          k4_scale_min(sub, sc, &s, &m);
+          int q = (sub % 2 == 0) ? (qs[chunk * 32 + l] & 15) : (qs[chunk * 32 + l] >> 4);
+          if (five) q += ((k5->qh[l] >> sub) & 1) << 4;
+          out[b * 256 + e] = d * s * q - dmin * m;
+        }
+      }
+      break;
+    case GgmlType::kQ6_K:
+      for (int64_t b = 0; b < n / 256; ++b) {
+        const auto& k = reinterpret_cast<const BlockQ6_K*>(p)[b];
+        for (int e = 0; e < 256; ++e) {
+          const int half = e / 128, i = e % 128, quarter = i / 32, l = i % 32;
+          const uint8_t lbyte = k.ql[half * 64 + (quarter % 2) * 32 + l];
+          const int low = quarter < 2 ? (lbyte & 15) : (lbyte >> 4);
+          const int high = (k.qh[half * 32 + l] >> (2 * quarter)) & 3;
+          out[b * 256 + e] = f16_to_f32(k.d) * k.scales[e / 16] * ((low | (high << 4)) - 32);
+        }
+      }
+      break;
+    default:
+      ADD_FAILURE() << "no dequant for type";
+      break;
+  }
+  return out;
+}
+
+std::vector<float> random_acts(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> x(n);
+  for (auto& v : x) v = nd(rng);
+  // A few outliers per row, as real activations have.
+  for (int64_t i = 0; i < n; i += 97) x[i] *= 8.f;
+  return x;
+}
+
+GgmlType kAllTypes[] = {GgmlType::kF32,  GgmlType::kF16,  GgmlType::kQ4_0, GgmlType::kQ4_1,
+                        GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kQ8_0, GgmlType::kQ4_K,
+                        GgmlType::kQ5_K, GgmlType::kQ6_K};
+
+struct IsaGuard {
+  explicit IsaGuard(Isa isa) { set_isa_override(isa); }
+  ~IsaGuard() { set_isa_override(Isa::kAvx512); }
+};
+
+std::vector<float> run_matmul(GgmlType type, const std::vector<uint8_t>& w, int64_t n_in,
+                              int64_t n_out, const std::vector<float>& x, int64_t m, Isa isa,
+                              int n_threads) {
+  IsaGuard guard(isa);
+  std::unique_ptr<ThreadPool> pool;
+  if (n_threads > 0) pool = std::make_unique<ThreadPool>(n_threads);
+  std::vector<float> y(m * n_out, std::nanf(""));
+  matmul(WeightView{type, w.data(), n_in, n_out}, x.data(), m, y.data(), pool.get());
+  return y;
+}
+
+// ---- Activation quantization on hand-computed cases. ----
+
+TEST(QuantizeAct, Q8_0HandComputed) {
+  float x[32] = {};
+  x[0] = 127.f;    // amax -> d = 1, id = 1
+  x[1] = -63.5f;   // half -> even: -64
+  x[2] = 0.5f;     // -> 0
+  x[3] = 1.5f;     // -> 2
+  x[4] = 2.5f;     // -> 2
+  x[5] = -0.49f;   // -> 0
+  x[31] = 100.7f;  // -> 101
+  BlockQ8_0 b;
+  quantize_row_q8_0(x, &b, 32);
+  EXPECT_EQ(f16_to_f32(b.d), 1.f);
+  const int expect[] = {127, -64, 0, 2, 2, 0};
+  for (int j = 0; j < 6; ++j) EXPECT_EQ(b.qs[j], expect[j]) << j;
+  EXPECT_EQ(b.qs[31], 101);
+  for (int j = 6; j < 31; ++j) EXPECT_EQ(b.qs[j], 0);
+
+  // All-zero block: d = 0, q = 0.
+  float z[32] = {};
+  quantize_row_q8_0(z, &b, 32);
+  EXPECT_EQ(b.d, 0);
+  for (int j = 0; j < 32; ++j) EXPECT_EQ(b.qs[j], 0);
+}
+
+TEST(QuantizeAct, Q8_1SumField) {
+  float x[64];
+  for (int j = 0; j < 64; ++j) x[j] = (j % 2 ? -1.f : 1.f) * (j + 1) / 64.f;
+  // Block 0: amax = 32/64 = 0.5 at j = 31 (negative); d = 0.5/127.
+  BlockQ8_1 b[2];
+  quantize_row_q8_1(x, b, 64);
+  EXPECT_EQ(b[0].d, f32_to_f16(0.5f / 127.f));
+  EXPECT_EQ(b[0].qs[31], -127);
+  EXPECT_EQ(b[0].qs[0], 4);  // (1/64) * 254 = 3.97 -> 4
+  int sum = 0;
+  for (int j = 0; j < 32; ++j) sum += b[0].qs[j];
+  // Pairs (+a, -(a + 1/64)) -> each pair's q sum is about -4; the block's is -64 +- rounding.
+  EXPECT_EQ(b[0].s, f32_to_f16(0.5f / 127.f * static_cast<float>(sum)));
+  EXPECT_NEAR(sum, -64, 2);
+  // Block 1: amax = 1 at j = 63: q[63] = -127.
+  EXPECT_EQ(b[1].qs[31], -127);
+}
+
+TEST(QuantizeAct, Q8_KHandComputed) {
+  std::vector<float> x(256, 0.f);
+  x[3] = 2.f;     // first element of largest |x| -> max = 2, iscale = -63.5
+  x[5] = -2.f;    // same |x|, later: does not change max
+  x[0] = 1.f;     // -63.5 -> -64 (half to even)
+  x[17] = -0.5f;  // 31.75 -> 32
+  BlockQ8_K b;
+  quantize_row_q8_K(x.data(), &b, 256);
+  EXPECT_FLOAT_EQ(b.d, 1.f / -63.5f);
+  EXPECT_EQ(b.qs[3], -127);
+  EXPECT_EQ(b.qs[5], 127);
+  EXPECT_EQ(b.qs[0], -64);
+  EXPECT_EQ(b.qs[17], 32);
+  EXPECT_EQ(b.bsums[0], -127 + 127 - 64);
+  EXPECT_EQ(b.bsums[1], 32);
+  for (int g = 2; g < 16; ++g) EXPECT_EQ(b.bsums[g], 0);
+  // A negative max gives a positive iscale; the first max still maps to -127.
+  std::vector<float> y(256, 0.f);
+  y[10] = -4.f;
+  y[11] = 4.f;                  // later tie: maps to +127
+  y[12] = 1.f / 31.75f * 0.5f;  // exactly 0.5 after scaling -> 0
+  quantize_row_q8_K(y.data(), &b, 256);
+  EXPECT_FLOAT_EQ(b.d, 1.f / 31.75f);
+  EXPECT_EQ(b.qs[10], -127);
+  EXPECT_EQ(b.qs[11], 127);
+  EXPECT_EQ(b.qs[12], 0);
+}
+
+TEST(QuantizeAct, SplitLayoutScalarAndAvx2Identical) {
+  if (!cpu_features().avx2) GTEST_SKIP() << "no AVX2";
+  const int64_t n = 32 * 40;
+  auto x = random_acts(n, 7);
+  x[64] = 0.f;  // keep one all-zero block
+  for (int j = 64; j < 96; ++j) x[j] = 0.f;
+  std::vector<int8_t> q0(n), q1(n);
+  std::vector<float> d0(n / 32), d1(n / 32), s0(n / 32), s1(n / 32);
+  {
+    IsaGuard g(Isa::kScalar);
+    quantize_act_q8(x.data(), q0.data(), d0.data(), s0.data(), n);
+  }
+  {
+    IsaGuard g(Isa::kAvx2);
+    quantize_act_q8(x.data(), q1.data(), d1.data(), s1.data(), n);
+  }
+  EXPECT_EQ(q0, q1);
+  EXPECT_EQ(d0, d1);
+  EXPECT_EQ(s0, s1);
+  // And the split layout agrees with the ggml block layout.
+  std::vector<BlockQ8_1> blocks(n / 32);
+  quantize_row_q8_1(x.data(), blocks.data(), n);
+  for (int64_t b = 0; b < n / 32; ++b) {
+    EXPECT_EQ(d0[b], f16_to_f32(blocks[b].d));
+    EXPECT_EQ(s0[b], f16_to_f32(blocks[b].s));
+    EXPECT_EQ(0, std::memcmp(blocks[b].qs, q0.data() + b * 32, 32));
+  }
+}
+
+// ---- Quantized path vs a float64 reference. ----
+
+// Reference: dequantize the weights and the activations (quantized as the
+// kernel does), dot in double. The kernel is exact per block in integers, so
+// its error is float rounding of the per-block scale products and of the
+// running sum (<= (n_blocks + 3) * 2^-24 relative to sum |term|), plus, for
+// Q4_1/Q5_1, the f16 rounding of the q8_1 `s` field (<= 2^-11 * |m * d_y *
+// sum(q_y)| per block). The bound below is twice that.
+TEST(Matmul, QuantizedMatchesFloat64Reference) {
+  const int64_t n_in = 512, n_out = 7, m = 3;
+  for (GgmlType type : kAllTypes) {
+    SCOPED_TRACE(ggml_type_traits(static_cast<uint32_t>(type))->name);
+    const auto w = random_weights(type, n_in, n_out, 11);
+    const auto x = random_acts(m * n_in, 12);
+    const size_t row = ggml_row_bytes(type, n_in);
+    for (Isa isa : {Isa::kScalar, Isa::kAvx2}) {
+      const auto y = run_matmul(type, w, n_in, n_out, x, m, isa, 0);
+      for (int64_t r = 0; r < m; ++r) {
+        // Activation as the kernel sees it.
+        std::vector<double> xa(n_in);
+        std::vector<double> s_err(n_in / 32, 0.0);  // per 32-block q8_1 s rounding
+        const float* xr = x.data() + r * n_in;
+        if (type == GgmlType::kF32) {
+          for (int64_t i = 0; i < n_in; ++i) xa[i] = xr[i];
+        } else if (type == GgmlType::kF16) {
+          for (int64_t i = 0; i < n_in; ++i) xa[i] = f16_to_f32(f32_to_f16(xr[i]));
+        } else if (type == GgmlType::kQ4_K || type == GgmlType::kQ5_K || type == GgmlType::kQ6_K) {
+          std::vector<BlockQ8_K> q(n_in / 256);
+          quantize_row_q8_K(xr, q.data(), n_in);
+          for (int64_t i = 0; i < n_in; ++i)
+            xa[i] = static_cast<double>(q[i / 256].d) * q[i / 256].qs[i % 256];
+        } else {
+          std::vector<BlockQ8_1> q(n_in / 32);
+          quantize_row_q8_1(xr, q.data(), n_in);
+          for (int64_t i = 0; i < n_in; ++i)
+            xa[i] = f16_to_f32(q[i / 32].d) * static_cast<double>(q[i / 32].qs[i % 32]);
+          for (int64_t b = 0; b < n_in / 32; ++b) {
+            double sum_q = 0;
+            for (int j = 0; j < 32; ++j) sum_q += q[b].qs[j];
+            s_err[b] = std::fabs(f16_to_f32(q[b].d) * sum_q) * std::ldexp(1.0, -11);
+          }
+        }
+        for (int64_t c = 0; c < n_out; ++c) {
+          const auto wd = dequant(type, w.data() + c * row, n_in);
+          double ref = 0, mag = 0, extra = 0;
+          for (int64_t i = 0; i < n_in; ++i) {
+            ref += wd[i] * xa[i];
+            mag += std::fabs(wd[i] * xa[i]);
+          }
+          if (type == GgmlType::kQ4_1 || type == GgmlType::kQ5_1) {
+            for (int64_t b = 0; b < n_in / 32; ++b) {
+              const auto* blk = w.data() + c * row + b * (row / (n_in / 32));
+              uint16_t mh;
+              std::memcpy(&mh, blk + 2, 2);  // m follows d in both block types
+              extra += std::fabs(f16_to_f32(mh)) * s_err[b] * 1.01;
+            }
+            mag *= 4;  // m * s is a separate, possibly cancelling, term
+          }
+          const double tol = 2 * ((n_in / 32 + 3) * std::ldexp(mag, -24) + extra) + 1e-30;
+          EXPECT_NEAR(y[r * n_out + c], ref, tol)
+              << "isa " << isa_name(isa) << " r " << r << " c " << c;
+        }
+      }
+    }
+  }
+}
+
+// ---- Every SIMD path against the scalar reference, odd shapes, threads. ----
+
+TEST(Matmul, Avx2MatchesScalarAndThreadsAreDeterministic) {
+  if (!cpu_features().avx2) GTEST_SKIP() << "no AVX2";
+  std::mt19937 rng(3);
+  const int64_t ms[] = {1, 2, 3, 4, 5, 7, 8, 13, 37};
+  for (GgmlType type : kAllTypes) {
+    const int block = ggml_type_traits(static_cast<uint32_t>(type))->block_elems;
+    const bool k_quant = block == 256;
+    for (int64_t m : ms) {
+      const int64_t n_in =
+          k_quant ? 256 * (1 + rng() % 3)
+                  : (block == 1 ? 8 * (1 + rng() % 40) + rng() % 8 : 32 * (1 + rng() % 20));
+      const int64_t n_out = 1 + rng() % 45;  // often not a multiple of the tile
+      SCOPED_TRACE(std::string(ggml_type_traits(static_cast<uint32_t>(type))->name) +
+                   " m=" + std::to_string(m) + " n_in=" + std::to_string(n_in) +
+                   " n_out=" + std::to_string(n_out));
+      const auto w = random_weights(type, n_in, n_out, static_cast<uint32_t>(rng()));
+      const auto x = random_acts(m * n_in, static_cast<uint32_t>(rng()));
+      const auto ref = run_matmul(type, w, n_in, n_out, x, m, Isa::kScalar, 0);
+      const auto simd = run_matmul(type, w, n_in, n_out, x, m, Isa::kAvx2, 0);
+      const size_t row = ggml_row_bytes(type, n_in);
+      for (int64_t c = 0; c < n_out; ++c) {
+        const auto wd = dequant(type, w.data() + c * row, n_in);
+        for (int64_t r = 0; r < m; ++r) {
+          // Same integer block sums; only the float summation order differs.
+          double mag = 0;
+          for (int64_t i = 0; i < n_in; ++i) mag += std::fabs(wd[i] * x[r * n_in + i]);
+          const double tol = 8 * (n_in / block + 8) * std::ldexp(mag, -24);
+          ASSERT_NEAR(simd[r * n_out + c], ref[r * n_out + c], tol) << "r " << r << " c " << c;
+        }
+      }
+      if (m != 1 && m != 5 && m != 37) continue;  // thread sweeps on a few shapes only
+      for (int threads : {1, 2, 3, 8}) {
+        const Isa isa = threads % 2 ? Isa::kAvx2 : Isa::kScalar;
+        const auto y = run_matmul(type, w, n_in, n_out, x, m, isa, threads);
+        const auto& single = isa == Isa::kAvx2 ? simd : ref;
+        ASSERT_EQ(0, std::memcmp(y.data(), single.data(), y.size() * sizeof(float)))
+            << "threads " << threads << " isa " << isa_name(isa);
+      }
+    }
+  }
+}
+
+TEST(Matmul, LargeShapesThreadedMatchSingleThread) {
+  // Enough rows that the work is split into many chunks across threads.
+  const int64_t n_in = 576, n_out = 1000, m = 9;
+  for (GgmlType type : {GgmlType::kQ4_1, GgmlType::kQ8_0}) {
+    const auto w = random_weights(type, n_in, n_out, 5);
+    const auto x = random_acts(m * n_in, 6);
+    const auto one = run_matmul(type, w, n_in, n_out, x, m, Isa::kAvx2, 0);
+    for (int threads = 2; threads <= 8; ++threads) {
+      const auto y = run_matmul(type, w, n_in, n_out, x, m, Isa::kAvx2, threads);
+      ASSERT_EQ(0, std::memcmp(y.data(), one.data(), y.size() * sizeof(float))) << threads;
+    }
+  }
+}
+
+TEST(Matmul, SupportedTypes) {
+  for (GgmlType t : kAllTypes) EXPECT_TRUE(matmul_supported(t));
+  EXPECT_FALSE(matmul_supported(GgmlType::kQ2_K));
+  EXPECT_FALSE(matmul_supported(GgmlType::kBF16));
+}
+
+}  // namespace
+}  // namespace kvstack

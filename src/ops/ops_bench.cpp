@@ -1,0 +1,163 @@
+// Weight-matmul throughput per type and shape, and the machine's memory read
+// bandwidth for comparison. Weights are replicated over >= 96 MiB and cycled,
+// so (as in real decoding, ~98 MB of weights per token) they come from DRAM
+// rather than cache.
+#include <benchmark/benchmark.h>
+
+#include <immintrin.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "core/half.h"
+#include "core/thread_pool.h"
+#include "ops/matmul.h"
+
+namespace kvstack {
+namespace {
+
+// Threads: OPS_BENCH_THREADS if set, else the machine's cores.
+ThreadPool& pool() {
+  static ThreadPool p([] {
+    const char* env = std::getenv("OPS_BENCH_THREADS");
+    return env ? std::atoi(env) : default_thread_count();
+  }());
+  return p;
+}
+
+// Valid random weights: random quant bytes with small f16 scales (any byte
+// pattern is a valid quant; scales must be finite).
+std::vector<uint8_t> make_weights(GgmlType type, int64_t n_in, int64_t n_out, size_t copies) {
+  const size_t bytes = ggml_row_bytes(type, n_in) * n_out;
+  std::vector<uint8_t> buf(bytes * copies);
+  std::mt19937 rng(1);
+  for (auto& b : buf) b = static_cast<uint8_t>(rng());
+  const uint16_t h = f32_to_f16(0.01f);
+  auto fix = [&](size_t stride, size_t off) {
+    for (size_t i = off; i + 2 <= buf.size(); i += stride) std::memcpy(&buf[i], &h, 2);
+  };
+  switch (type) {
+    case GgmlType::kF32: {
+      auto* f = reinterpret_cast<float*>(buf.data());
+      for (size_t i = 0; i < buf.size() / 4; ++i) f[i] = 0.01f * static_cast<float>(i % 7);
+      break;
+    }
+    case GgmlType::kF16:
+      fix(2, 0);
+      break;
+    case GgmlType::kQ4_0:
+      fix(sizeof(BlockQ4_0), 0);
+      break;
+    case GgmlType::kQ4_1:
+      fix(sizeof(BlockQ4_1), 0), fix(sizeof(BlockQ4_1), 2);
+      break;
+    case GgmlType::kQ5_0:
+      fix(sizeof(BlockQ5_0), 0);
+      break;
+    case GgmlType::kQ5_1:
+      fix(sizeof(BlockQ5_1), 0), fix(sizeof(BlockQ5_1), 2);
+      break;
+    case GgmlType::kQ8_0:
+      fix(sizeof(BlockQ8_0), 0);
+      break;
+    case GgmlType::kQ4_K:
+      fix(sizeof(BlockQ4_K), 0), fix(sizeof(BlockQ4_K), 2);
+      break;
+    case GgmlType::kQ5_K:
+      fix(sizeof(BlockQ5_K), 0), fix(sizeof(BlockQ5_K), 2);
+      break;
+    case GgmlType::kQ6_K:
+      fix(sizeof(BlockQ6_K), offsetof(BlockQ6_K, d));
+      break;
+    default:
+      break;
+  }
+  return buf;
+}
+
+void BM_Matmul(benchmark::State& state) {
+  const auto type = static_cast<GgmlType>(state.range(0));
+  const int64_t n_in = state.range(1), n_out = state.range(2), m = state.range(3);
+  const size_t bytes = ggml_row_bytes(type, n_in) * n_out;
+  const size_t copies = std::max<size_t>(1, (96u << 20) / bytes + 1);
+  const auto w = make_weights(type, n_in, n_out, copies);
+  std::vector<float> x(m * n_in), y(m * n_out);
+  std::mt19937 rng(2);
+  std::normal_distribution<float> nd;
+  for (auto& v : x) v = nd(rng);
+  size_t i = 0;
+  for (auto _ : state) {
+    const WeightView view{type, w.data() + (i++ % copies) * bytes, n_in, n_out};
+    matmul(view, x.data(), m, y.data(), &pool());
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["weight_B/s"] =
+      benchmark::Counter(static_cast<double>(bytes), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["FLOP/s"] =
+      benchmark::Counter(2.0 * m * n_in * n_out, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(ggml_type_traits(static_cast<uint32_t>(type))->name);
+}
+
+void shapes(benchmark::internal::Benchmark* b) {
+  const GgmlType types[] = {GgmlType::kQ4_1, GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ5_0,
+                            GgmlType::kQ5_1, GgmlType::kF16,  GgmlType::kF32,  GgmlType::kQ4_K,
+                            GgmlType::kQ5_K, GgmlType::kQ6_K};
+  const int64_t dims[][2] = {{576, 576}, {576, 1536}, {1536, 576}};
+  for (GgmlType t : types) {
+    for (const auto& d : dims) {
+      for (int64_t m : {1, 8, 64, 512}) b->Args({static_cast<int64_t>(t), d[0], d[1], m});
+    }
+  }
+  // The tied output matrix of SmolLM2 (token_embd, Q8_0, 49152 x 576).
+  for (int64_t m : {1, 8, 64, 512}) b->Args({static_cast<int64_t>(GgmlType::kQ8_0), 576, 49152, m});
+}
+BENCHMARK(BM_Matmul)
+    ->ArgNames({"type", "n_in", "n_out", "m"})
+    ->Apply(shapes)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
+// Memory read bandwidth: sum a 512 MiB float array on all pool threads.
+__attribute__((target("avx2"))) float sum_range(const float* p, size_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p + i));
+    a1 = _mm256_add_ps(a1, _mm256_loadu_ps(p + i + 8));
+    a2 = _mm256_add_ps(a2, _mm256_loadu_ps(p + i + 16));
+    a3 = _mm256_add_ps(a3, _mm256_loadu_ps(p + i + 24));
+  }
+  const __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  float out[8];
+  _mm256_storeu_ps(out, s);
+  float t = 0;
+  for (float v : out) t += v;
+  for (; i < n; ++i) t += p[i];
+  return t;
+}
+
+void BM_MemoryReadBandwidth(benchmark::State& state) {
+  const size_t n = (512u << 20) / sizeof(float);
+  std::vector<float> a(n, 1.f);
+  const int n_threads = static_cast<int>(state.range(0));
+  ThreadPool p(n_threads);
+  std::vector<float> partial(n_threads);
+  for (auto _ : state) {
+    p.run([&](int t) {
+      const size_t b = n * t / n_threads, e = n * (t + 1) / n_threads;
+      partial[t] = sum_range(a.data() + b, e - b);
+    });
+    benchmark::DoNotOptimize(partial.data());
+  }
+  state.counters["read_B/s"] = benchmark::Counter(static_cast<double>(n * sizeof(float)),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_MemoryReadBandwidth)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace kvstack
+
+BENCHMARK_MAIN();

@@ -1,0 +1,146 @@
+#include "ops/quantize_act.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/cpu_features.h"
+#include "core/half.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace kvstack {
+namespace {
+
+inline int8_t saturate_i8(int v) {
+  return static_cast<int8_t>(v < -128 ? -128 : (v > 127 ? 127 : v));
+}
+
+// One 32-block: q, f16-rounded d as float, f16-rounded d * sum(q) as float.
+inline void quantize_block32_scalar(const float* x, int8_t* q, uint16_t* d16, uint16_t* s16) {
+  float amax = 0.f;
+  for (int j = 0; j < kQK; ++j) amax = std::fmax(amax, std::fabs(x[j]));
+  const float d = amax / 127.f;
+  const float id = amax != 0.f ? 127.f / amax : 0.f;
+  int sum = 0;
+  for (int j = 0; j < kQK; ++j) {
+    // nearbyint rounds half to even under the default rounding mode, like
+    // _mm256_round_ps(_MM_ROUND_NEAREST).
+    q[j] = saturate_i8(static_cast<int>(std::nearbyint(x[j] * id)));
+    sum += q[j];
+  }
+  *d16 = f32_to_f16(d);
+  *s16 = f32_to_f16(d * static_cast<float>(sum));
+}
+
+void quantize_act_q8_scalar(const float* x, int8_t* qs, float* d, float* s, int64_t n) {
+  for (int64_t b = 0; b < n / kQK; ++b) {
+    uint16_t d16, s16;
+    quantize_block32_scalar(x + b * kQK, qs + b * kQK, &d16, &s16);
+    d[b] = f16_to_f32(d16);
+    if (s) s[b] = f16_to_f32(s16);
+  }
+}
+
+#if defined(__x86_64__)
+// Returns the block's d (unrounded) and writes q; *sum = sum(q).
+__attribute__((target("avx2,fma,f16c"))) inline float quantize_block32_avx2(const float* x,
+                                                                            int8_t* q, int* sum) {
+  __m256 v0 = _mm256_loadu_ps(x);
+  __m256 v1 = _mm256_loadu_ps(x + 8);
+  __m256 v2 = _mm256_loadu_ps(x + 16);
+  __m256 v3 = _mm256_loadu_ps(x + 24);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 mx = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1));
+  mx = _mm256_max_ps(mx, _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+  __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const float d = amax / 127.f;
+  const __m256 id = _mm256_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
+  const int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, id), kRound));
+  __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, id), kRound));
+  __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, id), kRound));
+  __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, id), kRound));
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1));
+  *sum = _mm_cvtsi128_si32(s4);
+  // Pack to int8 (saturating); packs work per 128-bit lane, so fix the order.
+  i0 = _mm256_packs_epi32(i0, i1);
+  i2 = _mm256_packs_epi32(i2, i3);
+  i0 = _mm256_packs_epi16(i0, i2);
+  i0 = _mm256_permutevar8x32_epi32(i0, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), i0);
+  return d;
+}
+
+__attribute__((target("avx2,fma,f16c"))) void quantize_act_q8_avx2(const float* x, int8_t* qs,
+                                                                   float* d, float* s, int64_t n) {
+  for (int64_t b = 0; b < n / kQK; ++b) {
+    int sum = 0;
+    const float db = quantize_block32_avx2(x + b * kQK, qs + b * kQK, &sum);
+    d[b] = f16_to_f32(f32_to_f16(db));
+    if (s) s[b] = f16_to_f32(f32_to_f16(db * static_cast<float>(sum)));
+  }
+}
+#endif
+
+}  // namespace
+
+void quantize_row_q8_0(const float* x, BlockQ8_0* y, int64_t n) {
+  for (int64_t b = 0; b < n / kQK; ++b) {
+    uint16_t s16;
+    quantize_block32_scalar(x + b * kQK, y[b].qs, &y[b].d, &s16);
+  }
+}
+
+void quantize_row_q8_1(const float* x, BlockQ8_1* y, int64_t n) {
+  for (int64_t b = 0; b < n / kQK; ++b) {
+    quantize_block32_scalar(x + b * kQK, y[b].qs, &y[b].d, &y[b].s);
+  }
+}
+
+void quantize_row_q8_K(const float* x, BlockQ8_K* y, int64_t n) {
+  for (int64_t b = 0; b < n / kQK_K; ++b, x += kQK_K) {
+    BlockQ8_K& out = y[b];
+    float max = 0.f, amax = 0.f;
+    for (int j = 0; j < kQK_K; ++j) {
+      const float ax = std::fabs(x[j]);
+      if (ax > amax) {
+        amax = ax;
+        max = x[j];
+      }
+    }
+    if (amax == 0.f) {
+      out.d = 0.f;
+      std::memset(out.qs, 0, sizeof(out.qs));
+      std::memset(out.bsums, 0, sizeof(out.bsums));
+      continue;
+    }
+    const float iscale = -127.f / max;
+    for (int j = 0; j < kQK_K; ++j) {
+      const int v = static_cast<int>(std::nearbyint(iscale * x[j]));
+      out.qs[j] = static_cast<int8_t>(v > 127 ? 127 : v);
+    }
+    for (int g = 0; g < kQK_K / 16; ++g) {
+      int sum = 0;
+      for (int j = 0; j < 16; ++j) sum += out.qs[g * 16 + j];
+      out.bsums[g] = static_cast<int16_t>(sum);
+    }
+    out.d = 1.f / iscale;
+  }
+}
+
+void quantize_act_q8(const float* x, int8_t* qs, float* d, float* s, int64_t n) {
+#if defined(__x86_64__)
+  if (best_isa() >= Isa::kAvx2) return quantize_act_q8_avx2(x, qs, d, s, n);
+#endif
+  quantize_act_q8_scalar(x, qs, d, s, n);
+}
+
+}  // namespace kvstack
