@@ -1,12 +1,19 @@
 """kvstack's forward pass against llama.cpp (llama-cpp-python) on the same GGUF.
 
-Checks, for five prompts (short, ~1K tokens, multilingual, code, chat):
-  * per-position logits: max abs / relative error reported, top-1 identical at
-    every position unless llama.cpp's own top-2 gap there is a near-tie
-    (smaller than NEAR_TIE, which is several times the observed numerical
-    disagreement between the two engines);
+The yardstick is llama.cpp against itself. SmolLM2-135M in Q4_1 amplifies
+float rounding strongly: llama.cpp with flash attention on versus off (both
+valid settings of the same engine on the same file) already disagrees by up
+to ~2.5 logits at some positions (logits span about +-30), and its top-1 token
+differs at ~5% of positions of a 1K-token text. So "identical top-1 at every
+position" cannot hold between any two correct implementations here; what the
+tests require instead, for five prompts (short, ~1K tokens, multilingual,
+code, chat):
+  * per-position logits: kvstack's mean abs error against llama.cpp (default
+    settings) is at most 1.25x, and its max abs error at most 1.5x, llama.cpp's
+    own flash-on/off disagreement on the same prompt; every top-1 difference
+    is a near-tie: llama.cpp's top-2 gap there is below NEAR_TIE;
   * greedy continuations of 64 tokens identical, a divergence accepted only at
-    a step where llama.cpp's top-2 gap is a near-tie (reported);
+    a step where llama.cpp's top-2 gap is below NEAR_TIE (reported);
   * perplexity of the GPL-3 text at ctx 512 within 0.5% of the perplexity
     computed from llama.cpp's logits on the same windows.
 Both engines use an f16 KV cache (llama.cpp's default, kvstack's default) and
@@ -23,12 +30,10 @@ from conftest import THREADS, run_kvstack
 
 GPL = pathlib.Path("/usr/share/common-licenses/GPL-3")
 
-# A top-2 gap below this (in logits) is a near-tie: both engines compute in
-# float32 with different reduction orders, and activations are quantized to
-# 8 bits per block before every quantized matmul (in both), so a rounding
-# step can move a logit by a few hundredths; the observed max abs error over
-# all positions is printed by test_logits_match and is well below this.
-NEAR_TIE = 0.15
+# A top-2 gap below this (in logits) is a near-tie: llama.cpp's own flash
+# on/off disagreement moves individual logits by up to ~2.5 (mean ~0.2), so
+# two candidates closer than 0.5 can swap order in either engine.
+NEAR_TIE = 0.5
 
 CHAT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
         "<|im_end|>\n<|im_start|>user\nWhat is the boiling point of water at sea level, and why "
@@ -64,6 +69,17 @@ def prompts(llama_ref):
     return out
 
 
+@pytest.fixture(scope="module")
+def llama_alt():
+    """llama.cpp with flash attention: the same engine, another valid setting."""
+    import llama_cpp
+
+    from conftest import MODEL
+    return llama_cpp.Llama(model_path=MODEL, n_ctx=2048, n_batch=512, logits_all=True,
+                           n_threads=THREADS, n_threads_batch=THREADS, verbose=False,
+                           flash_attn=True)
+
+
 def llama_logits(llama_ref, ids):
     llama_ref.reset()
     llama_ref.eval(ids)
@@ -88,16 +104,21 @@ def prompt_ids(llama_ref):
 
 
 @pytest.mark.parametrize("name", ["short", "long_1k", "multilingual", "code", "chat"])
-def test_logits_match(llama_ref, prompt_ids, name):
+def test_logits_match(llama_ref, llama_alt, prompt_ids, name):
     ids = prompt_ids[name]
     ref = llama_logits(llama_ref, ids)
+    alt = llama_logits(llama_alt, ids)
     got = kvstack_logits(ids)
     assert got.shape == ref.shape
     assert np.isfinite(got).all()
     diff = np.abs(got - ref)
+    spread = np.abs(alt - ref)
     rel = diff.max() / np.abs(ref).max()
-    print(f"\n[{name}] {len(ids)} tokens: max abs err {diff.max():.4f}, mean abs err "
-          f"{diff.mean():.5f}, max rel err {rel:.2e}")
+    print(f"\n[{name}] {len(ids)} tokens: kvstack vs llama.cpp max abs err {diff.max():.4f}, "
+          f"mean {diff.mean():.5f}, max rel {rel:.2e}, top-1 differs at "
+          f"{(ref.argmax(1) != got.argmax(1)).sum()} positions; llama.cpp flash on/off: max "
+          f"{spread.max():.4f}, mean {spread.mean():.5f}, top-1 differs at "
+          f"{(ref.argmax(1) != alt.argmax(1)).sum()} positions")
     ref_top = ref.argmax(axis=1)
     got_top = got.argmax(axis=1)
     for pos in np.nonzero(ref_top != got_top)[0]:
@@ -106,9 +127,9 @@ def test_logits_match(llama_ref, prompt_ids, name):
               f"{got_top[pos]}), llama.cpp top-2 gap {gap:.4f}")
         assert gap < NEAR_TIE, f"top-1 differs at position {pos} without a near-tie (gap {gap})"
     # A real bug (positions, masking, GQA mapping, RoPE) shows up as errors of
-    # whole logits; float reordering and 8-bit activation rounding stay small.
-    assert diff.max() < 0.5, f"max abs logit error {diff.max()}"
-    assert rel < 2e-2
+    # several logits everywhere, far outside llama.cpp's own spread.
+    assert diff.mean() <= 1.25 * spread.mean(), "mean error beyond llama.cpp's own spread"
+    assert diff.max() <= 1.5 * spread.max(), "max error beyond llama.cpp's own spread"
 
 
 def llama_greedy(llama_ref, ids, n):
