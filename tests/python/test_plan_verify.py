@@ -1,0 +1,51 @@
+"""`kvstack plan --verify`: the planner's predictions against the real engine.
+
+For several workload shapes, block sizes and every KV dtype the engine
+supports, the engine runs the workload and payload bytes, allocated bytes,
+block count and block bytes must match the prediction exactly (the command
+exits non-zero otherwise).
+"""
+import re
+
+import pytest
+
+from conftest import MODEL, run_kvstack
+
+SHAPES = [
+    ("--batch", 1, "--ctx", 1, "--block-size", 16),
+    ("--batch", 3, "--ctx", 100, "--block-size", 16),
+    ("--batch", 2, "--ctx", 33, "--block-size", 1),
+    ("--batch", 4, "--ctx", 257, "--block-size", 64),
+    ("--lengths", "17,1,256,300", "--block-size", 32),
+    ("--batch", 1, "--ctx", 700, "--block-size", 256),
+]
+
+
+def parse_rows(stdout):
+    rows = {}
+    for line in stdout.splitlines():
+        m = re.match(r"\s+(\w+)\s+(\d+)\s+(\d+)\s+(match|MISMATCH|\(informative\))", line)
+        if m:
+            rows[m.group(1)] = (int(m.group(2)), int(m.group(3)), m.group(4))
+    return rows
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "_".join(map(str, s)))
+def test_verify_matches(shape, dtype):
+    proc = run_kvstack("plan", "-m", MODEL, "--verify", "--kv-dtype", dtype, *shape)
+    rows = parse_rows(proc.stdout)
+    for key in ("payload_bytes", "allocated_bytes", "block_count", "block_bytes"):
+        assert key in rows, proc.stdout
+        predicted, measured, verdict = rows[key]
+        assert predicted == measured and verdict == "match", (key, rows[key])
+    # The pool's resident growth is the allocated blocks' pages (informative,
+    # page-granular): never below the payload, never above the pool mapping.
+    assert rows["rss_growth_bytes"][1] >= rows["payload_bytes"][1]
+
+
+def test_verify_rejects_format_the_engine_lacks():
+    proc = run_kvstack("plan", "-m", MODEL, "--verify", "--kv-dtype", "kivi2", "--batch", 1,
+                       "--ctx", 64, "--block-size", 16, check=False)
+    assert proc.returncode != 0
+    assert "kivi2" in proc.stderr
