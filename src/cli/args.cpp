@@ -105,14 +105,13 @@ Result<int64_t> Args::get_int(const std::string& name, int64_t def, int64_t min,
   }
   if (x < min || x > max) {
     return make_error(Errc::kInvalidArgument, "--" + name + ": " + *v + " is out of range [" +
-                                                  std::to_string(min) + ", " +
-                                                  std::to_string(max) + "]");
+                                                  std::to_string(min) + ", " + std::to_string(max) +
+                                                  "]");
   }
   return static_cast<int64_t>(x);
 }
 
-Result<double> Args::get_double(const std::string& name, double def, double min,
-                                double max) const {
+Result<double> Args::get_double(const std::string& name, double def, double min, double max) const {
   auto v = get(name);
   if (!v) return def;
   char* end = nullptr;
@@ -144,8 +143,10 @@ std::string format_help(const std::string& usage, const std::string& description
     left += s.short_name ? std::string("-") + s.short_name + ", " : "    ";
     left += "--" + s.name;
     if (!s.value_name.empty()) left += " " + s.value_name;
-    if (left.size() < 32) left.resize(32, ' ');
-    else left += "\n" + std::string(32, ' ');
+    if (left.size() < 32)
+      left.resize(32, ' ');
+    else
+      left += "\n" + std::string(32, ' ');
     out += left + s.help + "\n";
   }
   return out;
@@ -179,8 +180,8 @@ Result<std::vector<int32_t>> parse_token_list(const std::string& text) {
     }
     const long long v = std::stoll(text.substr(i, j - i));
     if (v > INT32_MAX) {
-      return make_error(Errc::kInvalidArgument, "token list: " + text.substr(i, j - i) +
-                                                    " is too large for a token id");
+      return make_error(Errc::kInvalidArgument,
+                        "token list: " + text.substr(i, j - i) + " is too large for a token id");
     }
     out.push_back(static_cast<int32_t>(v));
     i = j;
@@ -192,7 +193,9 @@ OptionSpec model_option() {
   return {"model", 'm', "FILE",
           "GGUF model (default: $KVSTACK_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf)"};
 }
-OptionSpec help_option() { return {"help", 'h', "", "show this help and exit"}; }
+OptionSpec help_option() {
+  return {"help", 'h', "", "show this help and exit"};
+}
 
 namespace {
 std::vector<Command>& registry() {
@@ -201,8 +204,12 @@ std::vector<Command>& registry() {
 }
 }  // namespace
 
-CommandRegistrar::CommandRegistrar(Command command) { registry().push_back(command); }
-const std::vector<Command>& registered_commands() { return registry(); }
+CommandRegistrar::CommandRegistrar(Command command) {
+  registry().push_back(command);
+}
+const std::vector<Command>& registered_commands() {
+  return registry();
+}
 
 int fail(const std::string& command, const std::string& message) {
   std::fprintf(stderr, "kvstack %s: error: %s\n", command.c_str(), message.c_str());

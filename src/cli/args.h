@@ -80,5 +80,9 @@ int fail(const std::string& command, const std::string& message);
 
 }  // namespace kvstack::cli
 
-#define KVSTACK_COMMAND(var, name, summary, fn) \
-  static const ::kvstack::cli::CommandRegistrar var{::kvstack::cli::Command{name, summary, fn}}
+#define KVSTACK_COMMAND(var, name, summary, fn)       \
+  static const ::kvstack::cli::CommandRegistrar var { \
+    ::kvstack::cli::Command {                         \
+      name, summary, fn                               \
+    }                                                 \
+  }

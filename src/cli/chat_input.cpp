@@ -12,7 +12,8 @@ Result<ChatTemplate> chat_template_for(const Args& args, const Engine& engine) {
   }
   if (auto name = args.get("chat-template")) {
     auto kind = parse_chat_template_name(*name);
-    if (!kind) return make_error(Errc::kInvalidArgument, "--chat-template: " + kind.error().message);
+    if (!kind)
+      return make_error(Errc::kInvalidArgument, "--chat-template: " + kind.error().message);
     return ChatTemplate::create(*kind, source);
   }
   if (source.empty()) {

@@ -33,7 +33,8 @@ int run_bench(const std::vector<std::string>& argv) {
   auto specs = engine_options();
   specs.push_back({"prompt-tokens", 0, "N", "prompt length in tokens (default 512)"});
   specs.push_back({"gen", 'n', "N", "tokens to generate (default 128)"});
-  specs.push_back({"ctx-fill", 0, "N", "tokens already in the cache before the prompt (default 0)"});
+  specs.push_back(
+      {"ctx-fill", 0, "N", "tokens already in the cache before the prompt (default 0)"});
   specs.push_back({"reps", 0, "N", "repetitions; medians are reported (default 3)"});
   specs.push_back({"seed", 0, "N", "seed of the random prompt tokens (default 1)"});
   specs.push_back({"json", 0, "", "print one JSON object instead of a table"});
@@ -41,13 +42,14 @@ int run_bench(const std::vector<std::string>& argv) {
   auto args = Args::parse(argv, specs);
   if (!args) return fail("bench", args.error().message);
   if (args->flag("help")) {
-    std::fputs(format_help("kvstack bench [-m MODEL] [--prompt-tokens N] [--gen N] [--ctx-fill N] "
-                           "[--threads T] [--json]",
-                           "Measure prefill and decode speed on random tokens through the paged KV "
-                           "cache: TTFT, prefill tok/s, decode tok/s (medians over --reps), KV bytes.",
-                           specs)
-                   .c_str(),
-               stdout);
+    std::fputs(
+        format_help("kvstack bench [-m MODEL] [--prompt-tokens N] [--gen N] [--ctx-fill N] "
+                    "[--threads T] [--json]",
+                    "Measure prefill and decode speed on random tokens through the paged KV "
+                    "cache: TTFT, prefill tok/s, decode tok/s (medians over --reps), KV bytes.",
+                    specs)
+            .c_str(),
+        stdout);
     return 0;
   }
   auto prompt_n = args->get_int("prompt-tokens", 512, 1, 1 << 20);
@@ -88,14 +90,16 @@ int run_bench(const std::vector<std::string>& argv) {
   for (int64_t r = 0; r < *reps; ++r) {
     BlockTable table = engine.new_table();
     if (!fill.empty()) {
-      if (!json) std::fprintf(stderr, "\rbench: rep %lld/%lld filling %lld tokens...   ",
-                              static_cast<long long>(r + 1), static_cast<long long>(*reps),
-                              static_cast<long long>(*fill_n));
+      if (!json)
+        std::fprintf(stderr, "\rbench: rep %lld/%lld filling %lld tokens...   ",
+                     static_cast<long long>(r + 1), static_cast<long long>(*reps),
+                     static_cast<long long>(*fill_n));
       const Status st = engine.prefill(table, fill, LogitsMode::kNone, nullptr);
       if (!st.ok()) return fail("bench", st.error().message);
     }
-    if (!json) std::fprintf(stderr, "\rbench: rep %lld/%lld prefill + decode...          ",
-                            static_cast<long long>(r + 1), static_cast<long long>(*reps));
+    if (!json)
+      std::fprintf(stderr, "\rbench: rep %lld/%lld prefill + decode...          ",
+                   static_cast<long long>(r + 1), static_cast<long long>(*reps));
     const auto t0 = Clock::now();
     Status st = engine.prefill(table, prompt, LogitsMode::kLast, &logits);
     if (!st.ok()) return fail("bench", st.error().message);
@@ -117,8 +121,7 @@ int run_bench(const std::vector<std::string>& argv) {
   if (!json) std::fprintf(stderr, "\r%60s\r", "");
 
   const double prefill_tok_s = static_cast<double>(*prompt_n) / median(prefill_s);
-  const double decode_tok_s =
-      *gen_n > 1 ? static_cast<double>(*gen_n - 1) / median(decode_s) : 0.0;
+  const double decode_tok_s = *gen_n > 1 ? static_cast<double>(*gen_n - 1) / median(decode_s) : 0.0;
   const double ttft_ms = median(ttft_s) * 1e3;
   const int64_t per_token = engine.layout().payload_bytes_per_token();
   if (json) {
@@ -131,8 +134,8 @@ int run_bench(const std::vector<std::string>& argv) {
         "\"rss_model_loaded_bytes\": %lld, \"rss_start_bytes\": %lld}\n",
         cfg->model_path.c_str(), engine.threads().n_threads(), kv_dtype_name(cfg->kv_dtype),
         cfg->block_size, static_cast<long long>(*prompt_n), static_cast<long long>(*gen_n),
-        static_cast<long long>(*fill_n), static_cast<long long>(*reps), prefill_tok_s,
-        decode_tok_s, ttft_ms, static_cast<long long>(per_token),
+        static_cast<long long>(*fill_n), static_cast<long long>(*reps), prefill_tok_s, decode_tok_s,
+        ttft_ms, static_cast<long long>(per_token),
         static_cast<long long>(last_stats.payload_bytes),
         static_cast<long long>(last_stats.allocated_bytes),
         static_cast<long long>(last_stats.resident_bytes),

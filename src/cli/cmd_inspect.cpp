@@ -54,7 +54,8 @@ int run_inspect(const std::vector<std::string>& argv) {
               c.rope_neox ? "neox" : "normal", c.n_rot, c.rope_freq_base,
               c.rope_scaling_type.c_str(), c.rope_freq_scale);
   std::printf("norm epsilon     %g\n", c.norm_eps);
-  std::printf("embeddings       %s\n", c.tied_embeddings ? "tied (output = token_embd)" : "separate");
+  std::printf("embeddings       %s\n",
+              c.tied_embeddings ? "tied (output = token_embd)" : "separate");
   std::printf("qkv bias         %s\n", c.qkv_bias ? "yes" : "no");
   std::printf("sliding window   %s\n",
               c.sliding_window ? std::to_string(c.sliding_window).c_str() : "none");
@@ -69,9 +70,8 @@ int run_inspect(const std::vector<std::string>& argv) {
   for (const auto& d : dtypes) {
     const double per_token = 2.0 * c.n_layers * c.n_kv_heads * c.head_dim * d.bytes;
     const double ctx_bytes = per_token * c.n_ctx_train;
-    std::printf("  %-5s %10.0f bytes/token (%s), %s for one %d-token context\n", d.name,
-                per_token, format_bytes(per_token).c_str(), format_bytes(ctx_bytes).c_str(),
-                c.n_ctx_train);
+    std::printf("  %-5s %10.0f bytes/token (%s), %s for one %d-token context\n", d.name, per_token,
+                format_bytes(per_token).c_str(), format_bytes(ctx_bytes).c_str(), c.n_ctx_train);
   }
 
   // Tensor table.
@@ -111,12 +111,22 @@ int run_inspect(const std::vector<std::string>& argv) {
     for (const auto& [key, v] : file->metadata()) {
       std::string val;
       switch (v.type) {
-        case GgufType::kString: val = v.str.size() > 80 ? v.str.substr(0, 77) + "..." : v.str; break;
-        case GgufType::kArray: val = "[array of " + std::to_string(v.array.size()) + "]"; break;
+        case GgufType::kString:
+          val = v.str.size() > 80 ? v.str.substr(0, 77) + "..." : v.str;
+          break;
+        case GgufType::kArray:
+          val = "[array of " + std::to_string(v.array.size()) + "]";
+          break;
         case GgufType::kF32:
-        case GgufType::kF64: val = std::to_string(v.f); break;
-        case GgufType::kBool: val = v.u ? "true" : "false"; break;
-        default: val = std::to_string(v.i); break;
+        case GgufType::kF64:
+          val = std::to_string(v.f);
+          break;
+        case GgufType::kBool:
+          val = v.u ? "true" : "false";
+          break;
+        default:
+          val = std::to_string(v.i);
+          break;
       }
       for (char& ch : val) {
         if (ch == '\n') ch = ' ';

@@ -29,13 +29,14 @@ int run_perplexity(const std::vector<std::string>& argv) {
   auto args = Args::parse(argv, specs);
   if (!args) return fail("perplexity", args.error().message);
   if (args->flag("help")) {
-    std::fputs(format_help("kvstack perplexity [-m MODEL] -f FILE [--ctx N] [--json]",
-                           "Split the tokenized text into non-overlapping windows of --ctx tokens; "
-                           "in each window (a fresh sequence) score every token after the first "
-                           "from the logits of its prefix. Prints exp(mean negative log-likelihood).",
-                           specs)
-                   .c_str(),
-               stdout);
+    std::fputs(
+        format_help("kvstack perplexity [-m MODEL] -f FILE [--ctx N] [--json]",
+                    "Split the tokenized text into non-overlapping windows of --ctx tokens; "
+                    "in each window (a fresh sequence) score every token after the first "
+                    "from the logits of its prefix. Prints exp(mean negative log-likelihood).",
+                    specs)
+            .c_str(),
+        stdout);
     return 0;
   }
   if (!args->has("file")) return fail("perplexity", "-f FILE is required");
@@ -81,22 +82,22 @@ int run_perplexity(const std::vector<std::string>& argv) {
                    std::exp(nll / static_cast<double>(n_scored)));
     }
   }
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double ppl = std::exp(nll / static_cast<double>(n_scored));
   if (json) {
-    std::printf("{\"perplexity\": %.6f, \"nll_mean\": %.8f, \"ctx\": %lld, \"n_windows\": %lld, "
-                "\"n_scored\": %lld, \"n_tokens\": %zu, \"kv_dtype\": \"%s\", \"seconds\": %.3f}\n",
-                ppl, nll / static_cast<double>(n_scored), static_cast<long long>(*ctx),
-                static_cast<long long>(n_windows), static_cast<long long>(n_scored),
-                tokens.size(), kv_dtype_name(e.config().kv_dtype), secs);
+    std::printf(
+        "{\"perplexity\": %.6f, \"nll_mean\": %.8f, \"ctx\": %lld, \"n_windows\": %lld, "
+        "\"n_scored\": %lld, \"n_tokens\": %zu, \"kv_dtype\": \"%s\", \"seconds\": %.3f}\n",
+        ppl, nll / static_cast<double>(n_scored), static_cast<long long>(*ctx),
+        static_cast<long long>(n_windows), static_cast<long long>(n_scored), tokens.size(),
+        kv_dtype_name(e.config().kv_dtype), secs);
   } else {
     std::fprintf(stderr, "\n");
-    std::printf("perplexity %.4f over %lld windows of %lld tokens (%lld tokens scored, %.1f s, "
-                "%.0f tok/s)\n",
-                ppl, static_cast<long long>(n_windows), static_cast<long long>(*ctx),
-                static_cast<long long>(n_scored), secs,
-                static_cast<double>(n_windows * *ctx) / secs);
+    std::printf(
+        "perplexity %.4f over %lld windows of %lld tokens (%lld tokens scored, %.1f s, "
+        "%.0f tok/s)\n",
+        ppl, static_cast<long long>(n_windows), static_cast<long long>(*ctx),
+        static_cast<long long>(n_scored), secs, static_cast<double>(n_windows * *ctx) / secs);
   }
   return 0;
 }

@@ -14,8 +14,8 @@ namespace kvstack::detail {
 }
 }  // namespace kvstack::detail
 
-#define KV_CHECK(cond, msg)                                             \
-  do {                                                                  \
+#define KV_CHECK(cond, msg)                                                       \
+  do {                                                                            \
     if (!(cond)) ::kvstack::detail::check_failed(__FILE__, __LINE__, #cond, msg); \
   } while (0)
 

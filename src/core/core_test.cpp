@@ -28,8 +28,8 @@ TEST(Half, F16RoundsToNearestEven) {
   EXPECT_EQ(f32_to_f16(65504.0f), 0x7bff);
   EXPECT_EQ(f32_to_f16(70000.0f), 0x7c00);
   EXPECT_EQ(f32_to_f16(-0.0f), 0x8000);
-  EXPECT_EQ(f32_to_f16(std::ldexp(1.0f, -24)), 0x0001);        // smallest subnormal
-  EXPECT_EQ(f32_to_f16(std::ldexp(1.0f, -26)), 0x0000);        // rounds to zero
+  EXPECT_EQ(f32_to_f16(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
+  EXPECT_EQ(f32_to_f16(std::ldexp(1.0f, -26)), 0x0000);  // rounds to zero
   EXPECT_TRUE(std::isnan(f16_to_f32(f32_to_f16(std::numeric_limits<float>::quiet_NaN()))));
   EXPECT_EQ(f16_to_f32(0x7c00), std::numeric_limits<float>::infinity());
 }

@@ -48,7 +48,9 @@ const CpuFeatures& cpu_features() {
   return f;
 }
 
-Isa best_isa() { return g_isa; }
+Isa best_isa() {
+  return g_isa;
+}
 
 void set_isa_override(Isa isa) {
   const Isa hw = detect_isa(cpu_features());
@@ -57,9 +59,12 @@ void set_isa_override(Isa isa) {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::kScalar: return "scalar";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kAvx512: return "avx512";
+    case Isa::kScalar:
+      return "scalar";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
   }
   return "?";
 }

@@ -31,8 +31,8 @@ struct Error {
 template <class T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}              // NOLINT(google-explicit-constructor)
-  Result(Error error) : v_(std::move(error)) {}          // NOLINT(google-explicit-constructor)
+  Result(T value) : v_(std::move(value)) {}      // NOLINT(google-explicit-constructor)
+  Result(Error error) : v_(std::move(error)) {}  // NOLINT(google-explicit-constructor)
   bool ok() const { return v_.index() == 0; }
   explicit operator bool() const { return ok(); }
   T& value() & {
@@ -65,7 +65,8 @@ class [[nodiscard]] Result {
 class [[nodiscard]] Status {
  public:
   Status() = default;
-  Status(Error error) : err_(std::move(error)), ok_(false) {}  // NOLINT(google-explicit-constructor)
+  Status(Error error)
+      : err_(std::move(error)), ok_(false) {}  // NOLINT(google-explicit-constructor)
   bool ok() const { return ok_; }
   explicit operator bool() const { return ok_; }
   const Error& error() const {
@@ -78,13 +79,15 @@ class [[nodiscard]] Status {
   bool ok_ = true;
 };
 
-inline Error make_error(Errc code, std::string message) { return Error{code, std::move(message)}; }
+inline Error make_error(Errc code, std::string message) {
+  return Error{code, std::move(message)};
+}
 
 }  // namespace kvstack
 
 // Propagate an error from an expression yielding Result<T>/Status.
-#define KV_TRY_STATUS(expr)               \
-  do {                                    \
-    auto kv_try_s_ = (expr);              \
+#define KV_TRY_STATUS(expr)                        \
+  do {                                             \
+    auto kv_try_s_ = (expr);                       \
     if (!kv_try_s_.ok()) return kv_try_s_.error(); \
   } while (0)

@@ -44,10 +44,22 @@ Result<double> split_number(std::string_view text, std::string* suffix, const ch
 
 Result<uint64_t> parse_bytes(std::string_view text) {
   static const Suffix kSuffixes[] = {
-      {"", 1},          {"B", 1},         {"k", 1e3},         {"K", 1e3},
-      {"kB", 1e3},      {"KB", 1e3},      {"M", 1e6},         {"MB", 1e6},
-      {"G", 1e9},       {"GB", 1e9},      {"T", 1e12},        {"TB", 1e12},
-      {"KiB", 1024.0},  {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+      {"", 1},
+      {"B", 1},
+      {"k", 1e3},
+      {"K", 1e3},
+      {"kB", 1e3},
+      {"KB", 1e3},
+      {"M", 1e6},
+      {"MB", 1e6},
+      {"G", 1e9},
+      {"GB", 1e9},
+      {"T", 1e12},
+      {"TB", 1e12},
+      {"KiB", 1024.0},
+      {"MiB", 1048576.0},
+      {"GiB", 1073741824.0},
+      {"TiB", 1099511627776.0},
   };
   std::string suffix;
   auto num = split_number(text, &suffix, "size");
@@ -61,9 +73,9 @@ Result<uint64_t> parse_bytes(std::string_view text) {
       return static_cast<uint64_t>(std::llround(bytes));
     }
   }
-  return make_error(Errc::kInvalidArgument,
-                    "size '" + std::string(text) + "' has unknown unit '" + suffix +
-                        "' (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)");
+  return make_error(Errc::kInvalidArgument, "size '" + std::string(text) + "' has unknown unit '" +
+                                                suffix +
+                                                "' (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)");
 }
 
 Result<double> parse_rate(std::string_view text) {

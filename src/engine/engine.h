@@ -22,12 +22,12 @@ namespace kvstack {
 
 struct EngineConfig {
   std::string model_path;
-  int n_threads = 0;         // 0 = all cores
-  int block_size = 16;       // tokens per KV block (power of two, 1..256)
+  int n_threads = 0;    // 0 = all cores
+  int block_size = 16;  // tokens per KV block (power of two, 1..256)
   KvDtype kv_dtype = KvDtype::kF16;
-  uint64_t kv_cache_mem = 0;     // bytes for the pool (0 = use kv_cache_tokens)
-  int64_t kv_cache_tokens = 0;   // tokens for the pool (0 = the model's context length)
-  int prefill_chunk = 512;       // max tokens per prefill step
+  uint64_t kv_cache_mem = 0;    // bytes for the pool (0 = use kv_cache_tokens)
+  int64_t kv_cache_tokens = 0;  // tokens for the pool (0 = the model's context length)
+  int prefill_chunk = 512;      // max tokens per prefill step
 };
 
 class Engine {

@@ -71,11 +71,11 @@ Status Model::bind() {
   const int64_t q_dim = static_cast<int64_t>(c.n_heads) * c.head_dim;
   const int64_t kv_dim = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
 
-#define KV_BIND(dst, expr)   \
-  do {                       \
-    auto r_ = (expr);        \
+#define KV_BIND(dst, expr)      \
+  do {                          \
+    auto r_ = (expr);           \
     if (!r_) return r_.error(); \
-    dst = *r_;               \
+    dst = *r_;                  \
   } while (0)
 
   // token_embd is only ever read a row at a time (embed()), so it is not
@@ -83,10 +83,9 @@ Status Model::bind() {
   const GgufTensor* emb = file_.find_tensor("token_embd.weight");
   if (emb == nullptr || emb->dims.size() != 2 || emb->dims[0] != c.n_embd ||
       emb->dims[1] != c.n_vocab) {
-    return make_error(Errc::kCorruptFile, file_.path() +
-                                              ": tensor 'token_embd.weight' is missing or not [" +
-                                              std::to_string(c.n_embd) + " x " +
-                                              std::to_string(c.n_vocab) + "]");
+    return make_error(Errc::kCorruptFile,
+                      file_.path() + ": tensor 'token_embd.weight' is missing or not [" +
+                          std::to_string(c.n_embd) + " x " + std::to_string(c.n_vocab) + "]");
   }
   token_embd_ = WeightView{emb->type, emb->data, c.n_embd, c.n_vocab};
   KV_BIND(output_norm_, vector_f32("output_norm.weight", c.n_embd));

@@ -15,12 +15,12 @@
 namespace kvstack {
 
 struct LayerWeights {
-  const float* attn_norm = nullptr;  // [n_embd]
+  const float* attn_norm = nullptr;   // [n_embd]
   WeightView wq{}, wk{}, wv{}, wo{};  // q: [n_heads*head_dim, n_embd], k/v: [n_kv*hd, n_embd]
-  const float* bq = nullptr;         // qwen2 biases, else nullptr
+  const float* bq = nullptr;          // qwen2 biases, else nullptr
   const float* bk = nullptr;
   const float* bv = nullptr;
-  const float* ffn_norm = nullptr;   // [n_embd]
+  const float* ffn_norm = nullptr;        // [n_embd]
   WeightView w_gate{}, w_up{}, w_down{};  // gate/up: [n_ff, n_embd], down: [n_embd, n_ff]
 };
 

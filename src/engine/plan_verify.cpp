@@ -25,7 +25,8 @@ int64_t process_rss_bytes() {
 
 Result<VerifyReport> run_plan_verify(const VerifyRequest& request) {
   if (request.seq_tokens.empty()) {
-    return make_error(Errc::kInvalidArgument, "--verify needs a workload (--batch/--ctx or --lengths)");
+    return make_error(Errc::kInvalidArgument,
+                      "--verify needs a workload (--batch/--ctx or --lengths)");
   }
   auto dtype = parse_kv_dtype(request.kv_dtype);
   if (!dtype) {

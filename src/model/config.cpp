@@ -51,11 +51,11 @@ Result<ModelConfig> load_model_config(const GgufFile& f) {
     if (n) c.name = *n;
   }
   const std::string a = c.arch + ".";
-#define KV_READ_INT(field, key, def, lo, hi)   \
-  do {                                         \
+#define KV_READ_INT(field, key, def, lo, hi)     \
+  do {                                           \
     auto r_ = read_int(f, a + key, def, lo, hi); \
-    if (!r_) return r_.error();                \
-    c.field = *r_;                             \
+    if (!r_) return r_.error();                  \
+    c.field = *r_;                               \
   } while (0)
   KV_READ_INT(n_layers, "block_count", -1, 1, 4096);
   KV_READ_INT(n_embd, "embedding_length", -1, 1, 1 << 20);
@@ -82,8 +82,8 @@ Result<ModelConfig> load_model_config(const GgufFile& f) {
   KV_READ_INT(n_rot, "rope.dimension_count", c.head_dim, 1, c.head_dim);
 #undef KV_READ_INT
   if (c.n_heads % c.n_kv_heads != 0) {
-    return bad(f, "head_count " + std::to_string(c.n_heads) + " is not a multiple of head_count_kv " +
-                      std::to_string(c.n_kv_heads));
+    return bad(f, "head_count " + std::to_string(c.n_heads) +
+                      " is not a multiple of head_count_kv " + std::to_string(c.n_kv_heads));
   }
   if (c.n_rot % 2 != 0) return bad(f, "rope.dimension_count must be even");
 
@@ -94,7 +94,8 @@ Result<ModelConfig> load_model_config(const GgufFile& f) {
     c.n_vocab = *r;
   } else if (const GgufValue* toks = f.find("tokenizer.ggml.tokens")) {
     c.n_vocab = static_cast<int>(toks->array.size());
-  } else if (const GgufTensor* emb = f.find_tensor("token_embd.weight"); emb && emb->dims.size() == 2) {
+  } else if (const GgufTensor* emb = f.find_tensor("token_embd.weight");
+             emb && emb->dims.size() == 2) {
     c.n_vocab = static_cast<int>(emb->dims[1]);
   } else {
     return bad(f, "cannot determine the vocabulary size");
@@ -116,8 +117,8 @@ Result<ModelConfig> load_model_config(const GgufFile& f) {
     if (*factor <= 0) return bad(f, "rope.scaling.factor must be positive");
     c.rope_freq_scale = 1.0f / *factor;
   } else if (c.rope_scaling_type != "none") {
-    return make_error(Errc::kUnsupported, f.path() + ": rope scaling type '" +
-                                              c.rope_scaling_type + "' is not supported");
+    return make_error(Errc::kUnsupported, f.path() + ": rope scaling type '" + c.rope_scaling_type +
+                                              "' is not supported");
   }
   auto eps = read_float(f, a + "attention.layer_norm_rms_epsilon", 1e-5);
   if (!eps) return eps.error();

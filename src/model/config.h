@@ -28,12 +28,12 @@ struct ModelConfig {
   // convention; true = halves (x[i], x[i + n_rot/2]) as qwen2/gpt-neox.
   bool rope_neox = false;
   float rope_freq_base = 10000.0f;
-  float rope_freq_scale = 1.0f;     // 1 / linear scaling factor
-  std::string rope_scaling_type;    // "none" | "linear" (others rejected)
+  float rope_freq_scale = 1.0f;   // 1 / linear scaling factor
+  std::string rope_scaling_type;  // "none" | "linear" (others rejected)
   float norm_eps = 1e-5f;
-  bool tied_embeddings = false;     // output.weight absent: reuse token_embd
-  bool qkv_bias = false;            // qwen2
-  int sliding_window = 0;           // 0 = full attention in every layer
+  bool tied_embeddings = false;  // output.weight absent: reuse token_embd
+  bool qkv_bias = false;         // qwen2
+  int sliding_window = 0;        // 0 = full attention in every layer
 
   int n_gqa() const { return n_heads / n_kv_heads; }
 };
