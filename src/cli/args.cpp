@@ -155,9 +155,9 @@ std::string format_help(const std::string& usage, const std::string& description
 std::string resolve_model_path(const Args& args) {
   if (auto m = args.get("model")) return *m;
   if (const char* env = std::getenv("KVSTACK_MODEL"); env != nullptr && *env != '\0') return env;
-  const std::string rel = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  std::string rel = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 #ifdef KVSTACK_SOURCE_DIR
-  const std::string in_tree = std::string(KVSTACK_SOURCE_DIR) + "/" + rel;
+  std::string in_tree = std::string(KVSTACK_SOURCE_DIR) + "/" + rel;
   if (std::filesystem::exists(in_tree)) return in_tree;
 #endif
   return rel;

@@ -92,14 +92,14 @@ int run_bench(const std::vector<std::string>& argv) {
     if (!fill.empty()) {
       if (!json)
         std::fprintf(stderr, "\rbench: rep %lld/%lld filling %lld tokens...   ",
-                     static_cast<long long>(r + 1), static_cast<long long>(*reps),
+                     static_cast<long long>(r) + 1, static_cast<long long>(*reps),
                      static_cast<long long>(*fill_n));
       const Status st = engine.prefill(table, fill, LogitsMode::kNone, nullptr);
       if (!st.ok()) return fail("bench", st.error().message);
     }
     if (!json)
       std::fprintf(stderr, "\rbench: rep %lld/%lld prefill + decode...          ",
-                   static_cast<long long>(r + 1), static_cast<long long>(*reps));
+                   static_cast<long long>(r) + 1, static_cast<long long>(*reps));
     const auto t0 = Clock::now();
     Status st = engine.prefill(table, prompt, LogitsMode::kLast, &logits);
     if (!st.ok()) return fail("bench", st.error().message);

@@ -78,7 +78,7 @@ int run_perplexity(const std::vector<std::string>& argv) {
     }
     if (!json) {
       std::fprintf(stderr, "\rperplexity: window %lld/%lld, running ppl %.4f   ",
-                   static_cast<long long>(w + 1), static_cast<long long>(n_windows),
+                   static_cast<long long>(w) + 1, static_cast<long long>(n_windows),
                    std::exp(nll / static_cast<double>(n_scored)));
     }
   }

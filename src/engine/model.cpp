@@ -75,7 +75,7 @@ Status Model::bind() {
   do {                          \
     auto r_ = (expr);           \
     if (!r_) return r_.error(); \
-    dst = *r_;                  \
+    (dst) = *r_;                \
   } while (0)
 
   // token_embd is only ever read a row at a time (embed()), so it is not

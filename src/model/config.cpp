@@ -51,11 +51,11 @@ Result<ModelConfig> load_model_config(const GgufFile& f) {
     if (n) c.name = *n;
   }
   const std::string a = c.arch + ".";
-#define KV_READ_INT(field, key, def, lo, hi)     \
-  do {                                           \
-    auto r_ = read_int(f, a + key, def, lo, hi); \
-    if (!r_) return r_.error();                  \
-    c.field = *r_;                               \
+#define KV_READ_INT(field, key, def, lo, hi)       \
+  do {                                             \
+    auto r_ = read_int(f, a + (key), def, lo, hi); \
+    if (!r_) return r_.error();                    \
+    c.field = *r_;                                 \
   } while (0)
   KV_READ_INT(n_layers, "block_count", -1, 1, 4096);
   KV_READ_INT(n_embd, "embedding_length", -1, 1, 1 << 20);
