@@ -272,7 +272,7 @@ class ValueParser {
   Status read_signed(GgufValue* out, const std::string& key) {
     T v = 0;
     KV_TRY_STATUS(r_.read(&v, "integer value"));
-    out->i = v;
+    out->i = static_cast<int64_t>(v);  // NOLINT(bugprone-signed-char-misuse): sign-extend
     out->u = static_cast<uint64_t>(out->i);
     out->f = static_cast<double>(v);
     return {};

@@ -67,10 +67,12 @@ Result<std::string> extract_chatml_default_system(std::string_view src) {
       }
     }
     if (!found.empty() && found != text) {
-      return make_error(Errc::kUnsupported,
-                        "chat template: the template has two different default system "
-                        "messages ('" +
-                            found + "' and '" + text + "')");
+      std::string msg = "chat template: the template has two different default system messages ('";
+      msg += found;
+      msg += "' and '";
+      msg += text;
+      msg += "')";
+      return make_error(Errc::kUnsupported, std::move(msg));
     }
     found = std::move(text);
   }
@@ -182,8 +184,13 @@ Status ChatTemplate::check_roles(const std::vector<ChatMessage>& messages) const
     const bool known =
         role == "system" || role == "user" || role == "assistant" || (free_order && role == "tool");
     if (!known) {
-      return message_error(i, "unknown role '" + role + "' (" + family + " accepts system, user, " +
-                                  (free_order ? "assistant, tool)" : "assistant)"));
+      std::string msg = "unknown role '";
+      msg += role;
+      msg += "' (";
+      msg += family;
+      msg += " accepts system, user, ";
+      msg += free_order ? "assistant, tool)" : "assistant)";
+      return message_error(i, msg);
     }
   }
   if (free_order) return {};
