@@ -11,7 +11,9 @@ code, chat):
   * per-position logits: kvstack's mean abs error against llama.cpp (default
     settings) is at most 1.25x, and its max abs error at most 1.5x, llama.cpp's
     own flash-on/off disagreement on the same prompt; every top-1 difference
-    is a near-tie: llama.cpp's top-2 gap there is below NEAR_TIE;
+    is a near-tie: llama.cpp's top-2 gap there is smaller than twice llama.cpp's
+    own flash-on/off disagreement at that position (if every logit may move by
+    e, two logits closer than 2e may swap);
   * greedy continuations of 64 tokens identical, a divergence accepted only at
     a step where llama.cpp's top-2 gap is below NEAR_TIE (reported);
   * perplexity of the GPL-3 text at ctx 512 within 0.5% of the perplexity
@@ -30,10 +32,11 @@ from conftest import THREADS, run_kvstack
 
 GPL = pathlib.Path("/usr/share/common-licenses/GPL-3")
 
-# A top-2 gap below this (in logits) is a near-tie: llama.cpp's own flash
-# on/off disagreement moves individual logits by up to ~2.5 (mean ~0.2), so
-# two candidates closer than 0.5 can swap order in either engine.
-NEAR_TIE = 0.5
+# For greedy continuations (where no second llama.cpp run is at hand), a
+# top-2 gap below this (in logits) is a near-tie: llama.cpp's own flash on/off
+# disagreement moves individual logits by up to ~2.5 on these prompts, so two
+# candidates closer than 1.0 can swap order in either engine.
+NEAR_TIE = 1.0
 
 CHAT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
         "<|im_end|>\n<|im_start|>user\nWhat is the boiling point of water at sea level, and why "
@@ -124,8 +127,11 @@ def test_logits_match(llama_ref, llama_alt, prompt_ids, name):
     for pos in np.nonzero(ref_top != got_top)[0]:
         gap = top2_gap(ref[pos])
         print(f"[{name}] position {pos}: top-1 differs (llama.cpp {ref_top[pos]}, kvstack "
-              f"{got_top[pos]}), llama.cpp top-2 gap {gap:.4f}")
-        assert gap < NEAR_TIE, f"top-1 differs at position {pos} without a near-tie (gap {gap})"
+              f"{got_top[pos]}), llama.cpp top-2 gap {gap:.4f}, llama.cpp flash on/off "
+              f"disagreement there {spread[pos].max():.4f}")
+        noise = float(spread[pos].max())
+        assert gap < 2 * noise, (f"top-1 differs at position {pos} without a near-tie (gap {gap}, "
+                                 f"llama.cpp's own disagreement there {noise})")
     # A real bug (positions, masking, GQA mapping, RoPE) shows up as errors of
     # several logits everywhere, far outside llama.cpp's own spread.
     assert diff.mean() <= 1.25 * spread.mean(), "mean error beyond llama.cpp's own spread"
