@@ -5,6 +5,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 MODEL ?= models/SmolLM2-135M-Instruct.Q4_1.gguf
 CTEST_ARGS ?=
+ARGS ?=
 
 .PHONY: all setup deps venv model build serve test test-fast test-sanitize bench format tidy clean
 
@@ -29,7 +30,7 @@ build: deps $(BUILD)/CMakeCache.txt
 
 # The engine's main job on the default model.
 serve: setup build
-	@scripts/serve.sh $(BUILD)/src/cli/kvstack $(MODEL)
+	@scripts/serve.sh $(BUILD)/src/cli/kvstack $(MODEL) $(ARGS)
 
 # Every test: unit, model (against llama.cpp), e2e, then the sanitizer build.
 test: setup build

@@ -1,6 +1,7 @@
 // Internal tile kernels behind paged_attention(); not part of the public API.
 //
-// A tile is the work of one (sequence, KV head, run of query rows, key range):
+// A tile is the work of one (sequence, KV head, run of query rows, key range)
+// (decode tiles may take several KV heads, see TileArgs::n_heads):
 // its "query vectors" are the n_rows x group (row, q head) pairs that share
 // that KV head, vector i = row i / group, q head kv_head * group + i % group.
 // A tile either writes the normalised output, or (split-K) its unnormalised
@@ -41,10 +42,16 @@ struct TileArgs {
   int32_t key_begin = 0;  // keys [key_begin, key_end) of this piece (split-K)
   int32_t key_end = 0;    // each row additionally sees only its causal/window range
   float scale = 0.0f;
-  // Split-K partial output, [n_rows * group] entries each, or all null.
+  // Decode tiles (n_rows == 1) may cover n_heads consecutive KV heads: head j
+  // reads keys.k_head / v_head + j * head_stride and its q heads are vectors
+  // j * group .. j * group + group - 1 (consecutive q heads, so vector i is at
+  // q + i * head_dim). Prefill tiles and the scalar kernel take n_heads == 1.
+  int n_heads = 1;
+  int64_t head_stride = 0;  // bytes
+  // Split-K partial output, [n_rows * group * n_heads] entries each, or all null.
   float* part_m = nullptr;
   float* part_l = nullptr;
-  float* part_acc = nullptr;  // [n_rows * group, head_dim]
+  float* part_acc = nullptr;  // [n_rows * group * n_heads, head_dim]
 };
 
 // First position visible to a query at position `pos`.

@@ -294,7 +294,9 @@ inline void finish_tile(const TileArgs& a, int n_vec, const float* acc, const fl
       a.part_l[i] = l[i];
       std::memcpy(a.part_acc + static_cast<size_t>(i) * d, ai, sizeof(float) * d);
     } else {
-      float* dst = a.out + (i / a.group) * a.row_stride + (i % a.group) * d;
+      // One query row: vector i is q head i of the tile (any n_heads).
+      float* dst = a.n_rows == 1 ? a.out + static_cast<size_t>(i) * d
+                                 : a.out + (i / a.group) * a.row_stride + (i % a.group) * d;
       const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
       for (int c = 0; c < d; ++c) dst[c] = ai[c] * inv;
     }
@@ -305,16 +307,17 @@ template <KvDtype DT>
 KV_AVX2 void decode_tile_impl(const TileArgs& a) {
   const int d = a.keys.head_dim;
   const int g = a.group;
-  // Scratch: qs, acc [g, d]; s [g, kChunk]; m, l, alpha [g].
-  float* base = thread_scratch().get(static_cast<size_t>(g) * (2 * d + kChunk + 3));
+  const int n_vec = g * a.n_heads;  // query vectors: q heads of every KV head in the tile
+  // Scratch: qs, acc [n_vec, d]; s [n_vec, kChunk]; m, l, alpha [n_vec].
+  float* base = thread_scratch().get(static_cast<size_t>(n_vec) * (2 * d + kChunk + 3));
   float* qs = base;
-  float* acc = qs + static_cast<size_t>(g) * d;
-  float* s = acc + static_cast<size_t>(g) * d;
-  float* m = s + static_cast<size_t>(g) * kChunk;
-  float* l = m + g;
-  float* alpha = l + g;
+  float* acc = qs + static_cast<size_t>(n_vec) * d;
+  float* s = acc + static_cast<size_t>(n_vec) * d;
+  float* m = s + static_cast<size_t>(n_vec) * kChunk;
+  float* l = m + n_vec;
+  float* alpha = l + n_vec;
   const __m256 scale = _mm256_set1_ps(a.scale);
-  for (int h = 0; h < g; ++h) {
+  for (int h = 0; h < n_vec; ++h) {
     for (int c = 0; c < d; c += 8) {
       _mm256_storeu_ps(qs + h * d + c, _mm256_mul_ps(_mm256_loadu_ps(a.q + h * d + c), scale));
       _mm256_storeu_ps(acc + h * d + c, _mm256_setzero_ps());
@@ -322,16 +325,19 @@ KV_AVX2 void decode_tile_impl(const TileArgs& a) {
     m[h] = kNegInf;
     l[h] = 0.0f;
   }
-  // Heads of the group in sub-groups of at most 4, as even as possible; the
-  // K/V chunk comes from memory once and from L1 for the later sub-groups.
+  // Heads of a group in sub-groups of at most 4, as even as possible; the
+  // K/V chunk of a KV head comes from memory once and from L1 for the later
+  // sub-groups.
   const int n_sub = (g + 3) / 4;
   const int32_t t_begin = std::max(a.key_begin, first_visible(a.pos0, a.window));
   const int32_t t_end = std::min(a.key_end, a.pos0 + 1);
-  // Rows of the next chunk are prefetched while this one is computed: with
-  // scattered blocks the hardware prefetcher loses the stream at every block
-  // boundary, and decode is bound by memory latency/bandwidth.
+  // Rows of the next chunk (every KV head of the tile) are prefetched while
+  // this one is computed: with scattered blocks the hardware prefetcher loses
+  // the stream at every block boundary, and decode is bound by memory.
   const int row_bytes = d * kElemBytes<DT>;
-  const uint8_t* rows[2][2][kChunk];  // [buffer][K, V][key]
+  const uint8_t* rows[2][2][kChunk];  // [buffer][K, V][key], KV head 0 of the tile
+  const uint8_t* hk[kChunk + 8];      // one KV head's rows (+ padding for qk_dispatch)
+  const uint8_t* hv[kChunk];
   int cur = 0;
   if (t_begin < t_end) {
     chunk_rows(a.keys, t_begin, std::min<int32_t>(kChunk, t_end - t_begin), rows[0][0], rows[0][1]);
@@ -345,27 +351,40 @@ KV_AVX2 void decode_tile_impl(const TileArgs& a) {
       const uint8_t** kn = rows[cur ^ 1][0];
       const uint8_t** vn = rows[cur ^ 1][1];
       chunk_rows(a.keys, c0 + kChunk, n_next, kn, vn);
-      for (int j = 0; j < n_next; ++j) {
-        for (int b = 0; b < row_bytes; b += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(kn[j] + b), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(vn[j] + b), _MM_HINT_T0);
+      for (int hh = 0; hh < a.n_heads; ++hh) {
+        const int64_t ho = hh * a.head_stride;
+        for (int j = 0; j < n_next; ++j) {
+          for (int b = 0; b < row_bytes; b += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(kn[j] + ho + b), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vn[j] + ho + b), _MM_HINT_T0);
+          }
         }
       }
     }
     cur ^= 1;
-    for (int sub = 0, h0 = 0; sub < n_sub; ++sub) {
-      const int sg = g / n_sub + (sub < g % n_sub ? 1 : 0);
-      qk_dispatch<DT>(sg, qs + h0 * d, d, kp, n, s + h0 * kChunk);
-      h0 += sg;
-    }
-    for (int h = 0; h < g; ++h) alpha[h] = softmax_update(s + h * kChunk, n, m + h, l + h);
-    for (int sub = 0, h0 = 0; sub < n_sub; ++sub) {
-      const int sg = g / n_sub + (sub < g % n_sub ? 1 : 0);
-      pv_dispatch<DT>(sg, s + h0 * kChunk, vp, n, alpha + h0, acc + h0 * d, d);
-      h0 += sg;
+    for (int hh = 0; hh < a.n_heads; ++hh) {
+      const int64_t ho = hh * a.head_stride;
+      for (int j = 0; j < n; ++j) {
+        hk[j] = kp[j] + ho;
+        hv[j] = vp[j] + ho;
+      }
+      const int v0 = hh * g;  // first query vector of this KV head
+      for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
+        const int sg = g / n_sub + (sub < g % n_sub ? 1 : 0);
+        qk_dispatch<DT>(sg, qs + h0 * d, d, hk, n, s + h0 * kChunk);
+        h0 += sg;
+      }
+      for (int h = v0; h < v0 + g; ++h) {
+        alpha[h] = softmax_update(s + h * kChunk, n, m + h, l + h);
+      }
+      for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
+        const int sg = g / n_sub + (sub < g % n_sub ? 1 : 0);
+        pv_dispatch<DT>(sg, s + h0 * kChunk, hv, n, alpha + h0, acc + h0 * d, d);
+        h0 += sg;
+      }
     }
   }
-  finish_tile(a, g, acc, m, l);
+  finish_tile(a, n_vec, acc, m, l);
 }
 
 // --------------------------------------------------------------- prefill --
@@ -541,6 +560,8 @@ void decode_tile_avx2(const TileArgs& a) {
     case KvDtype::kBF16:
       decode_tile_impl<KvDtype::kBF16>(a);
       return;
+    default:  // quantized formats take attention_quant_*.cpp
+      return;
   }
 }
 
@@ -554,6 +575,8 @@ void prefill_tile_avx2(const TileArgs& a) {
       return;
     case KvDtype::kBF16:
       prefill_tile_impl<KvDtype::kBF16>(a);
+      return;
+    default:  // quantized formats take attention_quant_*.cpp
       return;
   }
 }

@@ -31,6 +31,8 @@ void load_row(const uint8_t* src, KvDtype dtype, int n, float* dst) {
         dst[i] = bf16_to_f32(h);
       }
       return;
+    default:  // quantized formats take attention_quant_*.cpp
+      return;
   }
 }
 

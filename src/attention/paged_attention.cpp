@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "attention/attention_kernels.h"
+#include "attention/attention_quant.h"
 #include "core/cpu_features.h"
 #include "core/half.h"
 
@@ -26,6 +27,8 @@ constexpr int kPrefillVectors = 32;
 // A split-K piece covers at least this many keys (its partial state costs
 // n_vec * (head_dim + 2) floats to write and merge).
 constexpr int32_t kMinSplitKeys = 256;
+// Decode rows seeing at least this many keys take all KV heads in one tile.
+constexpr int32_t kMergeHeadsKeys = 2 * kMinSplitKeys;
 // Split until there are about this many work items per thread.
 constexpr int kItemsPerThread = 8;
 // Split-K piece boundaries are multiples of this (the kernels' key chunk).
@@ -38,8 +41,9 @@ struct WorkItem {
   int32_t n_rows;
   int32_t key_begin;
   int32_t key_end;
-  int64_t cost;         // ~ key rows touched times query rows
+  int64_t cost;         // ~ key rows touched times query rows (times KV heads)
   int64_t part_offset;  // float offset of its partial slot, or -1
+  int32_t n_heads;      // KV heads kv_head .. kv_head + n_heads - 1 (> 1 only for decode)
 };
 
 // The pieces of one split tile: slot p at first_offset + p * slot_floats,
@@ -50,6 +54,7 @@ struct MergeGroup {
   int32_t row0;
   int32_t n_rows;
   int32_t n_parts;
+  int32_t n_heads;
   int64_t first_offset;
 };
 
@@ -110,8 +115,8 @@ void plan_items(Plan& plan, int n_threads, int n_vec_per_row, int head_dim) {
       plan.items.push_back(t);
       continue;
     }
-    const int64_t slot_floats = int64_t{t.n_rows} * n_vec_per_row * (head_dim + 2);
-    MergeGroup mg{t.seq, t.kv_head, t.row0, t.n_rows, 0, offset};
+    const int64_t slot_floats = int64_t{t.n_rows} * n_vec_per_row * t.n_heads * (head_dim + 2);
+    MergeGroup mg{t.seq, t.kv_head, t.row0, t.n_rows, 0, t.n_heads, offset};
     int32_t begin = t.key_begin;
     for (int64_t p = 1; p <= n_parts; ++p) {
       int32_t end = t.key_end;
@@ -227,6 +232,7 @@ Status validate_attention_args(const PagedKvLayerView& kv, const AttnParams& p,
 
 Status paged_attention(const PagedKvLayerView& kv, const AttnParams& p,
                        std::span<const AttnSeq> seqs, ThreadPool* pool) {
+  if (kv_view_is_quantized(kv)) return paged_attention_quant(kv, p, seqs, pool);
   KV_TRY_STATUS(validate_attention_args(kv, p, seqs));
   const int g = p.n_q_heads / p.n_kv_heads;
   const int d = p.head_dim;
@@ -244,9 +250,17 @@ Status paged_attention(const PagedKvLayerView& kv, const AttnParams& p,
       const int32_t key_begin = first_visible(pos_first, p.window);
       const int32_t key_end = pos_first + n_rows;
       const int64_t cost = int64_t{key_end - key_begin} * n_rows;
+      // A long decode row takes every KV head in one tile: the heads of a
+      // block lie next to each other, so the tile streams whole blocks, and
+      // split-K (below) still spreads it over the threads.
+      if (use_avx2 && n_rows == 1 && key_end - key_begin >= kMergeHeadsKeys) {
+        plan.tiles.push_back(WorkItem{static_cast<int32_t>(si), 0, row0, n_rows, key_begin, key_end,
+                                      cost * p.n_kv_heads, -1, p.n_kv_heads});
+        continue;
+      }
       for (int32_t h = 0; h < p.n_kv_heads; ++h) {
         plan.tiles.push_back(
-            WorkItem{static_cast<int32_t>(si), h, row0, n_rows, key_begin, key_end, cost, -1});
+            WorkItem{static_cast<int32_t>(si), h, row0, n_rows, key_begin, key_end, cost, -1, 1});
       }
     }
   }
@@ -277,8 +291,10 @@ Status paged_attention(const PagedKvLayerView& kv, const AttnParams& p,
     a.key_begin = it.key_begin;
     a.key_end = it.key_end;
     a.scale = p.scale;
+    a.n_heads = it.n_heads;
+    a.head_stride = kv.head_stride;
     if (it.part_offset >= 0) {
-      const int n_vec = it.n_rows * g;
+      const int n_vec = it.n_rows * g * it.n_heads;
       a.part_m = partials + it.part_offset;
       a.part_l = a.part_m + n_vec;
       a.part_acc = a.part_l + n_vec;
@@ -295,14 +311,17 @@ Status paged_attention(const PagedKvLayerView& kv, const AttnParams& p,
   run_dynamic(pool, plan.merges.size(), [&](size_t i) {
     const MergeGroup& mg = plan.merges[i];
     const AttnSeq& s = seqs[mg.seq];
-    const int n_vec = mg.n_rows * g;
+    const int n_vec = mg.n_rows * g * mg.n_heads;
     const int64_t slot_floats = int64_t{n_vec} * (d + 2);
     for (int v = 0; v < n_vec; ++v) {
       float m_max = -std::numeric_limits<float>::infinity();
       for (int pi = 0; pi < mg.n_parts; ++pi) {
         m_max = std::max(m_max, partials[mg.first_offset + pi * slot_floats + v]);
       }
-      float* dst = s.out + (mg.row0 + v / g) * row_stride + (int64_t{mg.kv_head} * g + v % g) * d;
+      // One query row: vector v is q head kv_head * g + v (any n_heads).
+      float* dst = mg.n_rows == 1 ? s.out + mg.row0 * row_stride + (int64_t{mg.kv_head} * g + v) * d
+                                  : s.out + (mg.row0 + v / g) * row_stride +
+                                        (int64_t{mg.kv_head} * g + v % g) * d;
       std::fill(dst, dst + d, 0.0f);
       float l_sum = 0.0f;
       for (int pi = 0; pi < mg.n_parts; ++pi) {
@@ -322,6 +341,7 @@ Status paged_attention(const PagedKvLayerView& kv, const AttnParams& p,
 
 Status paged_attention_reference(const PagedKvLayerView& kv, const AttnParams& p,
                                  std::span<const AttnSeq> seqs) {
+  if (kv_view_is_quantized(kv)) return paged_attention_quant_reference(kv, p, seqs);
   KV_TRY_STATUS(validate_attention_args(kv, p, seqs));
   const int g = p.n_q_heads / p.n_kv_heads;
   const int d = p.head_dim;

@@ -347,6 +347,11 @@ TEST(PagedAttention, LongSequenceSplitK) {
       {4, 2, 128, 64, KvDtype::kBF16, 0, 2, false, 0, {{3100, 3}}},
       {4, 2, 32, 16, KvDtype::kF16, 1000, 2, false, 0, {{3500, 2}}},
       {9, 3, 80, 2, KvDtype::kF32, 0, 4, false, 8, {{1800, 1}, {20, 1}}},
+      // Decode rows that take every KV head in one tile: single thread (no
+      // split), a window, and a batch mixing merged and per-head tiles.
+      {12, 4, 64, 16, KvDtype::kF16, 0, 1, false, 0, {{1500, 1}, {700, 1}, {100, 1}}},
+      {6, 2, 64, 1, KvDtype::kBF16, 600, 2, true, 0, {{2000, 1}}},
+      {9, 3, 64, 16, KvDtype::kF16, 0, 2, false, 0, {{4200, 1}, {530, 1}, {40, 5}}},
   };
   for (const Case& c : cases) {
     run_case(c, rng, false);

@@ -1,7 +1,12 @@
-// `kvstack chat`: a multi-turn REPL. The conversation's KV stays in the cache
-// between turns, so each turn prefills only its new tokens.
+// `kvstack chat`: a multi-turn REPL on the prefix cache. The conversation is a
+// Sequence kept between turns: when the new prompt extends it, only the new
+// tokens are prefilled; otherwise (/reset, or re-tokenization changed an
+// earlier token) a new sequence adopts the longest cached prefix (every
+// completed block of earlier turns and conversations stays cached until
+// evicted) and prefills the rest.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -18,6 +23,7 @@ int run_chat(const std::vector<std::string>& argv) {
   auto specs = engine_options();
   specs.push_back({"system", 0, "TEXT", "system message"});
   specs.push_back({"chat-template", 0, "NAME", "override the template: chatml, llama3, mistral, gemma"});
+  specs.push_back({"cache-salt", 0, "TEXT", "prefix-cache namespace of this conversation"});
   for (auto& s : sampling_options()) specs.push_back(s);
   specs.push_back(help_option());
   auto args = Args::parse(argv, specs);
@@ -47,8 +53,8 @@ int run_chat(const std::vector<std::string>& argv) {
   std::vector<ChatMessage> messages;
   if (auto sys = args->get("system")) messages.push_back({"system", *sys});
   const size_t n_fixed = messages.size();
-  BlockTable table = e.new_table();
-  std::vector<int32_t> cached;  // tokens whose K/V the table holds, in order
+  const std::string salt = args->get_or("cache-salt", "");
+  Sequence conv = e.new_sequence(salt);
   std::string line;
   for (;;) {
     if (interactive) {
@@ -59,8 +65,7 @@ int run_chat(const std::vector<std::string>& argv) {
     if (line == "/exit" || line == "/quit") break;
     if (line == "/reset") {
       messages.resize(n_fixed);
-      table.release();
-      cached.clear();
+      conv.release();  // its completed blocks stay cached for later hits
       std::fprintf(stderr, "[conversation reset]\n");
       continue;
     }
@@ -74,19 +79,20 @@ int run_chat(const std::vector<std::string>& argv) {
     if (!text) return fail("chat", text.error().message);
     const std::vector<int32_t> full =
         e.tokenizer().tokenize(*text, {.add_special = tmpl->bos_text().empty(), .parse_special = true});
-    // Reuse the cached conversation when the new prompt extends it exactly;
-    // otherwise (re-tokenization changed an earlier token) start over.
-    size_t common = 0;
-    while (common < cached.size() && common < full.size() && cached[common] == full[common]) {
-      ++common;
+    // Continue the live conversation when the new prompt extends it exactly;
+    // otherwise start a new sequence, which looks the prompt up in the cache.
+    const std::vector<int32_t>& held = conv.tokens();
+    const bool extends = !held.empty() && held.size() < full.size() &&
+                         std::equal(held.begin(), held.end(), full.begin());
+    size_t reused = 0;
+    std::span<const int32_t> fresh(full);
+    if (extends) {
+      reused = held.size();
+      fresh = fresh.subspan(reused);
+    } else {
+      conv = e.new_sequence(salt);
     }
-    if (common < cached.size() || common == full.size()) {
-      table.release();
-      cached.clear();
-      common = 0;
-    }
-    const std::span<const int32_t> fresh(full.data() + common, full.size() - common);
-    auto res = generate(e, table, fresh, *gen, [](std::string_view piece) {
+    auto res = generate(e, conv, fresh, *gen, [](std::string_view piece) {
       std::fwrite(piece.data(), 1, piece.size(), stdout);
       std::fflush(stdout);
     });
@@ -95,21 +101,18 @@ int run_chat(const std::vector<std::string>& argv) {
     if (!res) {
       std::fprintf(stderr, "kvstack chat: error: %s\n", res.error().message.c_str());
       messages.pop_back();
-      table.release();
-      cached.clear();
+      conv.release();
       continue;
     }
-    cached.insert(cached.end(), fresh.begin(), fresh.end());
-    const size_t n_written = res->tokens.size() - (res->pending_token >= 0 ? 1 : 0);
-    cached.insert(cached.end(), res->tokens.begin(), res->tokens.begin() + n_written);
+    reused += static_cast<size_t>(res->stats.n_cached);
     messages.push_back({"assistant", res->text});
     std::fprintf(stderr,
                  "[turn: %zu tokens reused from the cache, %lld prefilled, %lld generated (%s); "
                  "TTFT %.1f ms, decode %.1f tok/s; KV holds %lld tokens]\n",
-                 common, static_cast<long long>(res->stats.n_prompt),
+                 reused, static_cast<long long>(res->stats.n_prompt),
                  static_cast<long long>(res->stats.n_generated), finish_reason_name(res->finish),
                  res->stats.ttft_s * 1e3, res->stats.decode_tok_s(),
-                 static_cast<long long>(table.length()));
+                 static_cast<long long>(conv.length()));
   }
   return 0;
 }

@@ -5,6 +5,7 @@
 #include "cli/chat_input.h"
 #include "cli/engine_options.h"
 #include "cli/text_input.h"
+#include "engine/beam_search.h"
 #include "core/units.h"
 
 namespace kvstack::cli {
@@ -42,6 +43,11 @@ int run_run(const std::vector<std::string>& argv) {
   specs.push_back({"chat-template", 0, "NAME", "override the template: chatml, llama3, mistral, gemma"});
   for (auto& s : sampling_options()) specs.push_back(s);
   specs.push_back({"json", 0, "", "print one JSON object (tokens, text, timings) at the end"});
+  specs.push_back({"cache-salt", 0, "TEXT",
+                   "prefix-cache namespace of this request (default: the deployment default)"});
+  specs.push_back({"beams", 0, "K",
+                   "beam search with K beams on copy-on-write forks (greedy scores, -n tokens); "
+                   "prints every beam and the KV blocks used versus K independent sequences"});
   specs.push_back(help_option());
   auto args = Args::parse(argv, specs);
   if (!args) return fail("run", args.error().message);
@@ -80,13 +86,45 @@ int run_run(const std::vector<std::string>& argv) {
   }
   if (!tokens) return fail("run", tokens.error().message);
 
-  BlockTable table = e.new_table();
+  const std::string salt = args->get_or("cache-salt", "");
+  if (args->has("beams")) {
+    auto k = args->get_int("beams", 1, 1, 64);
+    if (!k) return fail("run", k.error().message);
+    BeamSearchOptions bo;
+    bo.n_beams = static_cast<int>(*k);
+    bo.max_tokens = gen->max_tokens;
+    bo.ignore_eos = gen->ignore_eos;
+    bo.cache_salt = salt;
+    auto br = beam_search(e, *tokens, bo);
+    if (!br) return fail("run", br.error().message);
+    for (size_t i = 0; i < br->beams.size(); ++i) {
+      const Beam& b = br->beams[i];
+      auto text = e.tokenizer().detokenize(b.tokens);
+      std::printf("beam %zu (logprob %.4f%s): %s\n", i, b.logprob, b.finished ? ", eos" : "",
+                  text ? json_escape(*text).c_str() : "?");
+    }
+    std::fprintf(stderr,
+                 "kvstack run: beam search K=%d, %zu prompt tokens (%lld from the prefix cache), "
+                 "%lld steps; KV blocks at peak: %lld shared vs %lld for %d independent "
+                 "sequences (%.1f%%), %lld copy-on-write copies\n",
+                 bo.n_beams, tokens->size(), static_cast<long long>(br->n_prompt_cached),
+                 static_cast<long long>(br->n_steps), static_cast<long long>(br->peak_blocks_used),
+                 static_cast<long long>(br->peak_blocks_independent), bo.n_beams,
+                 br->peak_blocks_independent > 0
+                     ? 100.0 * br->peak_blocks_used / br->peak_blocks_independent
+                     : 0.0,
+                 static_cast<long long>(br->n_cow_copies));
+    return 0;
+  }
+
+  Sequence seq = e.new_sequence(salt);
+  BlockTable& table = seq.table();
   auto on_text = [&](std::string_view piece) {
     if (json) return;
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
   };
-  auto res = generate(e, table, *tokens, *gen, on_text);
+  auto res = generate(e, seq, *tokens, *gen, on_text);
   if (!res) return fail("run", res.error().message);
   const GenerateStats& st = res->stats;
   const BlockPoolStats kv = e.pool().stats();
@@ -99,11 +137,13 @@ int run_run(const std::vector<std::string>& argv) {
     std::printf(
         "{\"tokens\": [%s], \"text\": \"%s\", \"finish_reason\": \"%s\", \"prompt_tokens\": %lld, "
         "\"completion_tokens\": %lld, \"ttft_ms\": %.2f, \"prefill_tok_s\": %.2f, "
-        "\"decode_tok_s\": %.2f, \"kv_payload_bytes\": %lld, \"kv_allocated_bytes\": %lld}\n",
+        "\"decode_tok_s\": %.2f, \"kv_payload_bytes\": %lld, \"kv_allocated_bytes\": %lld, "
+        "\"cached_tokens\": %lld}\n",
         ids.c_str(), json_escape(res->text).c_str(), finish_reason_name(res->finish),
         static_cast<long long>(st.n_prompt), static_cast<long long>(st.n_generated),
         st.ttft_s * 1e3, st.prefill_tok_s(), st.decode_tok_s(),
-        static_cast<long long>(kv.payload_bytes), static_cast<long long>(kv.allocated_bytes));
+        static_cast<long long>(kv.payload_bytes), static_cast<long long>(kv.allocated_bytes),
+        static_cast<long long>(st.n_cached));
   } else {
     std::printf("\n");
     std::fprintf(stderr,

@@ -2,9 +2,11 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 
 #include "core/cpu_features.h"
 #include "core/units.h"
+#include "cli/text_input.h"
 
 namespace kvstack::cli {
 
@@ -15,8 +17,15 @@ std::vector<OptionSpec> engine_options() {
       {"block-size", 0, "P", "tokens per KV block, a power of two 1..256 (default 16)"},
       {"kv-cache-mem", 0, "SIZE", "KV pool size in bytes, e.g. 512MiB, 2GiB (default: see tokens)"},
       {"kv-cache-tokens", 0, "N", "KV pool size in tokens (default: the model's context length)"},
-      {"kv-dtype", 0, "TYPE", "KV element type: f32, f16 or bf16 (default f16)"},
+      {"kv-dtype", 0, "TYPE",
+       "KV cache format: f32, f16, bf16, fp8 (E4M3, per-block scale), int8 (per-token scale) or "
+       "int4 (groups of 32) (default f16)"},
       {"prefill-chunk", 0, "N", "max tokens per prefill step (default 512)"},
+      {"no-prefix-cache", 0, "", "do not share KV between requests (no prefix cache)"},
+      {"public-prefix", 0, "FILE",
+       "pre-compute and pin the KV of this text (e.g. a system prompt) for every namespace; "
+       "repeatable",
+       true},
   };
 }
 
@@ -52,6 +61,17 @@ Result<EngineConfig> engine_config_from(const Args& args) {
   auto chunk = args.get_int("prefill-chunk", 512, 1, 1 << 20);
   if (!chunk) return chunk.error();
   c.prefill_chunk = static_cast<int>(*chunk);
+  c.prefix_cache = !args.flag("no-prefix-cache");
+  if (!c.prefix_cache && args.has("public-prefix")) {
+    return make_error(Errc::kInvalidArgument,
+                      "--public-prefix needs the prefix cache (drop --no-prefix-cache)");
+  }
+  // Weights digests persist per user (the one place the cache dir is read).
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0') {
+    c.digest_cache_dir = std::string(xdg) + "/kvstack";
+  } else if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
+    c.digest_cache_dir = std::string(home) + "/.cache/kvstack";
+  }
   return c;
 }
 
@@ -61,6 +81,17 @@ Result<std::unique_ptr<Engine>> load_engine(const Args& args, bool quiet) {
   const auto t0 = std::chrono::steady_clock::now();
   auto engine = Engine::create(*cfg);
   if (!engine) return engine.error();
+  int64_t n_pinned = 0;
+  for (const std::string& path : args.all("public-prefix")) {
+    auto text = read_file(path);
+    if (!text) return text.error();
+    const std::vector<int32_t> tokens =
+        (*engine)->tokenizer().tokenize(*text, {.add_special = true, .parse_special = true});
+    auto pinned = (*engine)->add_public_prefix(tokens);
+    if (!pinned) return make_error(pinned.error().code, "--public-prefix " + path + ": " +
+                                                            pinned.error().message);
+    n_pinned += *pinned;
+  }
   if (!quiet) {
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -74,6 +105,12 @@ Result<std::unique_ptr<Engine>> load_engine(const Args& args, bool quiet) {
                  static_cast<long long>(st.n_blocks_total), cfg->block_size,
                  kv_dtype_name(cfg->kv_dtype),
                  format_bytes(static_cast<double>(st.pool_bytes)).c_str());
+    if (!cfg->prefix_cache) {
+      std::fprintf(stderr, "kvstack: prefix cache off\n");
+    } else if (n_pinned > 0) {
+      std::fprintf(stderr, "kvstack: %lld public prefix blocks pinned\n",
+                   static_cast<long long>(n_pinned));
+    }
   }
   return engine;
 }

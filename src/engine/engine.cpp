@@ -6,6 +6,35 @@ namespace kvstack {
 
 Engine::~Engine() = default;
 
+namespace {
+
+// Revision of the forward pass's K/V semantics: bump when a change makes
+// newly computed K/V differ from what an older build cached.
+constexpr const char* kForwardRevision = "forward-r1";
+
+Result<CacheIdentity> engine_cache_identity(const Model& model, const EngineConfig& config,
+                                            const KvLayout& layout) {
+  CacheIdentity id;
+  if (config.prefix_cache) {
+    auto digest = weights_digest(config.model_path, config.digest_cache_dir);
+    if (!digest) return digest.error();
+    id.weights_digest = *digest;
+  }
+  const ModelConfig& c = model.config();
+  id.arch_revision = c.arch + ";" + kForwardRevision + ";L=" + std::to_string(c.n_layers) +
+                     ";E=" + std::to_string(c.n_embd) + ";H=" + std::to_string(c.n_heads) +
+                     ";Hkv=" + std::to_string(c.n_kv_heads) + ";d=" + std::to_string(c.head_dim) +
+                     ";eps=" + std::to_string(c.norm_eps) + ";bias=" + std::to_string(c.qkv_bias);
+  id.kv_format = kv_format_key(layout);
+  id.position = "rope;n_rot=" + std::to_string(c.n_rot) + ";neox=" + std::to_string(c.rope_neox) +
+                ";base=" + std::to_string(c.rope_freq_base) +
+                ";scale=" + std::to_string(c.rope_freq_scale) + ";type=" + c.rope_scaling_type;
+  id.attention = "causal;window=" + std::to_string(c.sliding_window) + ";sinks=0";
+  return id;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   std::unique_ptr<Engine> e(new Engine());
   e->config_ = config;
@@ -40,11 +69,48 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   e->threads_ =
       std::make_unique<ThreadPool>(config.n_threads > 0 ? config.n_threads : default_thread_count());
   e->forward_ = std::make_unique<Forward>(*e->model_, *e->threads_);
+  auto identity = engine_cache_identity(*e->model_, config, e->pool_->layout());
+  if (!identity) return identity.error();
+  e->kv_ = std::make_unique<KvManager>(*e->pool_, std::move(*identity),
+                                       KvManagerConfig{.prefix_cache = config.prefix_cache,
+                                                       .default_namespace = config.default_namespace,
+                                                       .partial_reuse = true,
+                                                       .event_capacity = config.kv_event_capacity});
   return e;
 }
 
 Status Engine::prefill(BlockTable& table, std::span<const int32_t> tokens, LogitsMode mode,
                        std::vector<float>* logits) {
+  return prefill_chunks(table, tokens, mode, logits, {});
+}
+
+Status Engine::prefill(Sequence& seq, std::span<const int32_t> tokens, LogitsMode mode,
+                       std::vector<float>* logits) {
+  Status s = prefill_chunks(seq.table(), tokens, mode, logits,
+                            [&](std::span<const int32_t> chunk) { seq.on_committed(chunk); });
+  if (!s.ok()) seq.rollback();
+  return s;
+}
+
+Result<int64_t> Engine::add_public_prefix(std::span<const int32_t> tokens) {
+  if (kv_->index() == nullptr) {
+    return make_error(Errc::kInvalidArgument,
+                      "public prefixes need the prefix cache (drop --no-prefix-cache)");
+  }
+  if (tokens.empty()) return make_error(Errc::kInvalidArgument, "public prefix has no tokens");
+  Sequence seq = kv_->new_sequence(kv_->public_namespace());
+  // An equal public prefix (or a prefix of it) may already be pinned: reuse
+  // it, so a repeated --public-prefix costs nothing.
+  const int64_t n_adopted = seq.adopt_cached_prefix(tokens);
+  if (n_adopted < static_cast<int64_t>(tokens.size())) {
+    KV_TRY_STATUS(prefill(seq, tokens.subspan(n_adopted), LogitsMode::kNone, nullptr));
+  }
+  return kv_->pin_public(std::move(seq));
+}
+
+Status Engine::prefill_chunks(BlockTable& table, std::span<const int32_t> tokens, LogitsMode mode,
+                              std::vector<float>* logits,
+                              const std::function<void(std::span<const int32_t>)>& on_chunk) {
   if (tokens.empty()) return make_error(Errc::kInvalidArgument, "nothing to prefill");
   std::vector<float> chunk_logits;
   const auto n = static_cast<int64_t>(tokens.size());
@@ -59,6 +125,7 @@ Status Engine::prefill(BlockTable& table, std::span<const int32_t> tokens, Logit
     const StepSeq s{.table = &table, .tokens = tokens.subspan(b, e - b), .logits = m};
     KV_TRY_STATUS(forward_->step(std::span<const StepSeq>(&s, 1),
                                  m == LogitsMode::kNone ? nullptr : &chunk_logits));
+    if (on_chunk) on_chunk(s.tokens);
     if (logits == nullptr || m == LogitsMode::kNone) continue;
     if (mode == LogitsMode::kAll) {
       logits->insert(logits->end(), chunk_logits.begin(), chunk_logits.end());

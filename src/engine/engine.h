@@ -4,15 +4,18 @@
 // Thread-safety: single owner thread; internal parallelism via the pool.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/result.h"
 #include "core/thread_pool.h"
 #include "engine/forward.h"
 #include "engine/model.h"
+#include "engine/sequence.h"
 #include "kv/block_pool.h"
 #include "kv/block_table.h"
 #include "kv/layout.h"
@@ -28,6 +31,11 @@ struct EngineConfig {
   uint64_t kv_cache_mem = 0;    // bytes for the pool (0 = use kv_cache_tokens)
   int64_t kv_cache_tokens = 0;  // tokens for the pool (0 = the model's context length)
   int prefill_chunk = 512;      // max tokens per prefill step
+  // Prefix cache (sequence.h): off = every request computes its own K/V.
+  bool prefix_cache = true;
+  std::string default_namespace = "default";  // namespace of requests without a cache salt
+  std::string digest_cache_dir;   // where weights digests persist ("" = this process only)
+  int64_t kv_event_capacity = 0;  // pending KV events kept (0 = off)
 };
 
 class Engine {
@@ -46,8 +54,17 @@ class Engine {
   Forward& forward() { return *forward_; }
   const KvLayout& layout() const { return pool_->layout(); }
 
-  // A new, empty sequence table in this engine's pool.
+  KvManager& kv() { return *kv_; }
+
+  // A new, empty sequence table in this engine's pool (no prefix cache).
   BlockTable new_table() { return BlockTable(*pool_); }
+
+  // A new, empty sequence in the namespace of `cache_salt` (empty: the
+  // deployment default). Use prefill(Sequence&) / generate(Sequence&) to run
+  // it through the prefix cache.
+  Sequence new_sequence(std::string_view cache_salt = "") {
+    return kv_->new_sequence(kv_->namespace_for(cache_salt));
+  }
 
   // Runs `tokens` through the model on top of `table` in chunks of at most
   // config().prefill_chunk tokens. kAll appends logits for every token to
@@ -57,6 +74,18 @@ class Engine {
   Status prefill(BlockTable& table, std::span<const int32_t> tokens, LogitsMode mode,
                  std::vector<float>* logits);
 
+  // The same on a sequence: each committed chunk is recorded and its full
+  // blocks published. On error the failed chunk's reservation is rolled back
+  // and nothing of it is published.
+  Status prefill(Sequence& seq, std::span<const int32_t> tokens, LogitsMode mode,
+                 std::vector<float>* logits);
+
+  // Computes `tokens` in the public namespace and pins the result: its full
+  // blocks are shared by every namespace and never evicted. Returns the
+  // number of pinned blocks (tokens past the last full block are not
+  // shareable). kInvalidArgument when the prefix cache is disabled.
+  Result<int64_t> add_public_prefix(std::span<const int32_t> tokens);
+
  private:
   Engine() = default;
   EngineConfig config_;
@@ -64,7 +93,12 @@ class Engine {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<ThreadPool> threads_;
   std::unique_ptr<BlockPool> pool_;
+  std::unique_ptr<KvManager> kv_;  // destroyed before pool_
   std::unique_ptr<Forward> forward_;
+
+  Status prefill_chunks(BlockTable& table, std::span<const int32_t> tokens, LogitsMode mode,
+                        std::vector<float>* logits,
+                        const std::function<void(std::span<const int32_t>)>& on_chunk);
 };
 
 }  // namespace kvstack

@@ -48,11 +48,10 @@ Status Forward::step(std::span<const StepSeq> batch, std::vector<float>* logits)
       }
     }
     if (s.table->length() + static_cast<int64_t>(s.tokens.size()) > c.n_ctx_train) {
-      return make_error(Errc::kInvalidArgument,
-                        "sequence would reach " +
-                            std::to_string(s.table->length() + s.tokens.size()) +
-                            " tokens, past the model's context length of " +
-                            std::to_string(c.n_ctx_train));
+      return make_error(
+          Errc::kInvalidArgument,
+          "sequence would reach " + std::to_string(s.table->length() + s.tokens.size()) +
+              " tokens, past the model's context length of " + std::to_string(c.n_ctx_train));
     }
     tables.push_back(s.table);
     n_new.push_back(static_cast<int64_t>(s.tokens.size()));
@@ -108,9 +107,17 @@ void Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
 
   // Attention block.
   rms_norm(x_.data(), w.attn_norm, n_tok, c.n_embd, c.norm_eps, h_.data());
-  matmul(w.wq, h_.data(), n_tok, q_.data(), &threads_);
-  matmul(w.wk, h_.data(), n_tok, k_.data(), &threads_);
-  matmul(w.wv, h_.data(), n_tok, v_.data(), &threads_);
+  // Q, K and V in one pass when their types allow (one activation
+  // quantization, one thread dispatch).
+  if (matmul_can_fuse(w.wq, w.wk) && matmul_can_fuse(w.wq, w.wv)) {
+    const WeightView qkv[3] = {w.wq, w.wk, w.wv};
+    float* const out[3] = {q_.data(), k_.data(), v_.data()};
+    matmul_multi(qkv, h_.data(), n_tok, out, &threads_);
+  } else {
+    matmul(w.wq, h_.data(), n_tok, q_.data(), &threads_);
+    matmul(w.wk, h_.data(), n_tok, k_.data(), &threads_);
+    matmul(w.wv, h_.data(), n_tok, v_.data(), &threads_);
+  }
   if (w.bq != nullptr) {
     for (int64_t t = 0; t < n_tok; ++t) {
       add(q_.data() + t * q_dim, w.bq, q_.data() + t * q_dim, q_dim);
@@ -145,8 +152,7 @@ void Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
                       .head_dim = c.head_dim,
                       .scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
                       .window = c.sliding_window};
-  const Status st =
-      paged_attention(batch.front().table->pool().layer_view(l), ap, seqs, &threads_);
+  const Status st = paged_attention(batch.front().table->pool().layer_view(l), ap, seqs, &threads_);
   KV_CHECK(st.ok(), "paged_attention rejected arguments the forward pass built");
 
   matmul(w.wo, attn_.data(), n_tok, h_.data(), &threads_);
@@ -154,8 +160,14 @@ void Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
 
   // Feed-forward block.
   rms_norm(x_.data(), w.ffn_norm, n_tok, c.n_embd, c.norm_eps, h_.data());
-  matmul(w.w_gate, h_.data(), n_tok, gate_.data(), &threads_);
-  matmul(w.w_up, h_.data(), n_tok, up_.data(), &threads_);
+  if (matmul_can_fuse(w.w_gate, w.w_up)) {
+    const WeightView gate_up[2] = {w.w_gate, w.w_up};
+    float* const out[2] = {gate_.data(), up_.data()};
+    matmul_multi(gate_up, h_.data(), n_tok, out, &threads_);
+  } else {
+    matmul(w.w_gate, h_.data(), n_tok, gate_.data(), &threads_);
+    matmul(w.w_up, h_.data(), n_tok, up_.data(), &threads_);
+  }
   swiglu(gate_.data(), up_.data(), gate_.data(), n_tok * c.n_ff);
   matmul(w.w_down, gate_.data(), n_tok, h_.data(), &threads_);
   add(x_.data(), h_.data(), x_.data(), n_tok * c.n_embd);

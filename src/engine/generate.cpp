@@ -15,9 +15,13 @@ const char* finish_reason_name(FinishReason r) {
   return "?";
 }
 
-Result<GenerateResult> generate(Engine& engine, BlockTable& table,
-                                std::span<const int32_t> prompt, const GenerateOptions& options,
-                                const std::function<void(std::string_view)>& on_text) {
+namespace {
+
+// The loop shared by both overloads. `seq` is null for a bare table.
+Result<GenerateResult> generate_impl(Engine& engine, BlockTable& table, Sequence* seq,
+                                     std::span<const int32_t> prompt,
+                                     const GenerateOptions& options,
+                                     const std::function<void(std::string_view)>& on_text) {
   using Clock = std::chrono::steady_clock;
   if (prompt.empty()) return make_error(Errc::kInvalidArgument, "the prompt has no tokens");
   if (options.max_tokens < 1) {
@@ -39,8 +43,16 @@ Result<GenerateResult> generate(Engine& engine, BlockTable& table,
   GenerateResult res;
   const auto t0 = Clock::now();
   std::vector<float> logits;
-  KV_TRY_STATUS(engine.prefill(table, prompt, LogitsMode::kLast, &logits));
-  res.stats.n_prompt = static_cast<int64_t>(prompt.size());
+  int64_t n_cached = 0;
+  if (seq != nullptr && seq->length() == 0) n_cached = seq->adopt_cached_prefix(prompt);
+  const std::span<const int32_t> fresh = prompt.subspan(static_cast<size_t>(n_cached));
+  if (seq != nullptr) {
+    KV_TRY_STATUS(engine.prefill(*seq, fresh, LogitsMode::kLast, &logits));
+  } else {
+    KV_TRY_STATUS(engine.prefill(table, fresh, LogitsMode::kLast, &logits));
+  }
+  res.stats.n_prompt = static_cast<int64_t>(fresh.size());
+  res.stats.n_cached = n_cached;
   res.stats.prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
   for (int32_t t : prompt) sampler->accept(t);
 
@@ -70,7 +82,11 @@ Result<GenerateResult> generate(Engine& engine, BlockTable& table,
       break;
     }
     const StepSeq s{.table = &table, .tokens = std::span<const int32_t>(&next, 1)};
-    KV_TRY_STATUS(engine.forward().step(std::span<const StepSeq>(&s, 1), &logits));
+    if (Status st = engine.forward().step(std::span<const StepSeq>(&s, 1), &logits); !st.ok()) {
+      table.rollback();
+      return st.error();
+    }
+    if (seq != nullptr) seq->on_committed(s.tokens);
     res.pending_token = -1;
   }
   if (!stops->stopped()) {
@@ -81,6 +97,20 @@ Result<GenerateResult> generate(Engine& engine, BlockTable& table,
   res.text = stops->text();
   res.stats.decode_s = std::chrono::duration<double>(Clock::now() - t_first).count();
   return res;
+}
+
+}  // namespace
+
+Result<GenerateResult> generate(Engine& engine, BlockTable& table,
+                                std::span<const int32_t> prompt, const GenerateOptions& options,
+                                const std::function<void(std::string_view)>& on_text) {
+  return generate_impl(engine, table, nullptr, prompt, options, on_text);
+}
+
+Result<GenerateResult> generate(Engine& engine, Sequence& seq, std::span<const int32_t> prompt,
+                                const GenerateOptions& options,
+                                const std::function<void(std::string_view)>& on_text) {
+  return generate_impl(engine, seq.table(), &seq, prompt, options, on_text);
 }
 
 }  // namespace kvstack

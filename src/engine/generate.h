@@ -33,6 +33,7 @@ const char* finish_reason_name(FinishReason r);
 
 struct GenerateStats {
   int64_t n_prompt = 0;     // new tokens prefilled by this call
+  int64_t n_cached = 0;     // prompt tokens adopted from the prefix cache (not prefilled)
   int64_t n_generated = 0;  // tokens sampled
   double prefill_s = 0;     // time of the prefill forward(s)
   double ttft_s = 0;        // call start to first sampled token
@@ -57,6 +58,16 @@ struct GenerateResult {
 // pool cannot hold the sequence); the table keeps what was committed.
 Result<GenerateResult> generate(Engine& engine, BlockTable& table,
                                 std::span<const int32_t> prompt, const GenerateOptions& options,
+                                const std::function<void(std::string_view)>& on_text = {});
+
+// The same on a sequence, through the prefix cache: when the sequence is
+// empty, the longest cached prefix of `prompt` is adopted first (stats.n_cached
+// tokens; the rest is prefilled, stats.n_prompt). Every committed block is
+// published as it completes, prompt and generated tokens alike, so a later
+// request (the next chat turn) that repeats this conversation hits it. When
+// the sequence is not empty, `prompt` continues it (no lookup).
+Result<GenerateResult> generate(Engine& engine, Sequence& seq, std::span<const int32_t> prompt,
+                                const GenerateOptions& options,
                                 const std::function<void(std::string_view)>& on_text = {});
 
 }  // namespace kvstack

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kv/block_table.h"
+#include "kv/prefix_index.h"
 
 namespace kvstack {
 
@@ -92,6 +93,7 @@ Result<std::unique_ptr<BlockPool>> BlockPool::create(const KvLayout& layout,
     return make_error(Errc::kIo, "KV pool: cannot map " + std::to_string(map_bytes) +
                                      " bytes: " + std::strerror(errno));
   }
+  madvise(mem, static_cast<size_t>(map_bytes), MADV_HUGEPAGE);  // fewer TLB misses; advisory
   return std::unique_ptr<BlockPool>(
       new BlockPool(layout, static_cast<uint8_t*>(mem), map_bytes, n_blocks));
 }
@@ -102,10 +104,7 @@ BlockPool::BlockPool(const KvLayout& layout, uint8_t* base, int64_t map_bytes, i
       map_bytes_(map_bytes),
       state_(n_blocks, BlockState::kFree),
       ref_count_(n_blocks, 0),
-      loose_refs_(n_blocks, 0),
-      hash_(n_blocks, 0),
-      parent_(n_blocks, kNullBlock),
-      last_use_(n_blocks, 0) {
+      loose_refs_(n_blocks, 0) {
   free_list_.reserve(n_blocks);
   for (int64_t i = n_blocks - 1; i >= 0; --i) free_list_.push_back(static_cast<int32_t>(i));
 }
@@ -113,6 +112,7 @@ BlockPool::BlockPool(const KvLayout& layout, uint8_t* base, int64_t map_bytes, i
 BlockPool::~BlockPool() {
   // Outstanding holders would dangle; this is a lifetime bug in the caller.
   KV_CHECK(tables_.empty(), "BlockPool destroyed while block tables are alive");
+  KV_CHECK(index_ == nullptr, "BlockPool destroyed while a PrefixIndex is attached");
   for (int32_t r : loose_refs_) KV_CHECK(r == 0, "BlockPool destroyed while BlockRefs are alive");
   munmap(base_, static_cast<size_t>(map_bytes_));
 }
@@ -123,7 +123,7 @@ uint8_t* BlockPool::block_data(BlockId id) const {
 }
 
 Result<BlockRef> BlockPool::allocate() {
-  if (free_list_.empty()) {
+  if (n_available() == 0) {
     ++n_out_of_blocks_;
     return make_error(Errc::kOutOfBlocks, "KV pool exhausted: need 1 block, 0 available of " +
                                               std::to_string(n_blocks()));
@@ -135,19 +135,59 @@ Result<BlockRef> BlockPool::allocate() {
   return BlockRef(this, BlockId{got[0]});
 }
 
+BlockRef BlockPool::ref_block(BlockId id) {
+  ref_any(id.value);
+  ++loose_refs_[id.value];
+  debug_check();
+  return BlockRef(this, id);
+}
+
 void BlockPool::take_free(int64_t n, std::vector<int32_t>& out) {
-  KV_CHECK(n >= 0 && n <= n_free(), "take_free: not enough free blocks (plan violated)");
+  KV_CHECK(n >= 0 && n <= n_available(), "take_free: not enough blocks (plan violated)");
+  if (n > n_free()) {
+    KV_CHECK(index_ != nullptr, "take_free: cached blocks without an index");
+    const int64_t want = n - n_free();
+    const int64_t got = index_->evict(want);
+    KV_CHECK(got == want, "take_free: eviction reclaimed fewer blocks than planned");
+  }
   for (int64_t i = 0; i < n; ++i) {
     const int32_t id = free_list_.back();
     free_list_.pop_back();
     KV_DCHECK(state_[id] == BlockState::kFree && ref_count_[id] == 0, "free list corrupt");
     state_[id] = BlockState::kUsed;
     ref_count_[id] = 1;
-    hash_[id] = 0;
-    parent_[id] = kNullBlock;
     out.push_back(id);
   }
   n_allocations_ += n;
+}
+
+void BlockPool::ref_any(int32_t id) {
+  KV_CHECK(id >= 0 && id < n_blocks(), "block id out of range");
+  if (state_[id] == BlockState::kCached) {
+    KV_CHECK(ref_count_[id] == 0, "cached block with references");
+    state_[id] = BlockState::kUsed;
+    ref_count_[id] = 1;
+    --n_cached_;
+    index_->on_referenced(id);
+    return;
+  }
+  add_ref(id);
+}
+
+void BlockPool::reclaim(int32_t id) {
+  KV_CHECK(state_[id] == BlockState::kCached && ref_count_[id] == 0,
+           "reclaim: block is not cached");
+  state_[id] = BlockState::kFree;
+  --n_cached_;
+  ++n_evictions_;
+  ++n_releases_;
+  free_list_.push_back(id);
+}
+
+void BlockPool::copy_block(int32_t src, int32_t dst) {
+  KV_CHECK(src != dst, "copy_block: source and destination are the same block");
+  std::memcpy(block_data(BlockId{dst}), block_data(BlockId{src}),
+              static_cast<size_t>(block_bytes()));
 }
 
 void BlockPool::add_ref(int32_t id) {
@@ -163,7 +203,13 @@ void BlockPool::drop_ref(int32_t id) {
   KV_CHECK(state_[id] == BlockState::kUsed && ref_count_[id] > 0,
            "reference released twice (ref count already 0)");
   if (--ref_count_[id] == 0) {
-    // The prefix index (next issue) will keep published blocks as kCached here.
+    if (index_ != nullptr && index_->is_published(id)) {
+      // Published K/V stay resident for future hits until evicted.
+      state_[id] = BlockState::kCached;
+      ++n_cached_;
+      index_->on_unreferenced(id);
+      return;
+    }
     state_[id] = BlockState::kFree;
     free_list_.push_back(id);
     ++n_releases_;
@@ -198,6 +244,10 @@ BlockPoolStats BlockPool::stats() const {
   s.n_allocations = n_allocations_;
   s.n_releases = n_releases_;
   s.n_out_of_blocks = n_out_of_blocks_;
+  s.n_evictions = n_evictions_;
+  s.n_cow_copies = n_cow_copies_;
+  s.n_partial_copies = n_partial_copies_;
+  s.n_clone_copies = n_clone_copies_;
   return s;
 }
 
@@ -216,11 +266,24 @@ void BlockPool::check_invariants() const {
       ++holders[id];
     }
   }
-  // Blocks not fully committed (the tail and reserved ones) are private: only
-  // full committed blocks are shared, so writes never touch shared data.
+  // Writable blocks are private and unpublished, so writes never touch shared
+  // data. A committed partial tail may be shared (forks): BlockTable::reserve
+  // copies it before anything is appended.
   for (const BlockTable* t : tables_) {
-    for (int64_t j = t->length_ / t->block_size_; j < t->n_blocks(); ++j) {
-      KV_CHECK(holders[t->ids_[j]] == 1, "a writable (not fully committed) block is shared");
+    for (int32_t id : t->ids_) {
+      KV_CHECK(state_[id] == BlockState::kUsed, "a table points at a free or cached block");
+    }
+    // Blocks past the committed tail are pure reservations; a partial tail
+    // itself may be shared (copied before the next write) but never published.
+    const int64_t tail = t->length_ / t->block_size_;
+    if (t->length_ % t->block_size_ != 0) {
+      KV_CHECK(index_ == nullptr || !index_->is_published(t->ids_[tail]),
+               "a partial tail block is published");
+    }
+    for (int64_t j = (t->length_ + t->block_size_ - 1) / t->block_size_; j < t->n_blocks(); ++j) {
+      KV_CHECK(holders[t->ids_[j]] == 1, "a writable (reserved, uncommitted) block is shared");
+      KV_CHECK(index_ == nullptr || !index_->is_published(t->ids_[j]),
+               "a writable (reserved, uncommitted) block is published");
     }
   }
   KV_CHECK(committed == n_tokens_committed_, "committed token total out of sync with tables");
@@ -255,6 +318,17 @@ void BlockPool::check_invariants() const {
   KV_CHECK(n_free == static_cast<int64_t>(free_list_.size()), "free count != free list size");
   KV_CHECK(n_cached == n_cached_, "cached block count out of sync");
   KV_CHECK(n_free + n_used + n_cached == n, "free + used + cached != total");
+  if (index_ != nullptr) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (state_[i] == BlockState::kCached) {
+        KV_CHECK(index_->is_published(static_cast<int32_t>(i)), "a cached block is not published");
+      }
+      if (state_[i] == BlockState::kFree) {
+        KV_CHECK(!index_->is_published(static_cast<int32_t>(i)), "a free block is published");
+      }
+    }
+    index_->check_invariants();
+  }
 }
 
 }  // namespace kvstack

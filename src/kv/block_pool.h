@@ -6,7 +6,11 @@
 //   kFree    ref 0, on the free list, contents meaningless.
 //   kUsed    ref > 0: held by block tables and/or BlockRef handles.
 //   kCached  ref 0, holds published (completed, committed) K/V kept for future
-//            prefix hits; evictable. Set only by the prefix index (next issue).
+//            prefix hits; evictable. Only blocks published in the attached
+//            PrefixIndex (prefix_index.h) enter this state: when the last
+//            reference to a published block is released it becomes kCached
+//            instead of kFree, and a reservation that needs more blocks than
+//            are free evicts cached blocks through the index (leaf-first LRU).
 // Invariant: n_free + n_used + n_cached == n_total.
 //
 // Reference counting. Every reference is owned by exactly one RAII holder: a
@@ -19,6 +23,11 @@
 // creation unless `populate` is set), so resident memory grows with the
 // blocks actually written. resident_bytes (stats) is measured with mincore().
 // Freed blocks are not cleared: valid lengths gate every read (spec 6).
+//
+// Chain rule (with a PrefixIndex attached): a holder of a published block
+// also holds the block's parent (tables hold whole prefixes; PrefixMatch
+// holds the matched chain). A loose BlockRef to a published block alone
+// (share_block) breaks it and is reported by check_invariants.
 //
 // Reuse rule: a block may be handed out again as soon as its last reference
 // is released, so holders must release only after every kernel that reads
@@ -77,13 +86,18 @@ struct BlockPoolStats {
   int64_t pool_bytes = 0;       // n_blocks_total * block_bytes (the mapping's useful size)
   int64_t resident_bytes = 0;   // bytes of the mapping resident in RAM (mincore)
   // Lifetime counters.
-  int64_t n_allocations = 0;    // blocks handed out
-  int64_t n_releases = 0;       // blocks returned to the free list
-  int64_t n_out_of_blocks = 0;  // reservations refused with kOutOfBlocks
+  int64_t n_allocations = 0;     // blocks handed out
+  int64_t n_releases = 0;        // blocks returned to the free list
+  int64_t n_out_of_blocks = 0;   // reservations refused with kOutOfBlocks
+  int64_t n_evictions = 0;       // cached blocks reclaimed for an allocation
+  int64_t n_cow_copies = 0;      // shared partial tails copied before an append
+  int64_t n_partial_copies = 0;  // cached blocks copied for a partial-block prefix hit
+  int64_t n_clone_copies = 0;    // blocks copied by BlockTable::clone_private
 };
 
 class BlockPool;
 class BlockTable;
+class PrefixIndex;
 Status reserve_all(std::span<BlockTable* const> tables, std::span<const int64_t> n_new);
 
 // One reference to one block, held outside a block table (e.g. by a prefix
@@ -126,8 +140,13 @@ class BlockPool {
   int64_t block_bytes() const { return layout_.block_bytes(); }
   int64_t n_blocks() const { return static_cast<int64_t>(state_.size()); }
   int64_t n_free() const { return static_cast<int64_t>(free_list_.size()); }
-  // Blocks a reservation may use now (free; later also evictable cached).
-  int64_t n_available() const { return n_free(); }
+  int64_t n_cached() const { return n_cached_; }
+  // Blocks a reservation may use now: free plus cached (every cached block is
+  // evictable: cached blocks only ever have cached descendants or children
+  // that are themselves evictable first; see PrefixIndex).
+  int64_t n_available() const { return n_free() + n_cached_; }
+  // The prefix index attached to this pool, or null (see PrefixIndex).
+  PrefixIndex* index() const { return index_; }
 
   // Start of block `id`'s bytes (all layers). REQUIRES: id in range.
   uint8_t* block_data(BlockId id) const;
@@ -137,9 +156,14 @@ class BlockPool {
   BlockState state(BlockId id) const { return state_[id.value]; }
   int32_t ref_count(BlockId id) const { return ref_count_[id.value]; }
 
-  // Allocates one block with ref 1 held by the returned handle; kOutOfBlocks
-  // (and no side effect) when none is available.
+  // Allocates one block with ref 1 held by the returned handle, evicting one
+  // cached block when none is free; kOutOfBlocks (and no side effect) when
+  // none is available.
   Result<BlockRef> allocate();
+
+  // A new reference to a block that is in use (ref > 0) or cached (ref 0,
+  // revived to kUsed and taken off the eviction list). REQUIRES: not kFree.
+  BlockRef ref_block(BlockId id);
 
   // O(1) except resident_bytes, which costs one mincore() over the mapping
   // (about pool_bytes / 4 KiB bytes of scratch and time).
@@ -154,15 +178,24 @@ class BlockPool {
  private:
   friend class BlockRef;
   friend class BlockTable;
+  friend class PrefixIndex;
   friend Status reserve_all(std::span<BlockTable* const> tables, std::span<const int64_t> n_new);
 
   BlockPool(const KvLayout& layout, uint8_t* base, int64_t map_bytes, int64_t n_blocks);
 
-  // Internal reference operations used by BlockRef / BlockTable.
-  // take_free: pops n free blocks (ref 1 each) into `out`; REQUIRES n <= n_free().
+  // Internal reference operations used by BlockRef / BlockTable / PrefixIndex.
+  // take_free: pops n free blocks (ref 1 each) into `out`, first evicting
+  // cached blocks when fewer than n are free; REQUIRES n <= n_available().
   void take_free(int64_t n, std::vector<int32_t>& out);
+  // add_ref: REQUIRES kUsed. ref_any: kUsed or kCached (revives a cached block).
   void add_ref(int32_t id);
+  void ref_any(int32_t id);
   void drop_ref(int32_t id);
+  // Evicted by the index: kCached -> kFree.
+  void reclaim(int32_t id);
+  // Copies every byte of block src into block dst (all layers; slots past a
+  // holder's valid length are never read, so a whole-block copy is exact).
+  void copy_block(int32_t src, int32_t dst);
   void debug_check() const {
 #if KV_DCHECK_IS_ON
     check_invariants();
@@ -177,10 +210,9 @@ class BlockPool {
   std::vector<BlockState> state_;
   std::vector<int32_t> ref_count_;
   std::vector<int32_t> loose_refs_;  // references held by BlockRef handles
-  // Prefix-cache fields, owned here, filled by the prefix index (next issue):
-  std::vector<uint64_t> hash_;      // block key: hash(parent key, tokens, extra keys)
-  std::vector<int32_t> parent_;     // block holding the previous P tokens, or kNullBlock
-  std::vector<uint64_t> last_use_;  // logical clock of the last hit/release (LRU)
+  // Prefix-cache metadata (hash, parent, tokens, LRU links) lives in the
+  // attached PrefixIndex's per-block arrays.
+  PrefixIndex* index_ = nullptr;
 
   std::vector<int32_t> free_list_;  // LIFO; low ids handed out first
   int64_t n_cached_ = 0;            // blocks in state kCached (prefix index)
@@ -191,6 +223,10 @@ class BlockPool {
   int64_t n_allocations_ = 0;
   int64_t n_releases_ = 0;
   int64_t n_out_of_blocks_ = 0;
+  int64_t n_evictions_ = 0;
+  int64_t n_cow_copies_ = 0;
+  int64_t n_partial_copies_ = 0;
+  int64_t n_clone_copies_ = 0;
 };
 
 }  // namespace kvstack

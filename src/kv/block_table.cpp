@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "kv/kv_write.h"
+#include "kv/prefix_index.h"
 
 namespace kvstack {
 
@@ -45,10 +46,18 @@ BlockTable::~BlockTable() {
   pool_->tables_.erase(this);
 }
 
+bool BlockTable::tail_shared() const {
+  if (length_ % block_size_ == 0) return false;
+  const int32_t tail = ids_[length_ / block_size_];
+  return pool_->ref_count(BlockId{tail}) > 1 ||
+         (pool_->index_ != nullptr && pool_->index_->is_published(tail));
+}
+
 int64_t BlockTable::blocks_needed(int64_t n_new) const {
   KV_CHECK(n_new >= 0, "blocks_needed: negative token count");
   const int64_t need = (length_ + n_new + block_size_ - 1) / block_size_;
-  return need > n_blocks() ? need - n_blocks() : 0;
+  const int64_t cow = n_new > 0 && tail_shared() ? 1 : 0;
+  return (need > n_blocks() ? need - n_blocks() : 0) + cow;
 }
 
 Status BlockTable::reserve(int64_t n_new) {
@@ -62,7 +71,19 @@ Status BlockTable::reserve(int64_t n_new) {
                           " tokens, " + std::to_string(pool_->n_available()) + " available");
   }
   const int64_t old_capacity = capacity();
-  pool_->take_free(n, ids_);
+  if (n_new > 0 && tail_shared()) {
+    // Copy-on-write: the committed slots of the shared tail move to a
+    // private block before anything is appended to it.
+    const int64_t j = length_ / block_size_;
+    std::vector<int32_t> fresh;
+    pool_->take_free(1, fresh);
+    pool_->copy_block(ids_[j], fresh[0]);
+    pool_->drop_ref(ids_[j]);
+    ids_[j] = fresh[0];
+    ++pool_->n_cow_copies_;
+  }
+  const int64_t need = (length_ + n_new + block_size_ - 1) / block_size_;
+  if (need > n_blocks()) pool_->take_free(need - n_blocks(), ids_);
   pool_->n_tokens_reserved_ += capacity() - old_capacity;
   pool_->debug_check();
   return Status{};
@@ -76,6 +97,9 @@ void BlockTable::write(int l, int64_t pos, const float* k_rows, const float* v_r
   KV_CHECK(l >= 0 && l < pool_->layout().n_layers(), "write: layer index out of range");
   KV_DCHECK(n_tokens == 0 || pool_->ref_count(BlockId{ids_[pos / block_size_]}) == 1,
             "write: target block is shared");
+  KV_DCHECK(n_tokens == 0 || pool_->index_ == nullptr ||
+                !pool_->index_->is_published(ids_[pos / block_size_]),
+            "write: target block is published");
   write_kv(pool_->layer_view(l), ids_, pos, k_rows, v_rows, n_tokens);
 }
 
@@ -140,6 +164,61 @@ void BlockTable::adopt_prefix(std::vector<BlockRef> refs) {
   length_ += added;
   pool_->n_tokens_committed_ += added;
   pool_->debug_check();
+}
+
+Status BlockTable::adopt_partial_copy(BlockRef src, int64_t n_tokens) {
+  KV_CHECK(length_ == capacity() && length_ % block_size_ == 0,
+           "adopt_partial_copy: table has a partial tail or a reservation");
+  KV_CHECK(n_tokens > 0 && n_tokens <= block_size_, "adopt_partial_copy: bad token count");
+  KV_CHECK(src.pool_ == pool_, "adopt_partial_copy: reference is empty or from another pool");
+  if (pool_->n_available() == 0) {
+    ++pool_->n_out_of_blocks_;
+    return make_error(Errc::kOutOfBlocks, "KV pool exhausted: no block for a partial prefix copy");
+  }
+  std::vector<int32_t> fresh;
+  pool_->take_free(1, fresh);  // src is referenced, so it cannot be the evicted block
+  pool_->copy_block(src.id_.value, fresh[0]);
+  ++pool_->n_partial_copies_;
+  src.reset();
+  ids_.push_back(fresh[0]);
+  length_ += n_tokens;
+  pool_->n_tokens_committed_ += n_tokens;
+  pool_->n_tokens_reserved_ += block_size_ - n_tokens;
+  // The copied slots are committed; the rest of the block is this table's
+  // reservation (it is private), so the accounting matches a reserve+commit.
+  pool_->debug_check();
+  return Status{};
+}
+
+BlockTable BlockTable::fork() const {
+  BlockTable t(*pool_);
+  const int64_t keep = (length_ + block_size_ - 1) / block_size_;
+  t.ids_.assign(ids_.begin(), ids_.begin() + keep);
+  for (int32_t id : t.ids_) pool_->add_ref(id);
+  t.length_ = length_;
+  pool_->n_tokens_committed_ += length_;
+  pool_->n_tokens_reserved_ += keep * block_size_ - length_;
+  pool_->debug_check();
+  return t;
+}
+
+Result<BlockTable> BlockTable::clone_private() const {
+  const int64_t keep = (length_ + block_size_ - 1) / block_size_;
+  if (keep > pool_->n_available()) {
+    ++pool_->n_out_of_blocks_;
+    return make_error(Errc::kOutOfBlocks, "KV pool exhausted: cloning a sequence needs " +
+                                              std::to_string(keep) + " blocks, " +
+                                              std::to_string(pool_->n_available()) + " available");
+  }
+  BlockTable t(*pool_);
+  pool_->take_free(keep, t.ids_);  // this table's blocks are referenced: never evicted here
+  for (int64_t j = 0; j < keep; ++j) pool_->copy_block(ids_[j], t.ids_[j]);
+  pool_->n_clone_copies_ += keep;
+  t.length_ = length_;
+  pool_->n_tokens_committed_ += length_;
+  pool_->n_tokens_reserved_ += keep * block_size_ - length_;
+  pool_->debug_check();
+  return t;
 }
 
 int64_t plan_reserve(std::span<BlockTable* const> tables, std::span<const int64_t> n_new) {

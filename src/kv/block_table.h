@@ -18,9 +18,12 @@
 // "Sampled" tokens are not in the table; a token enters it only by commit.
 //
 // Sharing: full committed blocks may be shared with other tables/holders
-// (share_block / adopt_prefix); such blocks are immutable because writes only
-// target positions >= length(). Partial-block sharing and copy-on-write come
-// with the prefix cache; until then the tail block of a table is private.
+// (share_block / adopt_prefix / fork); such blocks are immutable because
+// writes only target positions >= length(). A committed partial tail may be
+// shared too (fork): the next reserve() that appends into it first copies
+// it into a private block (copy-on-write, spec section 5), so a shared or
+// published block is never written in place. A prefix hit that ends inside
+// a cached block is adopted by copy (adopt_partial_copy).
 //
 // Thread-safety: same as BlockPool (single owner). write() on distinct
 // positions may run concurrently while no table/pool is mutated.
@@ -56,12 +59,18 @@ class BlockTable {
   const int32_t* data() const { return ids_.data(); }
 
   // Blocks a reservation of n_new more tokens on top of length() would take
-  // from the pool (0 when already reserved). No side effect. REQUIRES n_new >= 0.
+  // from the pool (0 when already reserved), including one copy-on-write
+  // block when the partial tail is shared. No side effect. REQUIRES n_new >= 0.
   int64_t blocks_needed(int64_t n_new) const;
 
-  // Ensures capacity() >= length() + n_new. All or nothing: on kOutOfBlocks
-  // (message gives needed and available blocks) nothing changed.
-  // REQUIRES n_new >= 0.
+  // True when the committed tail block is partly filled and has another holder
+  // (the next append copies it first).
+  bool tail_shared() const;
+
+  // Ensures capacity() >= length() + n_new, copying a shared partial tail
+  // into a private block first (copy-on-write). All or nothing: on
+  // kOutOfBlocks (message gives needed and available blocks) nothing changed.
+  // May evict cached blocks. REQUIRES n_new >= 0.
   Status reserve(int64_t n_new);
 
   // Writes layer l's K/V for tokens [pos, pos + n_tokens), converting from
@@ -93,6 +102,25 @@ class BlockTable {
   // the table. REQUIRES: length() == capacity() and length() % P == 0 (no
   // partial tail, nothing reserved), every ref valid and from this pool.
   void adopt_prefix(std::vector<BlockRef> refs);
+
+  // Adopts the first n_tokens slots of block `src` (a cached block whose
+  // first n_tokens tokens continue this table) by copying the block into a
+  // new private block: length += n_tokens. `src` is released on return.
+  // kOutOfBlocks (nothing changed) when no block is available.
+  // REQUIRES: length() == capacity(), length() % P == 0, 0 < n_tokens <= P,
+  // src valid and from this pool.
+  Status adopt_partial_copy(BlockRef src, int64_t n_tokens);
+
+  // A new table sharing every committed block (ceil(length / P) of them,
+  // one more reference each) with the same length; nothing reserved is
+  // shared. The fork and this table copy a shared partial tail on their next
+  // append.
+  BlockTable fork() const;
+
+  // A new table with private copies of every committed block (no sharing):
+  // the reference for what forks save. kOutOfBlocks (nothing changed) when
+  // the pool cannot hold the copies.
+  Result<BlockTable> clone_private() const;
 
  private:
   friend class BlockPool;

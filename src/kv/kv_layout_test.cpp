@@ -137,14 +137,15 @@ TEST(KvLayout, RejectsBadSpecsWithClearErrors) {
 }
 
 TEST(KvLayout, DtypeNames) {
-  for (KvDtype t : {KvDtype::kF32, KvDtype::kF16, KvDtype::kBF16}) {
+  for (KvDtype t : {KvDtype::kF32, KvDtype::kF16, KvDtype::kBF16, KvDtype::kFp8, KvDtype::kInt8,
+                    KvDtype::kInt4}) {
     auto r = parse_kv_dtype(kv_dtype_name(t));
     ASSERT_TRUE(r.ok());
     EXPECT_EQ(*r, t);
   }
-  auto bad = parse_kv_dtype("fp8");
+  auto bad = parse_kv_dtype("fp6");
   ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.error().message.find("'fp8'"), std::string::npos);
+  EXPECT_NE(bad.error().message.find("'fp6'"), std::string::npos);
 }
 
 TEST(KvLayout, SameFormat) {

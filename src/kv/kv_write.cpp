@@ -2,11 +2,15 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
+#include <string>
+
 #include "core/check.h"
 #include "core/half.h"
+#include "kv/kv_codec.h"
 
 namespace kvstack {
 
@@ -33,6 +37,8 @@ void convert_scalar(KvDtype dtype, const float* src, void* dst, int64_t n) {
       }
       return;
     }
+    default:
+      break;
   }
   KV_CHECK(false, "convert: unknown KV dtype");
 }
@@ -101,6 +107,99 @@ void convert_f32_row(Isa isa, KvDtype dtype, const float* src, void* dst, int64_
   convert_scalar(dtype, src, dst, n);
 }
 
+namespace {
+
+// One stream (K or V) of a view: where rows and metadata are.
+struct Stream {
+  uint8_t* data;
+  uint8_t* meta;
+  KvDtype dtype;
+  int64_t head_stride;
+  int64_t slot_stride;
+  int64_t meta_head_stride;
+  int64_t meta_slot_stride;
+};
+
+Stream k_stream(const PagedKvLayerView& v) {
+  return {v.k,
+          v.k_meta,
+          v.dtype,
+          v.head_stride,
+          v.slot_stride,
+          v.k_meta_head_stride,
+          v.k_meta_slot_stride};
+}
+Stream v_stream(const PagedKvLayerView& v) {
+  return {v.v,
+          v.v_meta,
+          v.value_dtype(),
+          v.value_head_stride(),
+          v.value_slot_stride(),
+          v.v_meta_head_stride,
+          v.v_meta_slot_stride};
+}
+
+// fp8: encodes `x` into slot `slot` of block `b`, head `h`, raising the
+// block's scale (and re-encoding slots [0, slot)) when x needs a larger one.
+void write_fp8_row(const Stream& st, int64_t block_stride, int32_t b, int64_t h, int64_t slot,
+                   const float* x, int d) {
+  uint8_t* meta = st.meta + b * block_stride + h * st.meta_head_stride;
+  uint8_t* head = st.data + b * block_stride + h * st.head_stride;
+  float amax = 0.0f;
+  for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float need = fp8_scale_for(amax);
+  float scale = 0.0f;
+  if (slot > 0) std::memcpy(&scale, meta, 4);  // slot 0: the block's old scale is stale
+  if (need > scale) {
+    if (scale > 0.0f) {
+      const float ratio = scale / need;  // a power of two < 1
+      for (int64_t s = 0; s < slot; ++s) {
+        uint8_t* row = head + s * st.slot_stride;
+        for (int i = 0; i < d; ++i) row[i] = fp8_e4m3_from_f32(fp8_e4m3_to_f32(row[i]) * ratio);
+      }
+    }
+    scale = need;
+    std::memcpy(meta, &scale, 4);
+  }
+  fp8_encode_row(x, d, scale, head + slot * st.slot_stride);
+}
+
+void write_stream_row(Isa isa, const Stream& st, int64_t block_stride, int32_t b, int64_t h,
+                      int64_t slot, const float* x, int d) {
+  if (st.dtype == KvDtype::kFp8) return write_fp8_row(st, block_stride, b, h, slot, x, d);
+  uint8_t* row = st.data + b * block_stride + h * st.head_stride + slot * st.slot_stride;
+  if (!kv_dtype_is_quantized(st.dtype)) return convert_f32_row(isa, st.dtype, x, row, d);
+  uint8_t* meta = st.meta + b * block_stride + h * st.meta_head_stride + slot * st.meta_slot_stride;
+  kv_encode_row(st.dtype, x, d, row, meta);
+}
+
+}  // namespace
+
+Status validate_kv_rows(const PagedKvLayerView& view, int64_t pos, const float* k_rows,
+                        const float* v_rows, int64_t n_tokens) {
+  const bool check_k = kv_dtype_is_quantized(view.dtype);
+  const bool check_v = view.v != nullptr && kv_dtype_is_quantized(view.value_dtype());
+  if (!check_k && !check_v) return {};
+  const int64_t d = view.head_dim;
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    for (int64_t h = 0; h < view.n_kv_heads; ++h) {
+      const int64_t row = (t * view.n_kv_heads + h) * d;
+      for (int which = 0; which < 2; ++which) {
+        if (which == 0 ? !check_k : !check_v) continue;
+        const Status st = kv_validate_values(which == 0 ? view.dtype : view.value_dtype(),
+                                             (which == 0 ? k_rows : v_rows) + row, d);
+        if (!st.ok()) {
+          return make_error(Errc::kInvalidArgument,
+                            std::string("KV write: ") + (which == 0 ? "K" : "V") + " of position " +
+                                std::to_string(pos + t) + ", head " + std::to_string(h) + ": " +
+                                st.error().message);
+        }
+      }
+    }
+  }
+  return {};
+}
+
 void write_kv_isa(Isa isa, const PagedKvLayerView& view, std::span<const int32_t> block_table,
                   int64_t pos, const float* k_rows, const float* v_rows, int64_t n_tokens) {
   if (n_tokens == 0) return;
@@ -110,18 +209,22 @@ void write_kv_isa(Isa isa, const PagedKvLayerView& view, std::span<const int32_t
            "write_kv: positions beyond the block table");
   KV_CHECK(k_rows != nullptr && (view.v == nullptr || v_rows != nullptr),
            "write_kv: missing K or V rows");
+  const Status valid = validate_kv_rows(view, pos, k_rows, v_rows, n_tokens);
+  KV_CHECK(valid.ok(), valid.ok() ? "" : valid.error().message.c_str());
   const int64_t h_kv = view.n_kv_heads;
-  const int64_t d = view.head_dim;
+  const int d = view.head_dim;
+  const Stream ks = k_stream(view);
+  const Stream vs = v_stream(view);
   for (int64_t t = 0; t < n_tokens; ++t) {
     const int64_t lp = pos + t;
     const int32_t b = block_table[lp / p];
     KV_CHECK(b >= 0, "write_kv: null block table entry");
-    const int64_t base = b * view.block_stride + (lp % p) * view.slot_stride;
     for (int64_t h = 0; h < h_kv; ++h) {
-      const int64_t off = base + h * view.head_stride;
       const int64_t row = (t * h_kv + h) * d;
-      convert_f32_row(isa, view.dtype, k_rows + row, view.k + off, d);
-      if (view.v != nullptr) convert_f32_row(isa, view.dtype, v_rows + row, view.v + off, d);
+      write_stream_row(isa, ks, view.block_stride, b, h, lp % p, k_rows + row, d);
+      if (view.v != nullptr) {
+        write_stream_row(isa, vs, view.block_stride, b, h, lp % p, v_rows + row, d);
+      }
     }
   }
 }
@@ -129,6 +232,13 @@ void write_kv_isa(Isa isa, const PagedKvLayerView& view, std::span<const int32_t
 void write_kv(const PagedKvLayerView& view, std::span<const int32_t> block_table, int64_t pos,
               const float* k_rows, const float* v_rows, int64_t n_tokens) {
   write_kv_isa(best_isa(), view, block_table, pos, k_rows, v_rows, n_tokens);
+}
+
+Status try_write_kv(const PagedKvLayerView& view, std::span<const int32_t> block_table, int64_t pos,
+                    const float* k_rows, const float* v_rows, int64_t n_tokens) {
+  KV_TRY_STATUS(validate_kv_rows(view, pos, k_rows, v_rows, n_tokens));
+  write_kv(view, block_table, pos, k_rows, v_rows, n_tokens);
+  return {};
 }
 
 }  // namespace kvstack

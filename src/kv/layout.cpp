@@ -2,6 +2,8 @@
 
 #include <string>
 
+#include "kv/kv_codec.h"
+
 namespace kvstack {
 
 const char* kv_dtype_name(KvDtype t) {
@@ -12,6 +14,12 @@ const char* kv_dtype_name(KvDtype t) {
       return "f16";
     case KvDtype::kBF16:
       return "bf16";
+    case KvDtype::kFp8:
+      return "fp8";
+    case KvDtype::kInt8:
+      return "int8";
+    case KvDtype::kInt4:
+      return "int4";
   }
   return "unknown";
 }
@@ -20,8 +28,15 @@ Result<KvDtype> parse_kv_dtype(std::string_view name) {
   if (name == "f32") return KvDtype::kF32;
   if (name == "f16") return KvDtype::kF16;
   if (name == "bf16") return KvDtype::kBF16;
-  return make_error(Errc::kInvalidArgument,
-                    "unknown KV dtype '" + std::string(name) + "' (expected f32, f16 or bf16)");
+  if (name == "fp8") return KvDtype::kFp8;
+  if (name == "int8") return KvDtype::kInt8;
+  if (name == "int4") return KvDtype::kInt4;
+  if (name == "kivi2" || name == "kivi4") {
+    return make_error(Errc::kUnsupported,
+                      "KV dtype '" + std::string(name) + "' is not implemented by the engine yet");
+  }
+  return make_error(Errc::kInvalidArgument, "unknown KV dtype '" + std::string(name) +
+                                                "' (expected f32, f16, bf16, fp8, int8 or int4)");
 }
 
 namespace {
@@ -35,7 +50,7 @@ int64_t align_up(int64_t x, int64_t a) {
 }
 
 bool valid_dtype(KvDtype t) {
-  return t == KvDtype::kF32 || t == KvDtype::kF16 || t == KvDtype::kBF16;
+  return static_cast<uint8_t>(t) <= static_cast<uint8_t>(KvDtype::kInt4);
 }
 
 Error layer_error(Errc code, int l, const std::string& what) {
@@ -60,7 +75,9 @@ Result<KvLayout> KvLayout::create(std::vector<KvLayerSpec> layers, int block_siz
   int64_t offset = 0;
   for (int l = 0; l < static_cast<int>(layers.size()); ++l) {
     const KvLayerSpec& s = layers[l];
-    if (!valid_dtype(s.dtype)) return layer_error(Errc::kInvalidArgument, l, "invalid dtype");
+    if (!valid_dtype(s.dtype) || !valid_dtype(s.value_dtype())) {
+      return layer_error(Errc::kInvalidArgument, l, "invalid dtype");
+    }
     if (s.window < 0) {
       return layer_error(Errc::kInvalidArgument, l,
                          "window " + std::to_string(s.window) + " must be >= 0 (0 = full)");
@@ -88,14 +105,37 @@ Result<KvLayout> KvLayout::create(std::vector<KvLayerSpec> layers, int block_siz
         return layer_error(Errc::kInvalidArgument, l,
                            "latent_dim/rope_dim are only for MLA layers");
       }
-      p.slot_stride = s.head_dim_k * b;
+      auto gk = kv_row_geometry(s.dtype, s.head_dim_k);
+      if (!gk) return layer_error(Errc::kUnsupported, l, "K: " + gk.error().message);
+      auto gv = kv_row_geometry(s.value_dtype(), s.head_dim_v);
+      if (!gv) return layer_error(Errc::kUnsupported, l, "V: " + gv.error().message);
+      const int64_t h = s.n_kv_heads;
+      p.slot_stride = gk->row_bytes;
       p.head_stride = p.slot_stride * block_size;
-      p.k_bytes = p.head_stride * s.n_kv_heads;
-      p.v_bytes = static_cast<int64_t>(s.head_dim_v) * b * block_size * s.n_kv_heads;
+      p.v_slot_stride = gv->row_bytes;
+      p.v_head_stride = p.v_slot_stride * block_size;
+      p.k_bytes = p.head_stride * h;
+      p.v_bytes = p.v_head_stride * h;
       p.k_offset = offset;
       p.v_offset = offset + align_up(p.k_bytes, kAlign);
-      p.end_offset = p.v_offset + align_up(p.v_bytes, kAlign);
-      payload = static_cast<int64_t>(s.n_kv_heads) * (s.head_dim_k + s.head_dim_v) * b;
+      int64_t end = p.v_offset + align_up(p.v_bytes, kAlign);
+      p.k_meta_slot_stride = gk->meta_row_bytes;
+      p.k_meta_block_bytes = gk->meta_block_bytes;
+      p.k_meta_head_stride = gk->meta_row_bytes * block_size + gk->meta_block_bytes;
+      if (p.k_meta_head_stride > 0) {
+        p.k_meta_offset = end;
+        end += align_up(p.k_meta_head_stride * h, kAlign);
+      }
+      p.v_meta_slot_stride = gv->meta_row_bytes;
+      p.v_meta_block_bytes = gv->meta_block_bytes;
+      p.v_meta_head_stride = gv->meta_row_bytes * block_size + gv->meta_block_bytes;
+      if (p.v_meta_head_stride > 0) {
+        p.v_meta_offset = end;
+        end += align_up(p.v_meta_head_stride * h, kAlign);
+      }
+      p.end_offset = end;
+      payload = h * (gk->row_bytes + gk->meta_row_bytes + gv->row_bytes + gv->meta_row_bytes);
+      out.block_meta_bytes_ += h * (gk->meta_block_bytes + gv->meta_block_bytes);
     } else if (s.kind == KvLayerKind::kMlaLatent) {
       if (s.latent_dim < 1 || s.latent_dim > kMaxDim || s.rope_dim < 0 || s.rope_dim > kMaxDim) {
         return layer_error(Errc::kInvalidArgument, l,
@@ -105,6 +145,10 @@ Result<KvLayout> KvLayout::create(std::vector<KvLayerSpec> layers, int block_siz
       if (s.n_kv_heads != 0 || s.head_dim_k != 0 || s.head_dim_v != 0) {
         return layer_error(Errc::kInvalidArgument, l,
                            "MLA layers take latent_dim/rope_dim, not n_kv_heads/head_dim");
+      }
+      if (kv_dtype_is_quantized(s.dtype) || s.dtype_v.has_value()) {
+        return layer_error(Errc::kUnsupported, l,
+                           "MLA latent layers support only f32/f16/bf16 and no V dtype");
       }
       p.slot_stride = static_cast<int64_t>(s.latent_dim + s.rope_dim) * b;
       p.head_stride = 0;
@@ -143,9 +187,15 @@ Result<KvLayout> KvLayout::uniform(int n_layers, int n_kv_heads, int head_dim, K
 int64_t KvLayout::layer_payload_bytes_per_token(int l) const {
   KV_CHECK(l >= 0 && l < n_layers(), "layer index out of range");
   const KvLayerSpec& s = layers_[l];
-  const int64_t b = kv_dtype_bytes(s.dtype);
-  if (s.kind == KvLayerKind::kMlaLatent) return static_cast<int64_t>(s.latent_dim + s.rope_dim) * b;
-  return static_cast<int64_t>(s.n_kv_heads) * (s.head_dim_k + s.head_dim_v) * b;
+  const KvLayerPlacement& p = placements_[l];
+  if (s.kind == KvLayerKind::kMlaLatent) return p.slot_stride;
+  return static_cast<int64_t>(s.n_kv_heads) *
+         (p.slot_stride + p.k_meta_slot_stride + p.v_slot_stride + p.v_meta_slot_stride);
+}
+
+int64_t KvLayout::payload_bytes(int64_t n_tokens) const {
+  const int64_t n_blocks = (n_tokens + block_size_ - 1) / block_size_;
+  return n_tokens * payload_per_token_ + n_blocks * block_meta_bytes_;
 }
 
 PagedKvLayerView KvLayout::layer_view(int l, uint8_t* pool_base) const {
@@ -161,6 +211,20 @@ PagedKvLayerView KvLayout::layer_view(int l, uint8_t* pool_base) const {
   v.slot_stride = p.slot_stride;
   v.dtype = s.dtype;
   v.block_size = block_size_;
+  v.v_distinct = s.value_dtype() != s.dtype;
+  v.v_dtype = s.value_dtype();
+  v.v_head_stride = p.v_head_stride;
+  v.v_slot_stride = p.v_slot_stride;
+  if (p.k_meta_offset >= 0) {
+    v.k_meta = pool_base + p.k_meta_offset;
+    v.k_meta_head_stride = p.k_meta_head_stride;
+    v.k_meta_slot_stride = p.k_meta_slot_stride;
+  }
+  if (p.v_meta_offset >= 0) {
+    v.v_meta = pool_base + p.v_meta_offset;
+    v.v_meta_head_stride = p.v_meta_head_stride;
+    v.v_meta_slot_stride = p.v_meta_slot_stride;
+  }
   if (s.kind == KvLayerKind::kMlaLatent) {
     v.n_kv_heads = 1;
     v.head_dim = s.latent_dim + s.rope_dim;
@@ -181,7 +245,7 @@ bool KvLayout::same_format(const KvLayout& o) const {
     const KvLayerSpec& b = o.layers_[l];
     if (a.kind != b.kind || a.n_kv_heads != b.n_kv_heads || a.head_dim_k != b.head_dim_k ||
         a.head_dim_v != b.head_dim_v || a.latent_dim != b.latent_dim || a.rope_dim != b.rope_dim ||
-        a.dtype != b.dtype || a.window != b.window) {
+        a.dtype != b.dtype || a.value_dtype() != b.value_dtype() || a.window != b.window) {
       return false;
     }
   }

@@ -24,18 +24,18 @@
 // plus, per layer, a metadata region placed after the V region inside the
 // same block: [n_kv_heads][n_groups] scales/zeros for K and for V, with the
 // group shape fixed by the format (per-token groups for V, per-channel groups
-// along the block's P tokens for K). KvLayerPlacement gains k_meta_offset /
-// v_meta_offset and the view gains the matching pointers/strides; the block
-// is still one opaque run of block_bytes, so the pool, tables and prefix
-// index are unchanged, and a shared block carries its own scales. Blocks
-// that must stay in full precision (a KIVI residual of R recent tokens) are
-// a second layout (a second pool or a second block class): the sequence's
-// tail lives there until a group fills, then is converted in one step and
-// the table entry is swapped, so a reader never sees a half-converted group.
-// Per-token payload for such layers is w/8 + s/g bytes per element (spec
-// section 3); since that can be fractional per token, the layout will
-// compute it per block (bytes of one block's data + metadata for P tokens)
-// and report payload for T tokens from that, keeping the figures exact.
+// along the block's P tokens for K). Implemented for fp8/int8/int4 (region
+// order K codes, V codes, K meta, V meta, each padded to 64 bytes; row
+// geometry in kv_codec.h); K and V may use different dtypes (dtype_v). KvLayerPlacement gains
+// k_meta_offset / v_meta_offset and the view gains the matching pointers/strides; the block is
+// still one opaque run of block_bytes, so the pool, tables and prefix index are unchanged, and a
+// shared block carries its own scales. Blocks that must stay in full precision (a KIVI residual of
+// R recent tokens) are a second layout (a second pool or a second block class): the sequence's tail
+// lives there until a group fills, then is converted in one step and the table entry is swapped, so
+// a reader never sees a half-converted group. Per-token payload for such layers is w/8 + s/g bytes
+// per element (spec section 3); since that can be fractional per token, the layout will compute it
+// per block (bytes of one block's data + metadata for P tokens) and report payload for T tokens
+// from that, keeping the figures exact.
 //
 // Sliding windows. `KvLayerSpec::window` (w > 0) is recorded and exposed so
 // the kernel masks positions < pos - w + 1; storing the full history is
@@ -61,6 +61,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string_view>
 #include <vector>
 
@@ -75,7 +76,7 @@ enum class KvLayerKind : uint8_t {
   kMlaLatent = 1,  // one latent row c_t (latent_dim) + decoupled RoPE key (rope_dim)
 };
 
-// Parses "f32", "f16", "bf16" (as used by --kv-dtype).
+// Parses "f32", "f16", "bf16", "fp8", "int8", "int4" (as used by --kv-dtype).
 Result<KvDtype> parse_kv_dtype(std::string_view name);
 
 struct KvLayerSpec {
@@ -89,8 +90,12 @@ struct KvLayerSpec {
   // kMlaLatent: d_c >= 1, d_R >= 0 (n_kv_heads / head_dim_* must be 0).
   int latent_dim = 0;
   int rope_dim = 0;
-  KvDtype dtype = KvDtype::kF16;
-  int window = 0;  // sliding-window width in tokens; 0 = full attention
+  KvDtype dtype = KvDtype::kF16;  // K's dtype (and the MLA latent's), and V's by default
+  int window = 0;                 // sliding-window width in tokens; 0 = full attention
+  // V's dtype when it differs from K's (kStandard only); unset = dtype.
+  std::optional<KvDtype> dtype_v = std::nullopt;
+
+  KvDtype value_dtype() const { return dtype_v.value_or(dtype); }
 };
 
 // Byte offsets of one layer's regions inside a block (relative to the block
@@ -103,6 +108,19 @@ struct KvLayerPlacement {
   int64_t k_bytes = 0;      // K region size before padding
   int64_t v_bytes = 0;      // V region size before padding (0 for MLA)
   int64_t end_offset = 0;   // first byte after this layer's padded regions
+  // V strides (differ from K's when V has another dtype).
+  int64_t v_head_stride = 0;
+  int64_t v_slot_stride = 0;
+  // Quantization metadata regions (kv_codec.h), after the V region:
+  // [n_kv_heads][meta_head_stride] bytes each; offset -1 when absent.
+  int64_t k_meta_offset = -1;
+  int64_t v_meta_offset = -1;
+  int64_t k_meta_head_stride = 0;  // P * meta_row_bytes + meta_block_bytes
+  int64_t v_meta_head_stride = 0;
+  int64_t k_meta_slot_stride = 0;  // meta_row_bytes (0 for per-block metadata)
+  int64_t v_meta_slot_stride = 0;
+  int64_t k_meta_block_bytes = 0;  // per (block, head) metadata bytes
+  int64_t v_meta_block_bytes = 0;
 };
 
 class KvLayout {
@@ -128,9 +146,17 @@ class KvLayout {
   int64_t block_bytes() const { return block_bytes_; }
   // Payload bytes cached per token, summed over layers, without paging or
   // padding: standard 2 * H_kv * d * b (H_kv * (d_k + d_v) * b), MLA
-  // (d_c + d_R) * b. B_KV for T tokens is T * this (spec section 3).
+  // (d_c + d_R) * b; quantized formats count codes plus per-token metadata
+  // (w/8 + s/g per element, spec section 3). Formats with per-block
+  // metadata (fp8) add it per block: payload_bytes(T) is exact for them.
+  // For formats without per-block metadata B_KV for T tokens is T * this.
   int64_t payload_bytes_per_token() const { return payload_per_token_; }
   int64_t layer_payload_bytes_per_token(int l) const;
+  // Metadata bytes per block that is not per token (fp8 scales), all layers.
+  int64_t block_meta_bytes() const { return block_meta_bytes_; }
+  // Exact payload of one sequence of n_tokens tokens (starting at a block
+  // boundary): n * payload_bytes_per_token() + ceil(n / P) * block_meta_bytes().
+  int64_t payload_bytes(int64_t n_tokens) const;
 
   // View of layer l over a pool whose block 0 starts at `pool_base`.
   // REQUIRES: 0 <= l < n_layers(); pool_base 64-byte aligned.
@@ -147,6 +173,7 @@ class KvLayout {
   int block_size_ = 0;
   int64_t block_bytes_ = 0;
   int64_t payload_per_token_ = 0;
+  int64_t block_meta_bytes_ = 0;
 };
 
 }  // namespace kvstack

@@ -1,6 +1,7 @@
 #include "ops/matmul.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <vector>
 
@@ -21,7 +22,7 @@ using ops_detail::PreparedAct;
 // only grow, so steady-state calls do not allocate.
 struct Workspace {
   std::vector<int8_t> qs;
-  std::vector<float> d, s, f32;
+  std::vector<float> d, s, ds, f32;
   std::vector<BlockQ8_K> q8k;
 };
 
@@ -78,14 +79,21 @@ PreparedAct prepare(ActKind kind, const float* x, int64_t m, int64_t n_in, Threa
       int8_t* qs = grow(ws.qs, n);
       float* d = grow(ws.d, static_cast<size_t>(m * nb));
       float* s = kind == ActKind::kQ8_1 ? grow(ws.s, static_cast<size_t>(m * nb)) : nullptr;
+      float* ds = kind == ActKind::kQ8_1 ? grow(ws.ds, static_cast<size_t>(2 * m * nb)) : nullptr;
       for_rows(m, pool, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           quantize_act_q8(x + r * n_in, qs + r * n_in, d + r * nb, s ? s + r * nb : nullptr, n_in);
+          if (ds == nullptr) continue;
+          for (int64_t b = r * nb; b < (r + 1) * nb; ++b) {
+            ds[2 * b] = d[b];
+            ds[2 * b + 1] = s[b];
+          }
         }
       });
       a.qs = qs;
       a.d = d;
       a.s = s;
+      a.ds = ds;
       break;
     }
     case ActKind::kQ8_K: {
@@ -108,49 +116,118 @@ MatmulKernel select_kernel(GgmlType type) {
   return ops_detail::scalar_kernel(type);
 }
 
+// One output of a fused call: weight matrix, its kernel and output [m, n_out].
+struct Part {
+  const WeightView* w;
+  MatmulKernel kernel;
+  float* y;
+  int64_t col0;  // first column of this part in the concatenated column space
+};
+
+// A thread's share of the concatenated columns: [next, end), claimed from the
+// front in `grain`-column steps by the owner and, once their own share is
+// done, by other threads. One cache line each so owners do not contend.
+struct alignas(64) Share {
+  std::atomic<int64_t> next{0};
+  int64_t end = 0;
+};
+
+constexpr int kMaxThreads = 64;
+
+// Columns [c0, c1) of the concatenated space (c0, c1 multiples of 4 except
+// at a part's end), split at part boundaries.
+void run_columns(const Part* parts, int n_parts, const PreparedAct& act, int64_t c0, int64_t c1) {
+  for (int i = 0; i < n_parts && c0 < c1; ++i) {
+    const Part& p = parts[i];
+    const int64_t lo = std::max(c0, p.col0), hi = std::min(c1, p.col0 + p.w->n_out);
+    if (lo < hi) p.kernel(*p.w, act, lo - p.col0, hi - p.col0, p.y, p.w->n_out);
+  }
+}
+
+// Runs every part over the activation `act` on the pool. Each thread starts on
+// its own contiguous column range (one sequential weight stream, so hardware
+// prefetch stays on it) and then steals grains from the other ranges, so a
+// thread slowed by other load does not hold up the call.
+void run_parts(const Part* parts, int n_parts, const PreparedAct& act, ThreadPool* pool) {
+  int64_t n_cols = 0;
+  for (int i = 0; i < n_parts; ++i) n_cols += parts[i].w->n_out;
+  const int n_threads = std::min(pool ? pool->n_threads() : 1, kMaxThreads);
+  // Grains are multiples of 4 columns (the kernels' widest tile): small for
+  // decode (cheap to steal), ~8 per thread for prefill.
+  const int64_t grain =
+      act.m == 1
+          ? 16
+          : std::max<int64_t>(16, (std::max<int64_t>(1, n_cols / (8 * n_threads)) + 3) / 4 * 4);
+  if (n_threads <= 1 || n_cols <= grain) {
+    run_columns(parts, n_parts, act, 0, n_cols);
+    return;
+  }
+  std::array<Share, kMaxThreads> shares;
+  for (int t = 0; t < n_threads; ++t) {
+    const int64_t b = n_cols * t / n_threads / 4 * 4;
+    const int64_t e = t + 1 == n_threads ? n_cols : n_cols * (t + 1) / n_threads / 4 * 4;
+    shares[t].next.store(b, std::memory_order_relaxed);
+    shares[t].end = e;
+  }
+  struct Ctx {
+    const Part* parts;
+    int n_parts;
+    int n_threads;
+    int64_t grain;
+    const PreparedAct* act;
+    Share* shares;
+  } ctx{parts, n_parts, n_threads, grain, &act, shares.data()};
+  const Ctx* c = &ctx;  // one captured pointer: std::function stores it without allocating
+  pool->run([c](int t) {
+    if (t >= c->n_threads) return;
+    for (int k = 0; k < c->n_threads; ++k) {
+      Share& sh = c->shares[(t + k) % c->n_threads];
+      for (;;) {
+        const int64_t c0 = sh.next.fetch_add(c->grain, std::memory_order_relaxed);
+        if (c0 >= sh.end) break;
+        run_columns(c->parts, c->n_parts, *c->act, c0, std::min(sh.end, c0 + c->grain));
+      }
+    }
+  });
+}
+
 }  // namespace
 
 bool matmul_supported(GgmlType type) {
   return ops_detail::scalar_kernel(type) != nullptr;
 }
 
-void matmul(const WeightView& w, const float* x, int64_t m, float* y, ThreadPool* pool) {
-  KV_CHECK(matmul_supported(w.type), "matmul: unsupported weight type");
-  const GgmlTypeTraits* traits = ggml_type_traits(static_cast<uint32_t>(w.type));
-  KV_CHECK(w.n_in > 0 && w.n_in % traits->block_elems == 0,
-           "matmul: n_in must be a positive multiple of the weight block size");
-  if (m <= 0 || w.n_out <= 0) return;
-  const MatmulKernel kernel = select_kernel(w.type);
-  const PreparedAct act = prepare(ops_detail::act_kind(w.type), x, m, w.n_in, pool);
+bool matmul_can_fuse(const WeightView& a, const WeightView& b) {
+  return matmul_supported(a.type) && matmul_supported(b.type) && a.n_in == b.n_in &&
+         ops_detail::act_kind(a.type) == ops_detail::act_kind(b.type);
+}
 
-  const int n_threads = pool ? pool->n_threads() : 1;
-  // Columns (weight rows) are handed out in chunks from a shared counter, so a
-  // thread slowed by other load does not hold up the call. Chunks are
-  // multiples of 4 rows (the kernels' widest tile) and aim for ~8 per thread.
-  const int64_t target = std::max<int64_t>(1, w.n_out / (8 * n_threads));
-  const int64_t chunk = std::max<int64_t>(16, (target + 3) / 4 * 4);
-  const int64_t n_chunks = (w.n_out + chunk - 1) / chunk;
-  if (n_threads <= 1 || n_chunks <= 1) {
-    kernel(w, act, 0, w.n_out, y, w.n_out);
-    return;
+void matmul(const WeightView& w, const float* x, int64_t m, float* y, ThreadPool* pool) {
+  float* ys[1] = {y};
+  matmul_multi(std::span<const WeightView>(&w, 1), x, m, ys, pool);
+}
+
+void matmul_multi(std::span<const WeightView> ws, const float* x, int64_t m,
+                  std::span<float* const> ys, ThreadPool* pool) {
+  KV_CHECK(!ws.empty() && ws.size() == ys.size() && ws.size() <= 8,
+           "matmul_multi: 1..8 weight matrices, one output each");
+  Part parts[8];
+  int64_t col0 = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const WeightView& w = ws[i];
+    KV_CHECK(matmul_supported(w.type), "matmul: unsupported weight type");
+    const GgmlTypeTraits* traits = ggml_type_traits(static_cast<uint32_t>(w.type));
+    KV_CHECK(w.n_in > 0 && w.n_in % traits->block_elems == 0,
+             "matmul: n_in must be a positive multiple of the weight block size");
+    KV_CHECK(i == 0 || matmul_can_fuse(ws[0], w),
+             "matmul_multi: weights differ in n_in or activation format");
+    KV_CHECK(w.n_out >= 0, "matmul: negative n_out");
+    parts[i] = Part{&w, select_kernel(w.type), ys[i], col0};
+    col0 += w.n_out;
   }
-  struct Ctx {
-    std::atomic<int64_t> next{0};
-    int64_t chunk, n_chunks;
-    MatmulKernel kernel;
-    const WeightView* w;
-    const PreparedAct* act;
-    float* y;
-  } ctx{{}, chunk, n_chunks, kernel, &w, &act, y};
-  Ctx* c = &ctx;  // one captured pointer: std::function stores it without allocating
-  pool->run([c](int) {
-    for (;;) {
-      const int64_t i = c->next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= c->n_chunks) break;
-      const int64_t c0 = i * c->chunk;
-      c->kernel(*c->w, *c->act, c0, std::min(c->w->n_out, c0 + c->chunk), c->y, c->w->n_out);
-    }
-  });
+  if (m <= 0 || col0 == 0) return;
+  const PreparedAct act = prepare(ops_detail::act_kind(ws[0].type), x, m, ws[0].n_in, pool);
+  run_parts(parts, static_cast<int>(ws.size()), act, pool);
 }
 
 }  // namespace kvstack

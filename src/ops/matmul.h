@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "core/ggml_types.h"
 #include "core/thread_pool.h"
@@ -30,7 +31,21 @@ struct WeightView {
 // REQUIRES: matmul_supported(w.type), w.n_in a multiple of the block size.
 void matmul(const WeightView& w, const float* x, int64_t m, float* y, ThreadPool* pool);
 
+// Several weight matrices applied to the same activations in one pass:
+// ys[i][m, ws[i].n_out] = X[m, n_in] . ws[i]^T. X is converted/quantized once
+// and one parallel job covers every output (fewer thread dispatches than
+// separate calls, e.g. for Q/K/V or gate/up). Each output is bit-identical to
+// a separate matmul() call.
+// REQUIRES: 1 <= ws.size() == ys.size() <= 8; every pair of weights passes
+// matmul_can_fuse(); outputs do not alias each other or X.
+void matmul_multi(std::span<const WeightView> ws, const float* x, int64_t m,
+                  std::span<float* const> ys, ThreadPool* pool);
+
 // True when matmul() has a kernel for weights of this type.
 bool matmul_supported(GgmlType type);
+
+// True when a and b can share one matmul_multi() call: both supported, same
+// n_in, and their types want the same activation format.
+bool matmul_can_fuse(const WeightView& a, const WeightView& b);
 
 }  // namespace kvstack

@@ -25,14 +25,11 @@ KV_AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-KV_AVX2 inline float h2f(uint16_t h) {
-  return _cvtsh_ss(h);
-}
-
 // 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0..15), then high.
 KV_AVX2 inline __m256i nibbles(const uint8_t* p) {
-  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
+  const __m256i t =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b = _mm256_srlv_epi32(t, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
   return _mm256_and_si256(b, _mm256_set1_epi8(0x0f));
 }
 
@@ -50,20 +47,31 @@ KV_AVX2 inline __m256i fifth_bits(const uint8_t* qh) {
 }
 
 // Legacy block formats. kSigned: q() returns signed int8 values (dotted with
-// the sign trick); otherwise unsigned values plus a per-block min m().
+// the sign trick); otherwise unsigned values plus a per-block min.
+// scales(): the block's f16 header converted in one instruction, broadcast
+// over the register: [d, d, ...] (kSigned) or [d, m, d, m, ...] (the f16 pair
+// d, m is the first 4 bytes of Q4_1/Q5_1 blocks).
+KV_AVX2 inline __m256 scale_d(const uint16_t* d) {
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<int16_t>(*d)));
+}
+KV_AVX2 inline __m256 scale_dm(const void* dm) {
+  int32_t bits;
+  std::memcpy(&bits, dm, 4);
+  return _mm256_cvtph_ps(_mm_set1_epi32(bits));
+}
 struct Q4_0T {
   using Block = BlockQ4_0;
   static constexpr bool kSigned = true;
   KV_AVX2 static __m256i q(const Block& b) {
     return _mm256_sub_epi8(nibbles(b.qs), _mm256_set1_epi8(8));
   }
-  KV_AVX2 static float m(const Block&) { return 0.f; }
+  KV_AVX2 static __m256 scales(const Block& b) { return scale_d(&b.d); }
 };
 struct Q4_1T {
   using Block = BlockQ4_1;
   static constexpr bool kSigned = false;
   KV_AVX2 static __m256i q(const Block& b) { return nibbles(b.qs); }
-  KV_AVX2 static float m(const Block& b) { return h2f(b.m); }
+  KV_AVX2 static __m256 scales(const Block& b) { return scale_dm(&b.d); }
 };
 struct Q5_0T {
   using Block = BlockQ5_0;
@@ -71,7 +79,7 @@ struct Q5_0T {
   KV_AVX2 static __m256i q(const Block& b) {
     return _mm256_sub_epi8(_mm256_or_si256(nibbles(b.qs), fifth_bits(b.qh)), _mm256_set1_epi8(16));
   }
-  KV_AVX2 static float m(const Block&) { return 0.f; }
+  KV_AVX2 static __m256 scales(const Block& b) { return scale_d(&b.d); }
 };
 struct Q5_1T {
   using Block = BlockQ5_1;
@@ -79,7 +87,7 @@ struct Q5_1T {
   KV_AVX2 static __m256i q(const Block& b) {
     return _mm256_or_si256(nibbles(b.qs), fifth_bits(b.qh));
   }
-  KV_AVX2 static float m(const Block& b) { return h2f(b.m); }
+  KV_AVX2 static __m256 scales(const Block& b) { return scale_dm(&b.d); }
 };
 struct Q8_0T {
   using Block = BlockQ8_0;
@@ -87,14 +95,78 @@ struct Q8_0T {
   KV_AVX2 static __m256i q(const Block& b) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs));
   }
-  KV_AVX2 static float m(const Block&) { return 0.f; }
+  KV_AVX2 static __m256 scales(const Block& b) { return scale_d(&b.d); }
 };
+
+// Integer dot of one weight block with one activation block: 8 int32 partial
+// sums as floats. wa = |wq| for signed formats (maddubs needs an unsigned
+// operand), else wq itself.
+template <bool kSigned>
+KV_AVX2 inline __m256 block_dot(__m256i wq, __m256i wa, __m256i yv) {
+  const __m256i p16 =
+      kSigned ? _mm256_maddubs_epi16(wa, _mm256_sign_epi8(yv, wq)) : _mm256_maddubs_epi16(wq, yv);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+// Decode (one activation row) x NR weight rows over all n_in. Per block and
+// weight row: one f16 conversion gives d (and m); for Q4_1/Q5_1 the product
+// [d, m] * [dy, s] yields both d * dy and the min term m * s, which goes to a
+// separate accumulator (its odd lanes; each holds a quarter of the sum) so the
+// main accumulator sees one FMA per block.
+template <class T, int NR>
+KV_AVX2 void legacy_row(const typename T::Block* const* w, const PreparedAct& a, int64_t r0,
+                        float* y) {
+  const int64_t nb = a.n_in / kQK;
+  const int8_t* yq = a.qs + r0 * a.n_in;
+  const float* yd = a.d + r0 * nb;
+  const float* yds = T::kSigned ? nullptr : a.ds + r0 * nb * 2;
+  __m256 acc[NR], accm[NR];
+  for (int c = 0; c < NR; ++c) acc[c] = accm[c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i yv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(yq + b * kQK));
+    if constexpr (T::kSigned) {
+      const __m256 dy = _mm256_broadcast_ss(yd + b);
+#pragma GCC unroll 4
+      for (int c = 0; c < NR; ++c) {
+        const auto& blk = w[c][b];
+        const __m256i wq = T::q(blk);
+        const __m256 pf = block_dot<true>(wq, _mm256_sign_epi8(wq, wq), yv);
+        acc[c] = _mm256_fmadd_ps(pf, _mm256_mul_ps(T::scales(blk), dy), acc[c]);
+      }
+    } else {
+      // [dy, s, dy, s, ...]: the pair is adjacent in a.ds.
+      const __m256 ds =
+          _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(yds + 2 * b)));
+#pragma GCC unroll 4
+      for (int c = 0; c < NR; ++c) {
+        const auto& blk = w[c][b];
+        const __m256 prod = _mm256_mul_ps(T::scales(blk), ds);  // [d*dy, m*s, ...]
+        const __m256i wq = T::q(blk);
+        acc[c] = _mm256_fmadd_ps(block_dot<false>(wq, wq, yv), _mm256_moveldup_ps(prod), acc[c]);
+        accm[c] = _mm256_add_ps(accm[c], prod);
+      }
+    }
+  }
+  const __m256 odd = _mm256_castsi256_ps(_mm256_setr_epi32(0, -1, 0, -1, 0, -1, 0, -1));
+  for (int c = 0; c < NR; ++c) {
+    if constexpr (T::kSigned) {
+      y[c] = hsum(acc[c]);
+    } else {
+      // Odd lanes of accm: four copies of sum(m * s); the 0.25 is exact.
+      y[c] = hsum(_mm256_fmadd_ps(_mm256_and_ps(accm[c], odd), _mm256_set1_ps(0.25f), acc[c]));
+    }
+  }
+}
 
 // One MR x NR tile over all n_in: y[r * ldy + c] for r < MR, c < NR.
 // w[c]: weight row c; activation row r at a.qs/d/s + (r0 + r) * stride.
 template <class T, int MR, int NR>
 KV_AVX2 void legacy_tile(const typename T::Block* const* w, const PreparedAct& a, int64_t r0,
                          float* y, int64_t ldy) {
+  if constexpr (MR == 1) {
+    legacy_row<T, NR>(w, a, r0, y);
+    return;
+  }
   const int64_t nb = a.n_in / kQK;
   const int8_t* yq[MR];
   const float* yd[MR];
@@ -104,7 +176,6 @@ KV_AVX2 void legacy_tile(const typename T::Block* const* w, const PreparedAct& a
     yd[r] = a.d + (r0 + r) * nb;
     ys[r] = T::kSigned ? nullptr : a.s + (r0 + r) * nb;
   }
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m256 eighth = _mm256_set1_ps(0.125f);
   __m256 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
@@ -117,8 +188,13 @@ KV_AVX2 void legacy_tile(const typename T::Block* const* w, const PreparedAct& a
       const auto& blk = w[c][b];
       wq[c] = T::q(blk);
       wa[c] = T::kSigned ? _mm256_sign_epi8(wq[c], wq[c]) : wq[c];
-      wd[c] = _mm256_set1_ps(h2f(blk.d));
-      if constexpr (!T::kSigned) wm[c] = _mm256_set1_ps(T::m(blk));
+      const __m256 sc = T::scales(blk);
+      if constexpr (T::kSigned) {
+        wd[c] = sc;
+      } else {
+        wd[c] = _mm256_moveldup_ps(sc);
+        wm[c] = _mm256_movehdup_ps(sc);
+      }
     }
     for (int r = 0; r < MR; ++r) {
       const __m256i yv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(yq[r] + b * kQK));
@@ -127,9 +203,7 @@ KV_AVX2 void legacy_tile(const typename T::Block* const* w, const PreparedAct& a
       // The min term m * s is spread over the 8 lanes as m * (s / 8) (exact scaling).
       if constexpr (!T::kSigned) sy8 = _mm256_mul_ps(_mm256_broadcast_ss(ys[r] + b), eighth);
       for (int c = 0; c < NR; ++c) {
-        const __m256i p16 = T::kSigned ? _mm256_maddubs_epi16(wa[c], _mm256_sign_epi8(yv, wq[c]))
-                                       : _mm256_maddubs_epi16(wq[c], yv);
-        const __m256 pf = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+        const __m256 pf = block_dot<T::kSigned>(wq[c], wa[c], yv);
         acc[r][c] = _mm256_fmadd_ps(pf, _mm256_mul_ps(wd[c], dy), acc[r][c]);
         if constexpr (!T::kSigned) acc[r][c] = _mm256_fmadd_ps(wm[c], sy8, acc[r][c]);
       }

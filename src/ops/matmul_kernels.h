@@ -21,6 +21,7 @@ struct PreparedAct {
   const int8_t* qs = nullptr;      // [m, n_in]            (kQ8_0, kQ8_1)
   const float* d = nullptr;        // [m, n_in / 32]       (kQ8_0, kQ8_1)
   const float* s = nullptr;        // [m, n_in / 32]       (kQ8_1)
+  const float* ds = nullptr;       // [m, n_in / 32, 2]: (d, s) pairs (kQ8_1)
   const BlockQ8_K* q8k = nullptr;  // [m, n_in / 256]      (kQ8_K)
 };
 

@@ -452,6 +452,57 @@ TEST(Matmul, LargeShapesThreadedMatchSingleThread) {
   }
 }
 
+// matmul_multi must give each output exactly what a separate matmul() call
+// gives, for decode and prefill shapes, mixed weight types sharing one
+// activation format, and any thread count (the work list spans the outputs).
+TEST(Matmul, MultiMatchesSeparateCalls) {
+  const int64_t n_in = 576;
+  const struct {
+    GgmlType type;
+    int64_t n_out;
+  } parts[] = {{GgmlType::kQ4_1, 576}, {GgmlType::kQ5_1, 43}, {GgmlType::kQ4_1, 190}};
+  std::vector<std::vector<uint8_t>> w;
+  std::vector<WeightView> views;
+  for (size_t i = 0; i < std::size(parts); ++i) {
+    w.push_back(random_weights(parts[i].type, n_in, parts[i].n_out, 40 + i));
+  }
+  for (size_t i = 0; i < std::size(parts); ++i) {
+    views.push_back(WeightView{parts[i].type, w[i].data(), n_in, parts[i].n_out});
+  }
+  for (int64_t m : {1, 3, 70}) {
+    const auto x = random_acts(m * n_in, 50 + m);
+    for (Isa isa : {Isa::kScalar, Isa::kAvx2}) {
+      std::vector<std::vector<float>> want;
+      for (size_t i = 0; i < std::size(parts); ++i) {
+        want.push_back(run_matmul(parts[i].type, w[i], n_in, parts[i].n_out, x, m, isa, 0));
+      }
+      for (int threads : {0, 2, 3}) {
+        IsaGuard guard(isa);
+        std::unique_ptr<ThreadPool> pool;
+        if (threads > 0) pool = std::make_unique<ThreadPool>(threads);
+        std::vector<std::vector<float>> got;
+        std::vector<float*> ys;
+        for (const auto& p : parts) got.emplace_back(m * p.n_out, std::nanf(""));
+        for (auto& g : got) ys.push_back(g.data());
+        matmul_multi(views, x.data(), m, ys, pool.get());
+        for (size_t i = 0; i < std::size(parts); ++i) {
+          ASSERT_EQ(0, std::memcmp(got[i].data(), want[i].data(), want[i].size() * sizeof(float)))
+              << "part " << i << " m " << m << " threads " << threads << " isa " << isa_name(isa);
+        }
+      }
+    }
+  }
+}
+
+TEST(Matmul, CanFuse) {
+  const uint8_t* none = nullptr;
+  const WeightView q41{GgmlType::kQ4_1, none, 64, 4}, q51{GgmlType::kQ5_1, none, 64, 4};
+  const WeightView q80{GgmlType::kQ8_0, none, 64, 4}, q41_wide{GgmlType::kQ4_1, none, 96, 4};
+  EXPECT_TRUE(matmul_can_fuse(q41, q51));
+  EXPECT_FALSE(matmul_can_fuse(q41, q80));       // Q8_1 vs Q8_0 activations
+  EXPECT_FALSE(matmul_can_fuse(q41, q41_wide));  // different n_in
+}
+
 TEST(Matmul, SupportedTypes) {
   for (GgmlType t : kAllTypes) EXPECT_TRUE(matmul_supported(t));
   EXPECT_FALSE(matmul_supported(GgmlType::kQ2_K));

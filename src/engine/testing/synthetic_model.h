@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <functional>
 #include <cstdint>
 #include <cstdio>
 #include <random>
@@ -134,6 +135,7 @@ inline double kv_round(double x, KvDtype t) {
     case KvDtype::kF32: return f;
     case KvDtype::kF16: return f16_to_f32(f32_to_f16(f));
     case KvDtype::kBF16: return bf16_to_f32(f32_to_bf16(f));
+    default: break;  // quantized formats: see forward_quant_test.cpp
   }
   return f;
 }
@@ -141,9 +143,31 @@ inline double kv_round(double x, KvDtype t) {
 // Logits [n_vocab] of the last token of `tokens`, recomputing everything in
 // float64 with no cache; K/V are rounded to `kv_dtype` before attention, as
 // the cache stores them.
+// Replaces the K and V rows ([n_kv_heads * head_dim] each, after RoPE) of
+// position `pos` in layer `layer` by what the cache stores for them.
+using KvRowHook =
+    std::function<void(int layer, int pos, std::vector<double>& k, std::vector<double>& v)>;
+
+// Logits [n_vocab] of the last token of `tokens`, recomputing everything in
+// float64 with no cache; K/V rows pass through `store` before attention
+// (quantized formats: forward_quant_test.cpp decodes the cache's codes).
+inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
+                                                 const std::vector<int32_t>& tokens,
+                                                 const KvRowHook& store);
+
 inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
                                                  const std::vector<int32_t>& tokens,
                                                  KvDtype kv_dtype) {
+  return reference_last_logits(w, tokens, [kv_dtype](int, int, std::vector<double>& k,
+                                                     std::vector<double>& v) {
+    for (double& x : k) x = kv_round(x, kv_dtype);
+    for (double& x : v) x = kv_round(x, kv_dtype);
+  });
+}
+
+inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
+                                                 const std::vector<int32_t>& tokens,
+                                                 const KvRowHook& store) {
   const SyntheticSpec& s = w.spec;
   const int hd = s.head_dim();
   const int n = static_cast<int>(tokens.size());
@@ -182,7 +206,9 @@ inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
       }
     }
   };
+  int layer_index = -1;
   for (const auto& L : w.layers) {
+    ++layer_index;
     std::vector<std::vector<double>> q(n), k(n), v(n);
     for (int t = 0; t < n; ++t) {
       const auto h = norm(x[t], L.attn_norm);
@@ -195,8 +221,7 @@ inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
       }
       rope(q[t], s.n_heads, t);
       rope(k[t], s.n_kv_heads, t);
-      for (int i = 0; i < kv_dim; ++i) k[t][i] = kv_round(k[t][i], kv_dtype);
-      for (int i = 0; i < kv_dim; ++i) v[t][i] = kv_round(v[t][i], kv_dtype);
+      store(layer_index, t, k[t], v[t]);
     }
     for (int t = 0; t < n; ++t) {
       std::vector<double> att(q_dim, 0.0);

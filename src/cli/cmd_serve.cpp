@@ -1,0 +1,166 @@
+// `kvstack serve`: the OpenAI-compatible HTTP server (server/http_server.h)
+// over the continuous-batching scheduler (engine/scheduler.h).
+//
+// Threads: the main thread serves HTTP (httplib workers handle requests),
+// one engine thread runs the scheduler loop, one signal thread waits for
+// SIGINT/SIGTERM. On a signal: stop accepting, let in-flight requests finish
+// for up to --shutdown-grace seconds, cancel what is left, exit 0.
+#include <pthread.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <thread>
+
+#include "cli/args.h"
+#include "cli/chat_input.h"
+#include "cli/engine_options.h"
+#include "server/http_server.h"
+
+namespace kvstack::cli {
+namespace {
+
+std::string model_id_from_path(const std::string& path) {
+  std::string name = path.substr(path.find_last_of('/') + 1);
+  if (name.size() > 5 && name.substr(name.size() - 5) == ".gguf") name.resize(name.size() - 5);
+  return name;
+}
+
+int run_serve(const std::vector<std::string>& argv) {
+  auto specs = engine_options();
+  specs.push_back({"host", 0, "ADDR", "address to listen on (default 127.0.0.1)"});
+  specs.push_back({"port", 0, "N", "TCP port, 0 = any free port (default 8080)"});
+  specs.push_back({"api-key", 0, "KEY", "require 'Authorization: Bearer KEY' on /v1/*"});
+  specs.push_back({"max-seqs", 0, "N", "sequences decoded together per step (default 16)"});
+  specs.push_back(
+      {"max-batch-tokens", 0, "N", "tokens per step, decodes + prefill chunks (default 256)"});
+  specs.push_back({"max-queue", 0, "N", "waiting requests before 429 (default 256)"});
+  specs.push_back({"reserve-output", 0, "N",
+                   "output tokens reserved per sequence at admission, -1 = all of max_tokens "
+                   "(default 32)"});
+  specs.push_back({"model-id", 0, "NAME", "model name in the API (default: the file name)"});
+  specs.push_back(
+      {"chat-template", 0, "NAME", "override the template: chatml, llama3, mistral, gemma"});
+  specs.push_back({"shutdown-grace", 0, "S",
+                   "seconds in-flight requests may finish after a signal (default 10)"});
+  specs.push_back(help_option());
+  auto args = Args::parse(argv, specs);
+  if (!args) return fail("serve", args.error().message);
+  if (args->flag("help")) {
+    std::fputs(format_help("kvstack serve [-m MODEL] [--host 127.0.0.1] [--port 8080] "
+                           "[--kv-cache-mem SIZE] [--max-seqs N] [--max-queue N] [--api-key KEY]",
+                           "Serve the model over an OpenAI-compatible HTTP API with continuous "
+                           "batching: /v1/completions, /v1/chat/completions, /v1/models, "
+                           "/health, /metrics, /v1/kv/stats.",
+                           specs)
+                   .c_str(),
+               stdout);
+    return 0;
+  }
+  auto port = args->get_int("port", 8080, 0, 65535);
+  auto max_seqs = args->get_int("max-seqs", 16, 1, 4096);
+  auto max_batch = args->get_int("max-batch-tokens", 256, 1, 1 << 20);
+  auto max_queue = args->get_int("max-queue", 256, 1, 1 << 20);
+  auto reserve = args->get_int("reserve-output", 32, -1, 1 << 24);
+  auto grace = args->get_double("shutdown-grace", 10, 0, 3600);
+  for (const Status& st : {port.ok() ? Status() : Status(port.error()),
+                           max_seqs.ok() ? Status() : Status(max_seqs.error()),
+                           max_batch.ok() ? Status() : Status(max_batch.error()),
+                           max_queue.ok() ? Status() : Status(max_queue.error()),
+                           reserve.ok() ? Status() : Status(reserve.error()),
+                           grace.ok() ? Status() : Status(grace.error())}) {
+    if (!st.ok()) return fail("serve", st.error().message);
+  }
+  SchedulerConfig sc;
+  sc.max_seqs = static_cast<int>(*max_seqs);
+  sc.max_batch_tokens = std::max(*max_batch, *max_seqs);
+  sc.max_queue = *max_queue;
+  sc.reserve_output_tokens = *reserve;
+  auto cfg = engine_config_from(*args);
+  if (!cfg) return fail("serve", cfg.error().message);
+
+  // Signals go to the signal thread only (blocked before any thread starts).
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGUSR1);  // internal wake-up of the signal thread at exit
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);  // a client that went away is a failed write, not a crash
+
+  server::ServerConfig hc;
+  hc.host = args->get_or("host", "127.0.0.1");
+  hc.port = static_cast<int>(*port);
+  hc.api_key = args->get_or("api-key", "");
+  hc.model_id = args->get_or("model-id", model_id_from_path(cfg->model_path));
+  hc.n_http_threads = static_cast<int>(std::min<int64_t>(1024, *max_seqs + *max_queue + 16));
+  server::HttpServer http(hc);
+  if (auto st = http.bind(); !st.ok()) return fail("serve", st.error().message);
+  // HTTP answers /health (503 "loading") while the model loads.
+  std::thread http_thread([&] { http.listen(); });
+
+  auto engine = load_engine(*args);
+  if (!engine) {
+    http.stop();
+    http_thread.join();
+    return fail("serve", engine.error().message);
+  }
+  auto tmpl = chat_template_for(*args, **engine);
+  if (!tmpl) {
+    std::fprintf(stderr, "kvstack serve: no chat template (%s); /v1/chat/completions disabled\n",
+                 tmpl.error().message.c_str());
+  }
+  auto sched = Scheduler::create(**engine, sc);
+  if (!sched) {
+    http.stop();
+    http_thread.join();
+    return fail("serve", sched.error().message);
+  }
+  Scheduler& s = **sched;
+  std::thread engine_thread([&] { s.run(); });
+  http.attach(&s, tmpl ? &*tmpl : nullptr);
+  std::fprintf(stderr,
+               "kvstack serve: ready on http://%s:%d (model '%s', max %d sequences, %lld "
+               "tokens/step)\n",
+               hc.host.c_str(), http.port(), hc.model_id.c_str(), sc.max_seqs,
+               static_cast<long long>(sc.max_batch_tokens));
+  std::printf(
+      "curl http://%s:%d/v1/chat/completions -H 'Content-Type: application/json'%s -d "
+      "'{\"messages\": [{\"role\": \"user\", \"content\": \"Hello! Who are you?\"}], "
+      "\"max_tokens\": 64}'\n",
+      hc.host.c_str(), http.port(),
+      hc.api_key.empty() ? "" : (" -H 'Authorization: Bearer " + hc.api_key + "'").c_str());
+  std::fflush(stdout);
+
+  std::thread signal_thread([&] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    if (sig == SIGUSR1) return;  // internal wake-up: the server ended by itself
+    std::fprintf(stderr, "kvstack serve: %s: draining in-flight requests\n",
+                 sig == SIGINT ? "SIGINT" : "SIGTERM");
+    s.shutdown(/*drain=*/true);
+    std::thread stopper([&] { http.stop(); });
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(*grace);
+    while (std::chrono::steady_clock::now() < deadline &&
+           s.metrics().n_running + s.metrics().n_waiting > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    s.shutdown(/*drain=*/false);
+    stopper.join();
+  });
+
+  http_thread.join();
+  s.shutdown(/*drain=*/false);
+  engine_thread.join();
+  pthread_kill(signal_thread.native_handle(), SIGUSR1);
+  signal_thread.join();
+  std::fprintf(stderr, "kvstack serve: stopped\n");
+  return 0;
+}
+
+}  // namespace
+
+KVSTACK_COMMAND(g_serve, "serve", "OpenAI-compatible HTTP server with continuous batching",
+                run_serve);
+
+}  // namespace kvstack::cli

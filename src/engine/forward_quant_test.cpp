@@ -1,0 +1,202 @@
+// Cache equivalence for quantized KV formats (fp8, int8, int4, and mixed K/V
+// dtypes): logits from chunked prefill + incremental decode through the
+// paged, quantized cache equal a float64 recomputation of the whole prefix
+// that attends over the same quantized K/V, i.e. the values the cache holds
+// (decoded with the scalar reference codec) at that step. Also checks that
+// the stored rows are the quantization of the reference's own K/V (right
+// position, right head, error within the format's bound), and that a fork
+// adopting shared full blocks of another sequence sees the same values.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+
+#include "engine/forward.h"
+#include "engine/testing/synthetic_model.h"
+#include "kv/block_pool.h"
+#include "kv/block_table.h"
+#include "kv/kv_codec.h"
+#include "kv/layout.h"
+
+namespace kvstack {
+namespace {
+
+using testing::make_synthetic_model;
+using testing::reference_last_logits;
+using testing::SyntheticSpec;
+
+// As forward_test.cpp: float32 compute vs float64 reference over the same K/V.
+constexpr double kTol = 1e-4;
+
+double rel_err(const float* got, const std::vector<double>& ref) {
+  double num = 0, den = 1e-30;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    num = std::max(num, std::fabs(got[i] - ref[i]));
+    den = std::max(den, std::fabs(ref[i]));
+  }
+  return num / den;
+}
+
+// The stored (decoded) row of position `pos`, head `h`, K (which 0) or V.
+std::vector<float> stored_row(const PagedKvLayerView& v, const BlockTable& t, int pos, int h,
+                              int which) {
+  const int64_t b = t.ids()[pos / v.block_size];
+  const int s = pos % v.block_size;
+  const bool k = which == 0;
+  const uint8_t* row =
+      k ? v.k + b * v.block_stride + h * v.head_stride + s * v.slot_stride
+        : v.v + b * v.block_stride + h * v.value_head_stride() + s * v.value_slot_stride();
+  const uint8_t* meta = k ? v.k_meta : v.v_meta;
+  if (meta != nullptr) {
+    meta += b * v.block_stride + h * (k ? v.k_meta_head_stride : v.v_meta_head_stride) +
+            s * (k ? v.k_meta_slot_stride : v.v_meta_slot_stride);
+  }
+  std::vector<float> out(v.head_dim);
+  kv_decode_row(k ? v.dtype : v.value_dtype(), row, meta, v.head_dim, out.data());
+  return out;
+}
+
+// Reference logits of tokens[0..n) attending over what `table` stores.
+std::vector<double> reference_from_cache(const testing::SyntheticWeights& w,
+                                         const std::vector<int32_t>& tokens, int n,
+                                         const BlockPool& pool, const BlockTable& table,
+                                         double* worst_quant_err) {
+  const int d = w.spec.head_dim();
+  return reference_last_logits(
+      w, std::vector<int32_t>(tokens.begin(), tokens.begin() + n),
+      [&](int layer, int pos, std::vector<double>& k, std::vector<double>& v) {
+        const PagedKvLayerView view = pool.layer_view(layer);
+        for (int h = 0; h < w.spec.n_kv_heads; ++h) {
+          for (int which = 0; which < 2; ++which) {
+            std::vector<double>& x = which == 0 ? k : v;
+            const std::vector<float> s = stored_row(view, table, pos, h, which);
+            double amax = 1e-30;
+            for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[h * d + i]));
+            for (int i = 0; i < d; ++i) {
+              *worst_quant_err = std::max(*worst_quant_err, std::fabs(x[h * d + i] - s[i]) / amax);
+              x[h * d + i] = s[i];
+            }
+          }
+        }
+      });
+}
+
+struct Format {
+  const char* name;
+  KvDtype k, v;
+  double max_quant_err;  // worst |x - stored| / row amax the format allows
+};
+
+const Format kFormats[] = {
+    {"fp8", KvDtype::kFp8, KvDtype::kFp8, 1.0 / 16},
+    {"int8", KvDtype::kInt8, KvDtype::kInt8, 0.5 / 127 * 1.01},
+    {"int4", KvDtype::kInt4, KvDtype::kInt4, 2 * 0.5 / 15 * 1.01},  // range <= 2 amax
+    {"int4_k_f16_v", KvDtype::kInt4, KvDtype::kF16, 2 * 0.5 / 15 * 1.01},
+    {"int8_k_fp8_v", KvDtype::kInt8, KvDtype::kFp8, 1.0 / 16},
+};
+
+struct Case {
+  const char* name;
+  SyntheticSpec spec;
+};
+
+class QuantCacheEquivalence : public ::testing::TestWithParam<Case> {};
+
+TEST_P(QuantCacheEquivalence, PrefillDecodeAndForkMatchRecomputationOverStoredKv) {
+  const SyntheticSpec spec = GetParam().spec;
+  auto w = make_synthetic_model(spec);
+  auto model = Model::load(w.path);
+  ASSERT_TRUE(model.ok()) << model.error().message;
+  std::remove(w.path.c_str());
+  ThreadPool threads(2);
+  Forward fwd(**model, threads);
+  std::mt19937 rng(spec.seed + 200);
+  std::uniform_int_distribution<int32_t> tok(0, spec.n_vocab - 1);
+  const int n_prompt = 19, n_decode = 5;
+  std::vector<int32_t> prompt(n_prompt + n_decode), fork_tail(6);
+  for (auto& t : prompt) t = tok(rng);
+  for (auto& t : fork_tail) t = tok(rng);
+
+  for (const Format& f : kFormats) {
+    for (int block_size : {4, 16}) {
+      if (f.k != f.v && block_size != 4) continue;  // mixed pairs: one block size
+      SCOPED_TRACE(std::string(f.name) + " block " + std::to_string(block_size));
+      std::vector<KvLayerSpec> layers(spec.n_layers, KvLayerSpec{.n_kv_heads = spec.n_kv_heads,
+                                                                 .head_dim_k = spec.head_dim(),
+                                                                 .head_dim_v = spec.head_dim(),
+                                                                 .dtype = f.k});
+      for (auto& l : layers) {
+        if (f.v != f.k) l.dtype_v = f.v;
+      }
+      auto layout = KvLayout::create(layers, block_size);
+      ASSERT_TRUE(layout.ok()) << layout.error().message;
+      auto pool_r = BlockPool::create(*layout, {.n_tokens = 1024});
+      ASSERT_TRUE(pool_r.ok());
+      BlockPool& pool = **pool_r;
+      double worst = 0;
+      {
+        BlockTable junk(pool), seq(pool);
+        ASSERT_TRUE(junk.reserve(2 * block_size).ok());  // holes: scattered blocks
+        std::vector<float> logits;
+        for (int b = 0, chunk = 1; b < n_prompt; b += chunk, chunk += 3) {
+          const int e = std::min(n_prompt, b + chunk);
+          const StepSeq s{.table = &seq,
+                          .tokens = std::span<const int32_t>(prompt.data() + b, e - b),
+                          .logits = LogitsMode::kAll};
+          ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
+          if (b == 0) junk.release();
+          for (int j = b; j < e; ++j) {
+            const auto ref = reference_from_cache(w, prompt, j + 1, pool, seq, &worst);
+            ASSERT_LT(rel_err(logits.data() + (j - b) * spec.n_vocab, ref), kTol)
+                << "prefill position " << j;
+          }
+        }
+        for (int dstep = 0; dstep < n_decode; ++dstep) {
+          const StepSeq s{.table = &seq,
+                          .tokens = std::span<const int32_t>(&prompt[n_prompt + dstep], 1)};
+          ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
+          const auto ref = reference_from_cache(w, prompt, n_prompt + dstep + 1, pool, seq, &worst);
+          ASSERT_LT(rel_err(logits.data(), ref), kTol) << "decode step " << dstep;
+        }
+        // Fork: a second sequence adopts the full blocks of the first (shared,
+        // stored once, in final quantized form) and continues differently.
+        const int n_shared_blocks = n_prompt / block_size;
+        if (n_shared_blocks > 0) {
+          std::vector<BlockRef> refs;
+          for (int i = 0; i < n_shared_blocks; ++i) refs.push_back(seq.share_block(i));
+          BlockTable fork(pool);
+          fork.adopt_prefix(std::move(refs));
+          std::vector<int32_t> fork_tokens(prompt.begin(),
+                                           prompt.begin() + n_shared_blocks * block_size);
+          fork_tokens.insert(fork_tokens.end(), fork_tail.begin(), fork_tail.end());
+          const StepSeq s{.table = &fork,
+                          .tokens = std::span<const int32_t>(fork_tail.data(), fork_tail.size()),
+                          .logits = LogitsMode::kLast};
+          ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
+          const auto ref = reference_from_cache(
+              w, fork_tokens, static_cast<int>(fork_tokens.size()), pool, fork, &worst);
+          ASSERT_LT(rel_err(logits.data(), ref), kTol) << "fork";
+          EXPECT_EQ(seq.length(), n_prompt + n_decode);
+        }
+      }
+      EXPECT_LE(worst, f.max_quant_err) << "stored rows are not the quantized reference K/V";
+      EXPECT_GT(worst, 0.0) << "no quantization error at all: K/V not quantized?";
+      pool.check_invariants();
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, QuantCacheEquivalence,
+    ::testing::Values(
+        Case{"gqa_3_1_d32", {.n_embd = 96, .n_heads = 3, .n_kv_heads = 1, .seed = 2}},
+        Case{"gqa_4_2_d32", {.n_embd = 128, .n_heads = 4, .n_kv_heads = 2, .seed = 7}},
+        Case{"mqa_d64_neox",
+             {.n_embd = 128, .n_heads = 2, .n_kv_heads = 1, .neox = true, .seed = 4}}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace kvstack

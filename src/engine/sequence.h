@@ -1,0 +1,142 @@
+// Sequences and the KV manager: the request lifecycle on top of the block
+// pool and the prefix index (kv-cache-spec.md section 5, reference-and-append).
+//
+//   KvManager kv(pool, identity, {.prefix_cache = true});
+//   Sequence s = kv.new_sequence(kv.namespace_for(cache_salt));
+//   s.adopt_cached_prefix(prompt);        // 1. longest compatible match, refs taken
+//   forward.step({s.table(), rest...});   // 2. reserve (+ COW), write, commit
+//   s.on_committed(rest);                 //    record tokens, publish full blocks
+//   Sequence beam = s.fork();             // share every block; COW on append
+//   ~Sequence / release()                 // 5. each reference released once
+//
+// A Sequence owns its BlockTable and the token ids of its committed
+// positions (tokens().size() == table().length() between steps), its
+// namespace, and the length of its published chain. Only committed full
+// blocks are published (after the forward that wrote them returned), so a
+// cancelled or failed step publishes nothing: the caller rolls back the
+// table (or drops the sequence) and the uncommitted reservation returns to
+// the pool.
+//
+// Namespaces: namespace_for(salt) hashes the cache identity with the salt
+// (or the deployment default when the salt is empty); public prefixes
+// (pin_public) are visible from every namespace. Disabled (prefix_cache =
+// false): no index is attached, lookups match nothing, nothing is
+// published, and blocks are freed on release.
+//
+// Thread-safety: single owner (the engine's scheduler thread).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kv/block_pool.h"
+#include "kv/block_table.h"
+#include "kv/cache_identity.h"
+#include "kv/prefix_index.h"
+
+namespace kvstack {
+
+struct KvManagerConfig {
+  bool prefix_cache = true;
+  std::string default_namespace = "default";  // namespace of requests without a cache salt
+  bool partial_reuse = true;                  // copy-on-partial-reuse of a cached block
+  int64_t event_capacity = 0;                 // pending KV events kept (0 = events off)
+};
+
+class KvManager;
+
+class Sequence {
+ public:
+  Sequence(Sequence&&) noexcept = default;
+  Sequence& operator=(Sequence&&) noexcept = default;
+  Sequence(const Sequence&) = delete;
+  Sequence& operator=(const Sequence&) = delete;
+  ~Sequence() = default;  // the table releases every reference exactly once
+
+  BlockTable& table() { return table_; }
+  const BlockTable& table() const { return table_; }
+  int64_t length() const { return table_.length(); }
+  // Token ids of the committed positions [0, length()).
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+  NamespaceId ns() const { return ns_; }
+  // Length of this sequence's published chain, in blocks.
+  int64_t n_published_blocks() const { return n_published_; }
+
+  // Adopts the longest cached prefix of `prompt` of at most
+  // prompt.size() - 1 tokens (the last prompt position is always recomputed
+  // so its logits exist): full blocks by reference, then a partial block by
+  // copy. Returns the tokens adopted; the caller forwards
+  // prompt[returned ..]. REQUIRES length() == 0.
+  int64_t adopt_cached_prefix(std::span<const int32_t> prompt);
+
+  // Records tokens the last forward committed on table() (in order) and
+  // publishes the newly completed full blocks.
+  // REQUIRES: length() == tokens().size() + tokens.size().
+  void on_committed(std::span<const int32_t> tokens);
+
+  // A new sequence sharing every committed block, the tokens and the
+  // namespace; either copies a shared partial tail before appending.
+  Sequence fork() const;
+  // The no-sharing reference of fork(): private copies of every block.
+  Result<Sequence> clone_private() const;
+
+  // Drops the uncommitted reservation (a failed or cancelled step).
+  void rollback() { table_.rollback(); }
+  // Releases every reference; the sequence becomes empty.
+  void release();
+
+ private:
+  friend class KvManager;
+  Sequence(KvManager& kv, NamespaceId ns, BlockTable table)
+      : kv_(&kv), ns_(ns), table_(std::move(table)) {}
+  void publish();
+
+  KvManager* kv_ = nullptr;
+  NamespaceId ns_ = kNoNamespace;
+  BlockTable table_;
+  std::vector<int32_t> tokens_;
+  int64_t n_published_ = 0;       // blocks [0, n_published_) are index nodes on this chain
+  bool publish_stopped_ = false;  // an equal block was published by another sequence
+};
+
+class KvManager {
+ public:
+  // REQUIRES: pool outlives the manager; every Sequence dies before it.
+  KvManager(BlockPool& pool, CacheIdentity identity, KvManagerConfig config);
+  ~KvManager();
+  KvManager(const KvManager&) = delete;
+  KvManager& operator=(const KvManager&) = delete;
+
+  BlockPool& pool() const { return pool_; }
+  const KvManagerConfig& config() const { return config_; }
+  const CacheIdentity& identity() const { return identity_; }
+  // The prefix index, or null when the prefix cache is disabled.
+  PrefixIndex* index() const { return index_.get(); }
+
+  // The namespace of a request: its cache salt, or the deployment default
+  // when the salt is empty. kNoNamespace when the cache is disabled.
+  NamespaceId namespace_for(std::string_view cache_salt);
+  NamespaceId public_namespace();
+
+  Sequence new_sequence(NamespaceId ns);
+
+  // Keeps `seq` (computed in public_namespace()) alive for the manager's
+  // lifetime: its published blocks are shared with every namespace and never
+  // evicted. Returns the number of pinned blocks.
+  int64_t pin_public(Sequence seq);
+  int64_t n_pinned_blocks() const;
+
+ private:
+  friend class Sequence;
+  BlockPool& pool_;
+  CacheIdentity identity_;
+  KvManagerConfig config_;
+  std::unique_ptr<PrefixIndex> index_;
+  std::vector<Sequence> pinned_;  // destroyed before index_ (declared after it)
+};
+
+}  // namespace kvstack

@@ -1,0 +1,258 @@
+#include "kv/kv_codec.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "core/check.h"
+#include "core/half.h"
+
+namespace kvstack {
+namespace {
+
+constexpr float kFp8Max = 448.0f;
+constexpr float kF16Max = 65504.0f;
+
+// f16 bits of the smallest f16 >= x (x >= 0, finite, <= kF16Max).
+uint16_t f16_round_up(float x) {
+  uint16_t h = f32_to_f16(x);
+  if (f16_to_f32(h) < x) ++h;  // positive: the next bit pattern is the next value
+  return h;
+}
+
+// f16 bits of the largest f16 <= x (|x| <= kF16Max).
+uint16_t f16_round_down(float x) {
+  uint16_t h = f32_to_f16(x);
+  if (f16_to_f32(h) <= x) return h;
+  if ((h & 0x8000u) == 0) return h == 0 ? uint16_t{0x8001u} : static_cast<uint16_t>(h - 1);
+  return static_cast<uint16_t>(h + 1);  // negative: larger magnitude
+}
+
+void store_u16(uint8_t* p, uint16_t v) {
+  std::memcpy(p, &v, 2);
+}
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+std::array<float, 256> make_fp8_table() {
+  std::array<float, 256> t{};
+  for (int c = 0; c < 256; ++c) {
+    const int e = (c >> 3) & 0xf;
+    const int m = c & 7;
+    float v;
+    if (e == 0xf && m == 7) {
+      v = std::nanf("");
+    } else if (e == 0) {
+      v = std::ldexp(static_cast<float>(m), -9);
+    } else {
+      v = std::ldexp(1.0f + static_cast<float>(m) / 8.0f, e - 7);
+    }
+    t[c] = (c & 0x80) ? -v : v;
+  }
+  return t;
+}
+
+const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> t = make_fp8_table();
+  return t;
+}
+
+}  // namespace
+
+Result<KvRowGeometry> kv_row_geometry(KvDtype dtype, int head_dim) {
+  const int64_t d = head_dim;
+  switch (dtype) {
+    case KvDtype::kF32:
+    case KvDtype::kF16:
+    case KvDtype::kBF16:
+      return KvRowGeometry{.row_bytes = d * kv_dtype_bytes(dtype)};
+    case KvDtype::kFp8:
+      return KvRowGeometry{.row_bytes = d, .meta_block_bytes = 4};
+    case KvDtype::kInt8:
+      return KvRowGeometry{.row_bytes = d, .meta_row_bytes = 2};
+    case KvDtype::kInt4:
+      if (head_dim % 32 != 0) {
+        return make_error(Errc::kUnsupported, "KV dtype int4 needs head_dim % 32 == 0 (head_dim " +
+                                                  std::to_string(head_dim) + ")");
+      }
+      return KvRowGeometry{.row_bytes = d / 2, .meta_row_bytes = d / 32 * 4};
+  }
+  return make_error(Errc::kInvalidArgument, "unknown KV dtype");
+}
+
+int64_t kv_head_bytes(const KvRowGeometry& g, int64_t n_tokens, int block_size) {
+  const int64_t n_blocks = (n_tokens + block_size - 1) / block_size;
+  return n_tokens * (g.row_bytes + g.meta_row_bytes) + n_blocks * g.meta_block_bytes;
+}
+
+Status kv_validate_values(KvDtype dtype, const float* x, int64_t n) {
+  if (!kv_dtype_is_quantized(dtype)) return {};
+  // int8: the f16 scale amax / 127 must be finite; int4: min and scale are f16.
+  const float limit = dtype == KvDtype::kInt8   ? kF16Max * 127.0f
+                      : dtype == KvDtype::kInt4 ? kF16Max
+                                                : INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(x[i])) {
+      return make_error(Errc::kInvalidArgument, std::string("element ") + std::to_string(i) +
+                                                    " is " + (std::isnan(x[i]) ? "nan" : "inf") +
+                                                    "; KV dtype " + kv_dtype_name(dtype) +
+                                                    " stores only finite values");
+    }
+    if (std::fabs(x[i]) > limit) {
+      return make_error(Errc::kInvalidArgument,
+                        "element " + std::to_string(i) + " = " + std::to_string(x[i]) +
+                            " exceeds the range of KV dtype " + kv_dtype_name(dtype) +
+                            " (|x| <= " + std::to_string(limit) + ", its metadata is f16)");
+    }
+  }
+  return {};
+}
+
+uint8_t fp8_e4m3_from_f32(float x) {
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  float a = std::fabs(x);
+  if (a >= kFp8Max) return sign | 0x7e;
+  if (a < 0.015625f) {  // below 2^-6: subnormal steps of 2^-9 (code 8 is 2^-6)
+    const float q = std::nearbyint(a * 512.0f);
+    return sign | static_cast<uint8_t>(q);
+  }
+  int e = 0;
+  const float f = std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1)
+  // a = (1 + m/8) * 2^(e-1); mantissa steps of 2^(e-4).
+  const float m = std::nearbyint((f * 2.0f - 1.0f) * 8.0f);
+  int exp = e - 1 + 7;
+  int mant = static_cast<int>(m);
+  if (mant == 8) {
+    mant = 0;
+    ++exp;
+  }
+  const int code = (exp << 3) | mant;
+  return sign | static_cast<uint8_t>(std::min(code, 0x7e));
+}
+
+float fp8_e4m3_to_f32(uint8_t code) {
+  return fp8_table()[code];
+}
+
+float fp8_scale_for(float amax) {
+  if (!(amax > 0.0f)) return 0.0f;
+  int k = 0;
+  const float f = std::frexp(amax / kFp8Max, &k);  // amax/448 = f * 2^k, f in [0.5, 1)
+  int e = f == 0.5f ? k - 1 : k;
+  e = std::clamp(e, -126, 127);
+  return std::ldexp(1.0f, e);
+}
+
+void fp8_encode_row(const float* x, int d, float scale, uint8_t* codes) {
+  if (scale == 0.0f) {
+    std::memset(codes, 0, static_cast<size_t>(d));
+    return;
+  }
+  const float inv = 1.0f / scale;  // exact: scale is a power of two
+  for (int i = 0; i < d; ++i) codes[i] = fp8_e4m3_from_f32(x[i] * inv);
+}
+
+void int8_encode_row(const float* x, int d, uint8_t* codes, uint8_t* meta) {
+  float amax = 0.0f;
+  for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  uint16_t s16 = f16_round_up(amax / 127.0f);
+  if (amax > 0.0f && s16 == 0) s16 = 1;
+  const float s = f16_to_f32(s16);
+  store_u16(meta, s16);
+  for (int i = 0; i < d; ++i) {
+    const float q = s > 0.0f ? std::nearbyint(x[i] / s) : 0.0f;
+    codes[i] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f)));
+  }
+}
+
+void int4_encode_row(const float* x, int d, uint8_t* codes, uint8_t* meta) {
+  for (int g = 0; g < d / 32; ++g) {
+    const float* xg = x + 32 * g;
+    float mn = xg[0], mx = xg[0];
+    for (int i = 1; i < 32; ++i) {
+      mn = std::min(mn, xg[i]);
+      mx = std::max(mx, xg[i]);
+    }
+    const uint16_t m16 = f16_round_down(mn);
+    const float m = f16_to_f32(m16);
+    const float range = (mx - m) / 15.0f;
+    uint16_t s16 = f16_round_up(range);
+    if (range > 0.0f && s16 == 0) s16 = 1;
+    const float s = f16_to_f32(s16);
+    store_u16(meta + 4 * g, s16);
+    store_u16(meta + 4 * g + 2, m16);
+    uint8_t* cg = codes + 16 * g;
+    for (int j = 0; j < 16; ++j) {
+      auto code = [&](float v) {
+        const float q = s > 0.0f ? std::nearbyint((v - m) / s) : 0.0f;
+        return static_cast<uint8_t>(std::clamp(q, 0.0f, 15.0f));
+      };
+      cg[j] = static_cast<uint8_t>(code(xg[j]) | (code(xg[16 + j]) << 4));
+    }
+  }
+}
+
+void kv_decode_row(KvDtype dtype, const uint8_t* row, const uint8_t* meta, int d, float* out) {
+  switch (dtype) {
+    case KvDtype::kF32:
+      std::memcpy(out, row, sizeof(float) * static_cast<size_t>(d));
+      return;
+    case KvDtype::kF16:
+      for (int i = 0; i < d; ++i) out[i] = f16_to_f32(load_u16(row + 2 * i));
+      return;
+    case KvDtype::kBF16:
+      for (int i = 0; i < d; ++i) out[i] = bf16_to_f32(load_u16(row + 2 * i));
+      return;
+    case KvDtype::kFp8: {
+      float scale;
+      std::memcpy(&scale, meta, 4);
+      for (int i = 0; i < d; ++i) out[i] = scale * fp8_e4m3_to_f32(row[i]);
+      return;
+    }
+    case KvDtype::kInt8: {
+      const float s = f16_to_f32(load_u16(meta));
+      for (int i = 0; i < d; ++i) out[i] = s * static_cast<float>(static_cast<int8_t>(row[i]));
+      return;
+    }
+    case KvDtype::kInt4:
+      for (int g = 0; g < d / 32; ++g) {
+        const float s = f16_to_f32(load_u16(meta + 4 * g));
+        const float m = f16_to_f32(load_u16(meta + 4 * g + 2));
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t b = row[16 * g + j];
+          out[32 * g + j] = std::fma(s, static_cast<float>(b & 0xf), m);
+          out[32 * g + 16 + j] = std::fma(s, static_cast<float>(b >> 4), m);
+        }
+      }
+      return;
+  }
+  KV_CHECK(false, "kv_decode_row: unknown KV dtype");
+}
+
+void kv_encode_row(KvDtype dtype, const float* x, int d, uint8_t* row, uint8_t* meta) {
+  switch (dtype) {
+    case KvDtype::kF32:
+      std::memcpy(row, x, sizeof(float) * static_cast<size_t>(d));
+      return;
+    case KvDtype::kF16:
+      for (int i = 0; i < d; ++i) store_u16(row + 2 * i, f32_to_f16(x[i]));
+      return;
+    case KvDtype::kBF16:
+      for (int i = 0; i < d; ++i) store_u16(row + 2 * i, f32_to_bf16(x[i]));
+      return;
+    case KvDtype::kInt8:
+      return int8_encode_row(x, d, row, meta);
+    case KvDtype::kInt4:
+      return int4_encode_row(x, d, row, meta);
+    case KvDtype::kFp8:
+      break;
+  }
+  KV_CHECK(false, "kv_encode_row: fp8 rows are encoded with their block's scale");
+}
+
+}  // namespace kvstack

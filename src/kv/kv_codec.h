@@ -1,0 +1,73 @@
+// Quantized KV formats (fp8, int8, int4): row geometry, scalar reference
+// encoders/decoders and input validation. The attention kernels
+// (attention/attention_quant_*.cpp) decode the same bytes in registers; these
+// functions are the reference every SIMD path is tested against.
+//
+// Row layouts, per (token, KV head) of head_dim d (kv_view.h gives where a
+// row and its metadata live in a block):
+//   fp8   codes: d bytes, E4M3 (1 sign, 4 exponent bits with bias 7, 3
+//         mantissa bits; subnormals; max finite 448; 0x7f/0xff are NaN and
+//         never written). Metadata per (block, head): f32 scale, a power of
+//         two (0 while every value so far was zero). x = scale * e4m3(code).
+//   int8  codes: d bytes, two's complement in [-127, 127]. Metadata per
+//         (token, head): f16 scale s >= amax / 127. x = s * code.
+//   int4  codes: d / 2 bytes in groups of 32 elements; byte j of group g
+//         holds element 32g + j in its low nibble and 32g + 16 + j in its high
+//         nibble. Metadata per (token, head): d / 32 pairs (f16 scale, f16
+//         min). x = fma(scale, code, min), code in [0, 15].
+#pragma once
+
+#include <cstdint>
+
+#include "core/result.h"
+#include "kv/kv_view.h"
+
+namespace kvstack {
+
+// Bytes one format stores for one KV head.
+struct KvRowGeometry {
+  int64_t row_bytes = 0;         // codes (or elements) per token
+  int64_t meta_row_bytes = 0;    // metadata per token
+  int64_t meta_block_bytes = 0;  // metadata per block (independent of P)
+};
+
+// Errors (kUnsupported) when the format cannot store rows of head_dim
+// elements (int4 needs head_dim % 32 == 0).
+Result<KvRowGeometry> kv_row_geometry(KvDtype dtype, int head_dim);
+
+// Exact bytes one KV head of `n_tokens` tokens occupies in a sequence that
+// starts at a block boundary: n * (row + meta_row) + ceil(n / P) * meta_block.
+int64_t kv_head_bytes(const KvRowGeometry& g, int64_t n_tokens, int block_size);
+
+// Checks that `n` values can be stored in `dtype`: every value finite, and
+// for int8/int4 within what their f16 metadata can represent. The message
+// names the first offending element ("element 5 is nan"); the caller adds
+// where it was (layer, position, head).
+Status kv_validate_values(KvDtype dtype, const float* x, int64_t n);
+
+// ---- fp8 E4M3 ----
+// Round to nearest even; |x| beyond 448 saturates to +-448. REQUIRES finite x.
+uint8_t fp8_e4m3_from_f32(float x);
+float fp8_e4m3_to_f32(uint8_t code);
+// Smallest power of two s with amax / s <= 448 (0 for amax == 0).
+// REQUIRES amax finite and >= 0.
+float fp8_scale_for(float amax);
+// codes[i] = e4m3(x[i] / scale) (0 when scale == 0).
+void fp8_encode_row(const float* x, int d, float scale, uint8_t* codes);
+
+// ---- int8 / int4 ----
+// REQUIRES kv_validate_values() passed for the row.
+void int8_encode_row(const float* x, int d, uint8_t* codes, uint8_t* meta);
+void int4_encode_row(const float* x, int d, uint8_t* codes, uint8_t* meta);
+
+// Scalar reference decoder for every dtype: out[i] = value of element i of
+// the row at `row` whose metadata is at `meta` (fp8: the block's f32 scale;
+// float formats: unused).
+void kv_decode_row(KvDtype dtype, const uint8_t* row, const uint8_t* meta, int d, float* out);
+
+// Encodes one row of a per-token format (float formats, int8, int4) from
+// float32 (scalar reference). REQUIRES validated input; not for fp8, whose
+// scale is per block (kv_write.cpp handles it).
+void kv_encode_row(KvDtype dtype, const float* x, int d, uint8_t* row, uint8_t* meta);
+
+}  // namespace kvstack

@@ -1,0 +1,384 @@
+// Quantized KV formats: codec round-trip error bounds on random and
+// adversarial data, NaN/Inf/range rejection, fp8 block-scale growth, and the
+// layout's byte accounting against the capacity planner for every format.
+#include "kv/kv_codec.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "core/half.h"
+#include "kv/capacity.h"
+#include "kv/kv_write.h"
+#include "kv/layout.h"
+
+namespace kvstack {
+namespace {
+
+template <class T>
+T must(Result<T> r) {
+  EXPECT_TRUE(r.ok()) << (r.ok() ? "" : r.error().message);
+  return std::move(*r);
+}
+
+// A pool of n_blocks blocks of a layout, 64-byte aligned, filled with junk so
+// that stale bytes from "previous owners" are present.
+struct Arena {
+  explicit Arena(const KvLayout& l, int n_blocks)
+      : bytes(static_cast<size_t>(l.block_bytes()) * n_blocks),
+        base(static_cast<uint8_t*>(std::aligned_alloc(64, bytes))) {
+    std::mt19937 rng(99);
+    for (size_t i = 0; i < bytes; ++i) base.get()[i] = static_cast<uint8_t>(rng());
+  }
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  size_t bytes;
+  std::unique_ptr<uint8_t, Free> base;
+};
+
+// Reads back element (pos, head, dim) of K (which = 0) or V of a layer view.
+std::vector<float> read_row(const PagedKvLayerView& v, const std::vector<int32_t>& table, int pos,
+                            int h, int which) {
+  const int64_t b = table[pos / v.block_size];
+  const int s = pos % v.block_size;
+  const KvDtype t = which == 0 ? v.dtype : v.value_dtype();
+  const uint8_t* row =
+      which == 0 ? v.k + b * v.block_stride + h * v.head_stride + s * v.slot_stride
+                 : v.v + b * v.block_stride + h * v.value_head_stride() + s * v.value_slot_stride();
+  const uint8_t* meta = nullptr;
+  if (which == 0 && v.k_meta != nullptr) {
+    meta = v.k_meta + b * v.block_stride + h * v.k_meta_head_stride + s * v.k_meta_slot_stride;
+  } else if (which == 1 && v.v_meta != nullptr) {
+    meta = v.v_meta + b * v.block_stride + h * v.v_meta_head_stride + s * v.v_meta_slot_stride;
+  }
+  std::vector<float> out(v.head_dim);
+  kv_decode_row(t, row, meta, v.head_dim, out.data());
+  return out;
+}
+
+TEST(Fp8, EveryCodeRoundTrips) {
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(fp8_e4m3_to_f32(static_cast<uint8_t>(c))));
+      continue;
+    }
+    const float x = fp8_e4m3_to_f32(static_cast<uint8_t>(c));
+    EXPECT_EQ(fp8_e4m3_from_f32(x), c) << "code " << c << " value " << x;
+  }
+  EXPECT_EQ(fp8_e4m3_to_f32(0x7e), 448.0f);
+  EXPECT_EQ(fp8_e4m3_to_f32(0x01), std::ldexp(1.0f, -9));
+  EXPECT_EQ(fp8_e4m3_to_f32(0x08), std::ldexp(1.0f, -6));
+}
+
+TEST(Fp8, RoundsToNearestEvenAndSaturates) {
+  std::vector<float> finite;
+  for (int c = 0; c < 0x7f; ++c) finite.push_back(fp8_e4m3_to_f32(static_cast<uint8_t>(c)));
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> mag(-12.0f, 9.5f);
+  for (int i = 0; i < 20000; ++i) {
+    const float x = std::exp2(mag(rng)) * (i % 2 ? -1.0f : 1.0f);
+    const float got = fp8_e4m3_to_f32(fp8_e4m3_from_f32(x));
+    float best = std::numeric_limits<float>::infinity();
+    for (float t : finite) best = std::min(best, std::fabs(std::fabs(x) - t));
+    EXPECT_EQ(std::fabs(std::fabs(x) - std::fabs(got)), best) << x;
+    EXPECT_EQ(std::signbit(got), std::signbit(x)) << x;
+  }
+  // Ties go to the even mantissa: 1 + 1/16 lies between 1 (m=0) and 1.125 (m=1).
+  EXPECT_EQ(fp8_e4m3_to_f32(fp8_e4m3_from_f32(1.0625f)), 1.0f);
+  EXPECT_EQ(fp8_e4m3_to_f32(fp8_e4m3_from_f32(1.1875f)), 1.25f);
+  EXPECT_EQ(fp8_e4m3_to_f32(fp8_e4m3_from_f32(1e9f)), 448.0f);
+  EXPECT_EQ(fp8_e4m3_to_f32(fp8_e4m3_from_f32(-500.0f)), -448.0f);
+  EXPECT_EQ(fp8_scale_for(448.0f), 1.0f);
+  EXPECT_EQ(fp8_scale_for(449.0f), 2.0f);
+  EXPECT_EQ(fp8_scale_for(0.0f), 0.0f);
+  EXPECT_EQ(fp8_scale_for(1.0f), std::ldexp(1.0f, -8));  // 1 / 2^-8 = 256 <= 448
+}
+
+// Data sets a KV cache meets, plus adversarial ones. Each is [n_rows, d].
+struct DataSet {
+  const char* name;
+  std::vector<float> x;
+};
+
+std::vector<DataSet> data_sets(int n_rows, int d) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<DataSet> out;
+  auto make = [&](const char* name, auto fn) {
+    DataSet s{name, std::vector<float>(static_cast<size_t>(n_rows) * d)};
+    for (int r = 0; r < n_rows; ++r) {
+      for (int i = 0; i < d; ++i) s.x[r * d + i] = fn(r, i);
+    }
+    out.push_back(std::move(s));
+  };
+  make("normal", [&](int, int) { return nd(rng); });
+  make("outlier_channels", [&](int, int i) { return (i % 17 == 3 ? 100.0f : 1.0f) * nd(rng); });
+  make("constant_rows", [&](int r, int) { return 0.37f * static_cast<float>(r - 3); });
+  make("zeros", [&](int, int) { return 0.0f; });
+  make("tiny", [&](int, int) { return 1e-6f * nd(rng); });
+  make("huge", [&](int, int) { return 1e4f * nd(rng); });  // within f16 metadata range
+  make("one_spike", [&](int r, int i) { return i == r % d ? 1e3f : 1e-3f * nd(rng); });
+  return out;
+}
+
+// Bound on |x - x_hat| for one row: int8 s/2, int4 s_g/2 per group (s from
+// the stored metadata, itself checked against the ideal), fp8 half an E4M3
+// step (2^-4 relative, or 2^-10 x scale in the subnormal range), plus one
+// more subnormal half step for values re-rounded when the block's scale grew.
+void check_row(KvDtype t, const float* x, const float* y, const uint8_t* meta, int d,
+               const char* what) {
+  if (t == KvDtype::kInt8) {
+    uint16_t s16;
+    std::memcpy(&s16, meta, 2);
+    const float s = f16_to_f32(s16);
+    float amax = 0;
+    for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+    EXPECT_LE(s, amax / 127.0f * (1.0f + 1.0f / 1024.0f) + 6e-8f) << what;
+    for (int i = 0; i < d; ++i) {
+      EXPECT_LE(std::fabs(x[i] - y[i]), s * 0.5f * (1.0f + 1e-6f) + 1e-30f) << what << " " << i;
+    }
+  } else if (t == KvDtype::kInt4) {
+    for (int g = 0; g < d / 32; ++g) {
+      uint16_t s16, m16;
+      std::memcpy(&s16, meta + 4 * g, 2);
+      std::memcpy(&m16, meta + 4 * g + 2, 2);
+      const float s = f16_to_f32(s16), m = f16_to_f32(m16);
+      float mn = x[32 * g], mx = x[32 * g];
+      for (int i = 0; i < 32; ++i) {
+        mn = std::min(mn, x[32 * g + i]);
+        mx = std::max(mx, x[32 * g + i]);
+      }
+      EXPECT_LE(m, mn) << what;
+      EXPECT_LE(mn - m, std::fabs(mn) / 1024.0f + 6e-8f) << what;
+      EXPECT_LE(s, (mx - m) / 15.0f * (1.0f + 1.0f / 1024.0f) + 6e-8f) << what;
+      for (int i = 32 * g; i < 32 * g + 32; ++i) {
+        EXPECT_LE(std::fabs(x[i] - y[i]), s * 0.5f * (1.0f + 1e-5f) + std::fabs(x[i]) * 1e-6f)
+            << what << " " << i;
+      }
+    }
+  } else {  // fp8: meta is the block scale
+    float scale;
+    std::memcpy(&scale, meta, 4);
+    for (int i = 0; i < d; ++i) {
+      EXPECT_LE(std::fabs(x[i] - y[i]), std::fabs(x[i]) / 16.0f + scale / 512.0f)
+          << what << " " << i;
+    }
+  }
+}
+
+class CodecRoundTrip : public ::testing::TestWithParam<KvDtype> {};
+
+TEST_P(CodecRoundTrip, ErrorWithinFormatBound) {
+  const KvDtype t = GetParam();
+  const int d = 64, h = 2, p = 16, n = 40;  // 40 tokens: 3 blocks, the last partial
+  const KvLayout layout = must(KvLayout::uniform(1, h, d, t, p));
+  Arena arena(layout, 6);
+  const PagedKvLayerView v = layout.layer_view(0, arena.base.get());
+  const std::vector<int32_t> table = {4, 1, 3};  // scattered
+  for (const DataSet& ds : data_sets(n * h, d)) {
+    SCOPED_TRACE(ds.name);
+    // K gets the data set, V its negation; written one token at a time
+    // (decode) for the first half and in bulk (prefill) for the rest.
+    std::vector<float> neg(ds.x.size());
+    for (size_t i = 0; i < neg.size(); ++i) neg[i] = -ds.x[i];
+    for (int t0 = 0; t0 < n / 2; ++t0) {
+      ASSERT_TRUE(
+          try_write_kv(v, table, t0, ds.x.data() + t0 * h * d, neg.data() + t0 * h * d, 1).ok());
+    }
+    ASSERT_TRUE(try_write_kv(v, table, n / 2, ds.x.data() + n / 2 * h * d,
+                             neg.data() + n / 2 * h * d, n - n / 2)
+                    .ok());
+    for (int pos = 0; pos < n; ++pos) {
+      for (int hh = 0; hh < h; ++hh) {
+        for (int which = 0; which < 2; ++which) {
+          const std::vector<float> y = read_row(v, table, pos, hh, which);
+          const float* x = (which == 0 ? ds.x.data() : neg.data()) + (pos * h + hh) * d;
+          const int64_t b = table[pos / p];
+          const uint8_t* meta =
+              (which == 0 ? v.k_meta : v.v_meta) + b * v.block_stride +
+              hh * (which == 0 ? v.k_meta_head_stride : v.v_meta_head_stride) +
+              (pos % p) * (which == 0 ? v.k_meta_slot_stride : v.v_meta_slot_stride);
+          check_row(t, x, y.data(), meta, d, ds.name);
+          if (std::string(ds.name) == "zeros") {
+            for (float e : y) EXPECT_EQ(e, 0.0f);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_P(CodecRoundTrip, RejectsNanInfAndOutOfRangeWithoutWriting) {
+  const KvDtype t = GetParam();
+  const int d = 64, h = 1, p = 8;
+  const KvLayout layout = must(KvLayout::uniform(1, h, d, t, p));
+  Arena arena(layout, 2);
+  const std::vector<uint8_t> before(arena.base.get(), arena.base.get() + arena.bytes);
+  const PagedKvLayerView v = layout.layer_view(0, arena.base.get());
+  const std::vector<int32_t> table = {1};
+  std::vector<float> k(2 * d, 0.5f), vv(2 * d, 0.25f);
+  const float bad_values[] = {std::nanf(""), INFINITY, -INFINITY};
+  for (float bad : bad_values) {
+    for (int which = 0; which < 2; ++which) {
+      std::vector<float> kk = k, vr = vv;
+      (which == 0 ? kk : vr)[d + 7] = bad;  // token 1, element 7
+      const Status st = try_write_kv(v, table, 3, kk.data(), vr.data(), 2);
+      ASSERT_FALSE(st.ok());
+      const std::string& msg = st.error().message;
+      EXPECT_NE(msg.find(which == 0 ? "K of position 4" : "V of position 4"), std::string::npos)
+          << msg;
+      EXPECT_NE(msg.find(std::isnan(bad) ? "nan" : "inf"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("element 7"), std::string::npos) << msg;
+    }
+  }
+  // Beyond the f16 metadata range: int4 (|x| > 65504), int8 (amax / 127 > 65504).
+  std::vector<float> huge = k;
+  huge[3] = t == KvDtype::kInt4 ? 1e5f : 1e7f;
+  const Status st = try_write_kv(v, table, 0, huge.data(), vv.data(), 1);
+  if (t == KvDtype::kFp8) {
+    EXPECT_TRUE(st.ok());  // f32 scale: any finite value fits
+    EXPECT_NEAR(read_row(v, table, 0, 0, 0)[3], huge[3], huge[3] / 16);
+  } else {
+    ASSERT_FALSE(st.ok());
+    EXPECT_NE(st.error().message.find("exceeds the range"), std::string::npos)
+        << st.error().message;
+    EXPECT_TRUE(std::equal(before.begin(), before.end(), arena.base.get()));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, CodecRoundTrip,
+                         ::testing::Values(KvDtype::kFp8, KvDtype::kInt8, KvDtype::kInt4),
+                         [](const auto& info) { return std::string(kv_dtype_name(info.param)); });
+
+TEST(Fp8, BlockScaleGrowsAndRescalesEarlierSlots) {
+  const int d = 32;
+  const KvLayout layout = must(KvLayout::uniform(1, 1, d, KvDtype::kFp8, 4));
+  Arena arena(layout, 2);
+  const PagedKvLayerView v = layout.layer_view(0, arena.base.get());
+  const std::vector<int32_t> table = {1, 0};
+  std::vector<float> small(d), big(d);
+  for (int i = 0; i < d; ++i) {
+    small[i] = 0.01f * static_cast<float>(i + 1);
+    big[i] = 50.0f * static_cast<float>(i % 5 + 1);
+  }
+  ASSERT_TRUE(try_write_kv(v, table, 0, small.data(), small.data(), 1).ok());
+  float scale0;
+  std::memcpy(&scale0, v.k_meta + 1 * v.block_stride, 4);
+  EXPECT_EQ(scale0, fp8_scale_for(0.32f));
+  ASSERT_TRUE(try_write_kv(v, table, 1, big.data(), big.data(), 1).ok());
+  float scale1;
+  std::memcpy(&scale1, v.k_meta + 1 * v.block_stride, 4);
+  EXPECT_EQ(scale1, fp8_scale_for(250.0f));
+  const std::vector<float> y0 = read_row(v, table, 0, 0, 0);
+  const std::vector<float> y1 = read_row(v, table, 1, 0, 0);
+  for (int i = 0; i < d; ++i) {
+    EXPECT_LE(std::fabs(y0[i] - small[i]), small[i] / 16 + scale1 / 1024) << i;
+    EXPECT_LE(std::fabs(y1[i] - big[i]), big[i] / 16) << i;
+  }
+  // A new block (slot 0) ignores the stale scale left by a previous owner.
+  ASSERT_TRUE(try_write_kv(v, table, 4, small.data(), small.data(), 1).ok());
+  float scale2;
+  std::memcpy(&scale2, v.k_meta, 4);
+  EXPECT_EQ(scale2, scale0);
+}
+
+TEST(KvLayoutQuant, MixedKAndVDtypes) {
+  const int d = 64, h = 3, p = 16;
+  std::vector<KvLayerSpec> layers(2, KvLayerSpec{.n_kv_heads = h,
+                                                 .head_dim_k = d,
+                                                 .head_dim_v = d,
+                                                 .dtype = KvDtype::kInt4,
+                                                 .dtype_v = KvDtype::kF16});
+  layers[1].dtype = KvDtype::kInt8;
+  layers[1].dtype_v = KvDtype::kFp8;
+  const KvLayout layout = must(KvLayout::create(layers, p));
+  // Layer 0: K int4 codes 3*16*32 = 1536, V f16 3*16*128 = 6144, K meta 3*16*8 = 384.
+  // Layer 1: K int8 3*16*64 = 3072, V fp8 3072, K meta 3*16*2 = 96 -> 128, V meta 12 -> 64.
+  EXPECT_EQ(layout.block_bytes(), 1536 + 6144 + 384 + 3072 + 3072 + 128 + 64);
+  EXPECT_EQ(layout.layer_payload_bytes_per_token(0), h * (32 + 8 + 128));
+  EXPECT_EQ(layout.layer_payload_bytes_per_token(1), h * (64 + 2 + 64));
+  EXPECT_EQ(layout.block_meta_bytes(), h * 4);
+  EXPECT_EQ(layout.payload_bytes(17), 17 * layout.payload_bytes_per_token() + 2 * h * 4);
+  Arena arena(layout, 3);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<float> k(20 * h * d), v(20 * h * d);
+  for (float& x : k) x = nd(rng);
+  for (float& x : v) x = nd(rng);
+  const std::vector<int32_t> table = {2, 0};
+  for (int l = 0; l < 2; ++l) {
+    const PagedKvLayerView view = layout.layer_view(l, arena.base.get());
+    EXPECT_TRUE(view.v_distinct);
+    EXPECT_TRUE(kv_view_is_quantized(view));
+    ASSERT_TRUE(try_write_kv(view, table, 0, k.data(), v.data(), 20).ok());
+  }
+  for (int l = 0; l < 2; ++l) {
+    const PagedKvLayerView view = layout.layer_view(l, arena.base.get());
+    for (int pos : {0, 15, 16, 19}) {
+      for (int hh = 0; hh < h; ++hh) {
+        const std::vector<float> yk = read_row(view, table, pos, hh, 0);
+        const std::vector<float> yv = read_row(view, table, pos, hh, 1);
+        for (int i = 0; i < d; ++i) {
+          const float xk = k[(pos * h + hh) * d + i], xv = v[(pos * h + hh) * d + i];
+          EXPECT_NEAR(yk[i], xk, l == 0 ? 0.5f : 0.05f);
+          EXPECT_NEAR(yv[i], xv, l == 0 ? 0.002f : std::fabs(xv) / 16 + 1e-3f);
+        }
+      }
+    }
+  }
+}
+
+TEST(KvLayoutQuant, RejectsUnsupportedShapes) {
+  EXPECT_FALSE(KvLayout::uniform(1, 2, 48, KvDtype::kInt4, 16).ok());  // 48 % 32 != 0
+  EXPECT_TRUE(KvLayout::uniform(1, 2, 48, KvDtype::kInt8, 16).ok());
+  auto mla = KvLayout::create({KvLayerSpec{.kind = KvLayerKind::kMlaLatent,
+                                           .latent_dim = 64,
+                                           .rope_dim = 16,
+                                           .dtype = KvDtype::kInt8}},
+                              16);
+  ASSERT_FALSE(mla.ok());
+  EXPECT_EQ(mla.error().code, Errc::kUnsupported);
+  EXPECT_EQ(parse_kv_dtype("int8").value(), KvDtype::kInt8);
+  EXPECT_EQ(parse_kv_dtype("kivi2").error().code, Errc::kUnsupported);
+}
+
+// The planner's per-format numbers are the layout's: block bytes (padding
+// included) and the exact payload of a sequence.
+TEST(KvLayoutQuant, PlannerUsesTheSameBytes) {
+  struct Case {
+    int n_layers, n_kv_heads, head_dim, block_size;
+  };
+  for (const char* name : {"f32", "f16", "bf16", "fp8", "int8", "int4"}) {
+    const KvDtype t = parse_kv_dtype(name).value();
+    const capacity::KvFormat fmt = capacity::find_kv_format(name).value();
+    for (const Case c :
+         {Case{30, 3, 64, 16}, Case{2, 1, 32, 1}, Case{3, 5, 96, 4}, Case{4, 8, 128, 256}}) {
+      SCOPED_TRACE(std::string(name) + " layers " + std::to_string(c.n_layers));
+      const KvLayout layout =
+          must(KvLayout::uniform(c.n_layers, c.n_kv_heads, c.head_dim, t, c.block_size));
+      const capacity::ModelArch a = capacity::make_uniform_arch("x", c.n_layers, c.n_kv_heads,
+                                                                c.n_kv_heads, c.head_dim, 64, 1);
+      EXPECT_EQ(capacity::block_bytes(a, fmt, c.block_size),
+                static_cast<uint64_t>(layout.block_bytes()));
+      for (int64_t tokens : {1, 15, 16, 17, 1000}) {
+        capacity::Workload w;
+        w.seq_tokens = {tokens};
+        w.block_size = c.block_size;
+        EXPECT_EQ(capacity::kv_payload_bytes(a, fmt, w),
+                  static_cast<uint64_t>(layout.payload_bytes(tokens)))
+            << tokens;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvstack

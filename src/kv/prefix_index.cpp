@@ -1,0 +1,481 @@
+#include "kv/prefix_index.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace kvstack {
+
+std::string Hash128::hex() const {
+  char buf[33];
+  std::snprintf(buf, sizeof(buf), "%016llx%016llx", static_cast<unsigned long long>(hi),
+                static_cast<unsigned long long>(lo));
+  return buf;
+}
+
+Hash128 hash128(const void* data, size_t n_bytes, uint64_t seed) {
+  const XXH128_hash_t h = XXH3_128bits_withSeed(data, n_bytes, seed);
+  return Hash128{h.low64, h.high64};
+}
+
+void PrefixMatch::reset() {
+  partial.reset();
+  while (!blocks.empty()) blocks.pop_back();  // deepest first: children precede parents in LRU
+  n_partial_tokens = 0;
+}
+
+PrefixIndex::PrefixIndex(BlockPool& pool)
+    : pool_(pool),
+      block_size_(pool.block_size()),
+      nodes_(static_cast<size_t>(pool.n_blocks())),
+      tokens_(static_cast<size_t>(pool.n_blocks()) * pool.block_size()) {
+  KV_CHECK(pool.index_ == nullptr, "PrefixIndex: the pool already has an index");
+  by_hash_.reserve(nodes_.size());
+  pool.index_ = this;
+}
+
+PrefixIndex::~PrefixIndex() {
+  // Cached blocks go back to the free list; blocks in use become plain
+  // private blocks of their holders (freed on their last release).
+  while (lru_head_ != kNullBlock || pool_.n_cached() > 0) {
+    if (evict(pool_.n_cached()) == 0) break;
+  }
+  KV_CHECK(pool_.n_cached() == 0, "PrefixIndex: cached blocks left at detach");
+  for (size_t i = 0; i < nodes_.size(); ++i) nodes_[i].published = false;
+  pool_.index_ = nullptr;
+}
+
+NamespaceId PrefixIndex::intern_namespace(const Hash128& identity_digest, bool is_public) {
+  auto it = ns_by_digest_.find(identity_digest);
+  if (it != ns_by_digest_.end()) {
+    KV_CHECK(roots_[it->second].is_public == is_public,
+             "intern_namespace: digest registered with a different visibility");
+    return it->second;
+  }
+  KV_CHECK(!is_public || public_ns_ == kNoNamespace, "intern_namespace: second public namespace");
+  const auto id = static_cast<NamespaceId>(roots_.size());
+  Root r;
+  r.digest = identity_digest;
+  r.is_public = is_public;
+  roots_.push_back(r);
+  ns_by_digest_.emplace(identity_digest, id);
+  if (is_public) public_ns_ = id;
+  return id;
+}
+
+std::span<const int32_t> PrefixIndex::block_tokens(int32_t block) const {
+  return std::span<const int32_t>(tokens_.data() + static_cast<size_t>(block) * block_size_,
+                                  static_cast<size_t>(block_size_));
+}
+
+Hash128 PrefixIndex::child_key(const Hash128& parent_hash, NamespaceId ns, const int32_t* tokens,
+                               BlockExtraKeys extra) const {
+  // Layout hashed: parent hash (16) | namespace digest (16) | tokens (4P) | extra (8 each).
+  const size_t n = 32 + 4 * static_cast<size_t>(block_size_) + 8 * extra.size();
+  uint8_t stack[32 + 4 * KvLayout::kMaxBlockSize + 8 * 8];
+  std::vector<uint8_t> heap;
+  uint8_t* buf = stack;
+  if (n > sizeof(stack)) {
+    heap.resize(n);
+    buf = heap.data();
+  }
+  std::memcpy(buf, &parent_hash, 16);
+  std::memcpy(buf + 16, &roots_[ns].digest, 16);
+  std::memcpy(buf + 32, tokens, 4 * static_cast<size_t>(block_size_));
+  if (!extra.empty()) std::memcpy(buf + 32 + 4 * block_size_, extra.data(), 8 * extra.size());
+  return hash128(buf, n);
+}
+
+int32_t& PrefixIndex::child_head(int32_t parent, NamespaceId ns) {
+  return parent == kNullBlock ? roots_[ns].first_child : nodes_[parent].first_child;
+}
+
+int32_t PrefixIndex::find_child(int32_t parent, NamespaceId ns, const int32_t* tokens,
+                                BlockExtraKeys extra) {
+  const Hash128 parent_hash = parent == kNullBlock ? Hash128{} : nodes_[parent].hash;
+  const Hash128 key = child_key(parent_hash, ns, tokens, extra);
+  auto it = by_hash_.find(key);
+  if (it == by_hash_.end()) return kNullBlock;
+  const int32_t b = it->second;
+  const Node& n = nodes_[b];
+  bool ok = n.published && n.parent == parent && n.ns == ns &&
+            std::memcmp(tokens_.data() + static_cast<size_t>(b) * block_size_, tokens,
+                        4 * static_cast<size_t>(block_size_)) == 0;
+  if (ok) {
+    auto e = extra_.find(b);
+    const bool stored = e != extra_.end();
+    if (stored != !extra.empty()) {
+      ok = false;
+    } else if (stored) {
+      ok = e->second.size() == extra.size() &&
+           std::equal(extra.begin(), extra.end(), e->second.begin());
+    }
+  }
+  if (!ok) {
+    ++n_collisions_;
+    return kNullBlock;
+  }
+  return b;
+}
+
+PrefixMatch PrefixIndex::match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
+                               bool find_partial, std::span<const BlockExtraKeys> extra) {
+  KV_CHECK(ns >= 0 && ns < n_namespaces(), "match: unknown namespace");
+  PrefixMatch m;
+  m.block_size = block_size_;
+  max_tokens = std::clamp<int64_t>(max_tokens, 0, static_cast<int64_t>(tokens.size()));
+  const int64_t p = block_size_;
+  int32_t cur = kNullBlock;
+  bool path_public = true;  // every matched block so far is public
+  const bool try_public = public_ns_ != kNoNamespace && public_ns_ != ns;
+  int64_t j = 0;
+  for (; (j + 1) * p <= max_tokens; ++j) {
+    const int32_t* t = tokens.data() + j * p;
+    const BlockExtraKeys ex = j < static_cast<int64_t>(extra.size()) ? extra[j] : BlockExtraKeys{};
+    int32_t b = find_child(cur, ns, t, ex);
+    if (b == kNullBlock && try_public && path_public) {
+      b = find_child(cur, public_ns_, t, ex);
+    }
+    if (b == kNullBlock) break;
+    if (nodes_[b].ns != public_ns_) path_public = false;
+    m.blocks.push_back(pool_.ref_block(BlockId{b}));
+    cur = b;
+  }
+  const int64_t n_full = j * p;
+  if (find_partial && n_full < max_tokens) {
+    int64_t n_common = 0;
+    const int32_t b = best_partial(cur, ns, try_public && path_public, tokens.data() + n_full,
+                                   std::min<int64_t>(p, max_tokens - n_full), &n_common);
+    if (b != kNullBlock && n_common > 0) {
+      m.partial = pool_.ref_block(BlockId{b});
+      m.n_partial_tokens = n_common;
+      ++n_partial_hits_;
+      n_partial_tokens_ += n_common;
+    }
+  }
+  NamespaceStats& st = roots_[ns].stats;
+  ++st.n_queries;
+  st.n_query_tokens += max_tokens;
+  st.n_hit_blocks += j;
+  st.n_hit_tokens += m.n_tokens();
+  return m;
+}
+
+int32_t PrefixIndex::best_partial(int32_t parent, NamespaceId ns, bool allow_public,
+                                  const int32_t* tokens, int64_t n, int64_t* n_common) const {
+  int32_t best = kNullBlock;
+  int64_t best_len = 0;
+  int scanned = 0;
+  auto scan = [&](int32_t head) {
+    for (int32_t c = head; c != kNullBlock && scanned < kMaxPartialScan;
+         c = nodes_[c].next_sibling) {
+      const Node& node = nodes_[c];
+      if (node.ns != ns && !(allow_public && node.ns == public_ns_)) continue;
+      ++scanned;
+      if (node.has_extra) continue;  // extra keys cover the whole block; no partial reuse
+      const int32_t* t = tokens_.data() + static_cast<size_t>(c) * block_size_;
+      int64_t k = 0;
+      while (k < n && t[k] == tokens[k]) ++k;
+      if (k > best_len) {
+        best_len = k;
+        best = c;
+      }
+    }
+  };
+  if (parent == kNullBlock) {
+    scan(roots_[ns].first_child);
+    if (allow_public) scan(roots_[public_ns_].first_child);
+  } else {
+    scan(nodes_[parent].first_child);
+  }
+  *n_common = best_len;
+  return best;
+}
+
+int64_t PrefixIndex::publish(NamespaceId ns, const BlockTable& table,
+                             std::span<const int32_t> tokens, int64_t n_published,
+                             std::span<const BlockExtraKeys> extra) {
+  KV_CHECK(ns >= 0 && ns < n_namespaces(), "publish: unknown namespace");
+  KV_CHECK(&table.pool() == &pool_, "publish: table from another pool");
+  KV_CHECK(static_cast<int64_t>(tokens.size()) >= table.length(),
+           "publish: fewer tokens than the table's committed length");
+  const int64_t p = block_size_;
+  const int64_t n_full = table.length() / p;
+  const auto ids = table.ids();
+  int64_t j = n_published;
+  for (; j < n_full; ++j) {
+    const int32_t b = ids[j];
+    const int32_t parent = j == 0 ? kNullBlock : ids[j - 1];
+    KV_DCHECK(parent == kNullBlock || nodes_[parent].published, "publish: broken chain");
+    if (nodes_[b].published) {
+      // Already a node (adopted from a match): it must sit on this chain.
+      if (nodes_[b].parent != parent) break;
+      continue;
+    }
+    // Only private blocks (one holder: this table) may become nodes: a block
+    // shared by forks is still identical, but keep the rule simple and local.
+    const int32_t* t = tokens.data() + j * p;
+    const BlockExtraKeys ex = j < static_cast<int64_t>(extra.size()) ? extra[j] : BlockExtraKeys{};
+    const Hash128 parent_hash = parent == kNullBlock ? Hash128{} : nodes_[parent].hash;
+    const Hash128 key = child_key(parent_hash, ns, t, ex);
+    if (by_hash_.count(key) != 0) {
+      ++n_duplicates_;
+      break;
+    }
+    Node& n = nodes_[b];
+    n = Node{};
+    n.hash = key;
+    n.parent = parent;
+    n.ns = ns;
+    n.published = true;
+    n.has_extra = !ex.empty();
+    if (n.has_extra) extra_[b].assign(ex.begin(), ex.end());
+    std::memcpy(tokens_.data() + static_cast<size_t>(b) * p, t, 4 * static_cast<size_t>(p));
+    by_hash_.emplace(key, b);
+    link_child(parent, ns, b);
+    ++n_nodes_;
+    ++roots_[ns].stats.n_published;
+    ++roots_[ns].stats.n_nodes;
+    emit({.kind = KvEvent::Kind::kStored,
+          .hash = key,
+          .parent_hash = parent_hash,
+          .n_tokens = static_cast<int32_t>(p),
+          .ns = ns});
+  }
+  return j;
+}
+
+void PrefixIndex::link_child(int32_t parent, NamespaceId ns, int32_t block) {
+  int32_t& head = child_head(parent, ns);
+  Node& n = nodes_[block];
+  n.prev_sibling = kNullBlock;
+  n.next_sibling = head;
+  if (head != kNullBlock) nodes_[head].prev_sibling = block;
+  head = block;
+  if (parent != kNullBlock) {
+    Node& p = nodes_[parent];
+    ++p.n_children;
+    if (p.in_lru) {
+      // A cached parent gaining a child (only through loose references)
+      // leaves the list until its children are gone.
+      lru_remove(parent);
+      p.deferred = true;
+    }
+  }
+}
+
+void PrefixIndex::unlink_child(int32_t block) {
+  Node& n = nodes_[block];
+  if (n.prev_sibling != kNullBlock) {
+    nodes_[n.prev_sibling].next_sibling = n.next_sibling;
+  } else {
+    child_head(n.parent, n.ns) = n.next_sibling;
+  }
+  if (n.next_sibling != kNullBlock) nodes_[n.next_sibling].prev_sibling = n.prev_sibling;
+  n.prev_sibling = n.next_sibling = kNullBlock;
+  if (n.parent != kNullBlock) --nodes_[n.parent].n_children;
+}
+
+void PrefixIndex::lru_push_back(int32_t b) {
+  Node& n = nodes_[b];
+  n.lru_prev = lru_tail_;
+  n.lru_next = kNullBlock;
+  if (lru_tail_ != kNullBlock) nodes_[lru_tail_].lru_next = b;
+  lru_tail_ = b;
+  if (lru_head_ == kNullBlock) lru_head_ = b;
+  n.in_lru = true;
+}
+
+void PrefixIndex::lru_push_front(int32_t b) {
+  Node& n = nodes_[b];
+  n.lru_next = lru_head_;
+  n.lru_prev = kNullBlock;
+  if (lru_head_ != kNullBlock) nodes_[lru_head_].lru_prev = b;
+  lru_head_ = b;
+  if (lru_tail_ == kNullBlock) lru_tail_ = b;
+  n.in_lru = true;
+}
+
+void PrefixIndex::lru_remove(int32_t b) {
+  Node& n = nodes_[b];
+  if (n.lru_prev != kNullBlock) {
+    nodes_[n.lru_prev].lru_next = n.lru_next;
+  } else {
+    lru_head_ = n.lru_next;
+  }
+  if (n.lru_next != kNullBlock) {
+    nodes_[n.lru_next].lru_prev = n.lru_prev;
+  } else {
+    lru_tail_ = n.lru_prev;
+  }
+  n.lru_prev = n.lru_next = kNullBlock;
+  n.in_lru = false;
+}
+
+void PrefixIndex::on_unreferenced(int32_t block) {
+  Node& n = nodes_[block];
+  KV_DCHECK(n.published && !n.in_lru, "on_unreferenced: not a published, listed node");
+  n.deferred = false;
+  lru_push_back(block);
+}
+
+void PrefixIndex::on_referenced(int32_t block) {
+  Node& n = nodes_[block];
+  if (n.in_lru) lru_remove(block);
+  n.deferred = false;
+}
+
+void PrefixIndex::remove_node(int32_t block) {
+  Node& n = nodes_[block];
+  KV_CHECK(n.published && n.n_children == 0, "remove_node: not a published leaf");
+  const int32_t parent = n.parent;
+  const NamespaceId ns = n.ns;
+  unlink_child(block);
+  by_hash_.erase(n.hash);
+  if (n.has_extra) extra_.erase(block);
+  emit({.kind = KvEvent::Kind::kRemoved,
+        .hash = n.hash,
+        .parent_hash = parent == kNullBlock ? Hash128{} : nodes_[parent].hash,
+        .n_tokens = block_size_,
+        .ns = ns});
+  n = Node{};
+  --n_nodes_;
+  --roots_[ns].stats.n_nodes;
+  if (parent != kNullBlock) {
+    Node& p = nodes_[parent];
+    if (p.deferred && p.n_children == 0) {
+      // It was the least recently released node when it left the list.
+      p.deferred = false;
+      lru_push_front(parent);
+    }
+  }
+}
+
+int64_t PrefixIndex::evict(int64_t n) {
+  int64_t done = 0;
+  while (done < n && lru_head_ != kNullBlock) {
+    const int32_t b = lru_head_;
+    lru_remove(b);
+    if (nodes_[b].n_children > 0) {
+      nodes_[b].deferred = true;
+      continue;
+    }
+    remove_node(b);
+    pool_.reclaim(b);
+    ++n_evictions_;
+    ++done;
+  }
+  return done;
+}
+
+void PrefixIndex::emit(KvEvent e) {
+  if (max_events_ <= 0) return;
+  if (static_cast<int64_t>(events_.size()) >= max_events_) {
+    events_.pop_front();
+    ++n_events_dropped_;
+  }
+  events_.push_back(e);
+}
+
+std::vector<KvEvent> PrefixIndex::drain_events() {
+  std::vector<KvEvent> out(events_.begin(), events_.end());
+  events_.clear();
+  return out;
+}
+
+PrefixIndexStats PrefixIndex::stats() const {
+  PrefixIndexStats s;
+  for (size_t i = 0; i < roots_.size(); ++i) {
+    const NamespaceStats& r = roots_[i].stats;
+    s.per_namespace.emplace_back(static_cast<NamespaceId>(i), r);
+    s.total.n_queries += r.n_queries;
+    s.total.n_query_tokens += r.n_query_tokens;
+    s.total.n_hit_blocks += r.n_hit_blocks;
+    s.total.n_hit_tokens += r.n_hit_tokens;
+    s.total.n_published += r.n_published;
+    s.total.n_nodes += r.n_nodes;
+  }
+  s.n_partial_hits = n_partial_hits_;
+  s.n_partial_tokens = n_partial_tokens_;
+  s.n_cached_blocks = pool_.n_cached();
+  s.n_nodes = n_nodes_;
+  s.n_evictions = n_evictions_;
+  s.n_collisions = n_collisions_;
+  s.n_duplicates = n_duplicates_;
+  s.n_events_dropped = n_events_dropped_;
+  return s;
+}
+
+void PrefixIndex::check_invariants() const {
+  const auto n_blocks = static_cast<int32_t>(nodes_.size());
+  int64_t n_published = 0;
+  std::vector<int64_t> per_ns(roots_.size(), 0);
+  std::vector<int32_t> children(nodes_.size(), 0);
+  for (int32_t b = 0; b < n_blocks; ++b) {
+    const Node& n = nodes_[b];
+    if (!n.published) {
+      KV_CHECK(!n.in_lru && !n.deferred, "unpublished block on the LRU list");
+      continue;
+    }
+    ++n_published;
+    KV_CHECK(n.ns >= 0 && n.ns < n_namespaces(), "node with an unknown namespace");
+    ++per_ns[n.ns];
+    auto it = by_hash_.find(n.hash);
+    KV_CHECK(it != by_hash_.end() && it->second == b, "node missing from the hash map");
+    const Hash128 parent_hash = n.parent == kNullBlock ? Hash128{} : nodes_[n.parent].hash;
+    std::vector<uint64_t> ex;
+    if (n.has_extra) ex = extra_.at(b);
+    KV_CHECK(child_key(parent_hash, n.ns, tokens_.data() + static_cast<size_t>(b) * block_size_,
+                       ex) == n.hash,
+             "node hash differs from hash(parent, namespace, tokens, extra)");
+    if (n.parent != kNullBlock) {
+      KV_CHECK(nodes_[n.parent].published, "node's parent is not published");
+      const NamespaceId pns = nodes_[n.parent].ns;
+      KV_CHECK(pns == n.ns || pns == public_ns_, "node's parent is in another private namespace");
+      ++children[n.parent];
+    }
+    if (n.ns == public_ns_ && n.parent != kNullBlock) {
+      KV_CHECK(nodes_[n.parent].ns == public_ns_, "public node under a private parent");
+    }
+    const BlockState st = pool_.state(BlockId{b});
+    KV_CHECK(st != BlockState::kFree, "published block is free");
+    // Chain rule: whoever holds a published block holds its parent too, so
+    // cached nodes only have cached descendants and every cached block is
+    // evictable (leaf-first).
+    if (st == BlockState::kUsed && n.parent != kNullBlock) {
+      KV_CHECK(pool_.state(BlockId{n.parent}) == BlockState::kUsed,
+               "a published block is referenced while its parent is not (chain rule)");
+    }
+    KV_CHECK((st == BlockState::kCached) == (n.in_lru || n.deferred),
+             "a cached node must be on the LRU list or deferred, and only a cached one");
+    KV_CHECK(!(n.in_lru && n.deferred), "node both listed and deferred");
+    if (n.deferred) KV_CHECK(n.n_children > 0, "deferred node without children");
+  }
+  KV_CHECK(n_published == n_nodes_, "node count out of sync");
+  KV_CHECK(static_cast<int64_t>(by_hash_.size()) == n_nodes_, "hash map size != node count");
+  for (size_t i = 0; i < roots_.size(); ++i) {
+    KV_CHECK(per_ns[i] == roots_[i].stats.n_nodes, "per-namespace node count out of sync");
+  }
+  for (int32_t b = 0; b < n_blocks; ++b) {
+    if (!nodes_[b].published) continue;
+    KV_CHECK(children[b] == nodes_[b].n_children, "child count out of sync");
+    int64_t listed = 0;
+    for (int32_t c = nodes_[b].first_child; c != kNullBlock; c = nodes_[c].next_sibling) {
+      KV_CHECK(nodes_[c].published && nodes_[c].parent == b, "child list holds a stranger");
+      ++listed;
+    }
+    KV_CHECK(listed == children[b], "child list length != child count");
+  }
+  int64_t n_listed = 0;
+  int32_t prev = kNullBlock;
+  for (int32_t b = lru_head_; b != kNullBlock; b = nodes_[b].lru_next) {
+    KV_CHECK(nodes_[b].in_lru && nodes_[b].lru_prev == prev, "LRU list links corrupt");
+    prev = b;
+    ++n_listed;
+    KV_CHECK(n_listed <= n_blocks, "LRU list has a cycle");
+  }
+  KV_CHECK(prev == lru_tail_, "LRU tail mismatch");
+}
+
+}  // namespace kvstack

@@ -1,0 +1,272 @@
+// PrefixIndex: the prefix cache over one BlockPool (kv-cache-spec.md
+// sections 5 and 6). A radix tree at block granularity: every node is one
+// full, committed, published pool block of P tokens; a node's children are
+// keyed by their P token ids plus optional extra keys (multimodal inputs,
+// encoder outputs). The tree has one root per namespace (NamespaceId), made
+// from the full cache identity (cache_identity.h), so a namespace never sees
+// another's blocks; the one public namespace (pinned deployment-wide
+// prefixes) is visible from every namespace.
+//
+// Keys. Each node carries a chained 128-bit block hash (XXH3-128 of the
+// parent node's hash (0 at the top), the node's namespace digest, its P
+// token ids and its extra keys). The hash is the child-lookup key (one hash
+// map from hash to block, no per-node maps) and the block's name in events
+// and (later) in the cluster directory and tier keys. A hash hit is verified
+// against the stored parent, namespace, token ids and extra keys, so a
+// collision can never return wrong K/V: it reads as a miss and the colliding
+// block is simply not published.
+//
+// Namespaces and public prefixes. A block published from namespace N is a
+// node of N, whose parent may be a node of N or of the public namespace
+// (a private continuation of a public system prompt). A lookup from N at a
+// node tries N's key for the next block first, then (only while the path so
+// far is public) the public key. Public nodes only have public parents.
+//
+// Lifecycle (block states in block_pool.h):
+//   publish: a full committed block held by a table becomes a node (kUsed).
+//   release: when the last reference drops, the node's block becomes kCached
+//            and joins the LRU list (stays resident for future hits).
+//   match:   hits take a reference (a kCached block is revived to kUsed and
+//            leaves the LRU list).
+//   evict:   only when an allocation needs more blocks than are free
+//            (BlockPool::take_free); leaf-first in LRU order; the node is
+//            removed and the block freed. Referenced blocks are never
+//            evicted.
+// The LRU list holds cached nodes in the order they became unreferenced.
+// Tables release tail-first and a child's holders also hold its parent, so
+// children normally precede their parent. evict() takes the front: a leaf is
+// evicted; a node that still has children (rare: only when loose references
+// outlived the chain) leaves the list and is put back at the front when its
+// last child is evicted. Every step is O(1) amortized per block; match and
+// publish are O(blocks) with one XXH3 + one hash-map probe per block; the
+// partial-block search scans at most kMaxPartialScan children of one node.
+//
+// Observability: stats() (global and per namespace) and an event stream of
+// block stored / removed (hash, parent hash, token count) for routing and
+// tiers (drain_events).
+//
+// Thread-safety: not thread-safe; single owner, like BlockPool.
+// Lifetime: attaches to the pool on construction and detaches on
+// destruction (cached blocks return to the free list; blocks still in use
+// stay with their holders, unpublished). REQUIRES: the pool outlives this.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kv/block_pool.h"
+#include "kv/block_table.h"
+
+namespace kvstack {
+
+struct Hash128 {
+  uint64_t lo = 0;
+  uint64_t hi = 0;
+  bool operator==(const Hash128&) const = default;
+  std::string hex() const;  // 32 hex digits, hi then lo
+};
+
+// XXH3-128 of a byte range.
+Hash128 hash128(const void* data, size_t n_bytes, uint64_t seed = 0);
+
+using NamespaceId = int32_t;
+inline constexpr NamespaceId kNoNamespace = -1;
+
+// Extra keys of one block (empty = none): anything besides the token ids that
+// changes the block's K/V (e.g. a multimodal input's digest).
+using BlockExtraKeys = std::span<const uint64_t>;
+
+// Result of a lookup: references to the matched full blocks (in order) and,
+// optionally, one cached block whose first n_partial_tokens slots continue
+// the match (copy-on-partial-reuse: adopt it with
+// BlockTable::adopt_partial_copy). Dropping a match releases every
+// reference exactly once, deepest first.
+struct PrefixMatch {
+  std::vector<BlockRef> blocks;
+  BlockRef partial;
+  int64_t n_partial_tokens = 0;
+  int block_size = 0;
+  PrefixMatch() = default;
+  PrefixMatch(PrefixMatch&&) = default;
+  PrefixMatch& operator=(PrefixMatch&&) = default;
+  ~PrefixMatch() { reset(); }
+  int64_t n_tokens() const {
+    return static_cast<int64_t>(blocks.size()) * block_size + n_partial_tokens;
+  }
+  void reset();
+};
+
+struct KvEvent {
+  enum class Kind : uint8_t { kStored, kRemoved };
+  Kind kind = Kind::kStored;
+  Hash128 hash;
+  Hash128 parent_hash;  // zero for a top-level block
+  int32_t n_tokens = 0;
+  NamespaceId ns = kNoNamespace;
+};
+
+struct NamespaceStats {
+  int64_t n_queries = 0;
+  int64_t n_query_tokens = 0;  // tokens offered to lookups (after the last-token rule)
+  int64_t n_hit_blocks = 0;    // full blocks matched
+  int64_t n_hit_tokens = 0;    // tokens matched, partial-block copies included
+  int64_t n_published = 0;     // blocks published from this namespace (lifetime)
+  int64_t n_nodes = 0;         // blocks of this namespace in the index now
+  double hit_rate() const {
+    return n_query_tokens > 0 ? static_cast<double>(n_hit_tokens) / n_query_tokens : 0.0;
+  }
+};
+
+struct PrefixIndexStats {
+  NamespaceStats total;
+  int64_t n_partial_hits = 0;    // lookups that ended with a partial-block copy candidate
+  int64_t n_partial_tokens = 0;  // tokens of those partial candidates
+  int64_t n_cached_blocks = 0;   // unreferenced, resident, evictable
+  int64_t n_nodes = 0;           // published blocks (cached + in use)
+  int64_t n_evictions = 0;
+  int64_t n_collisions = 0;  // hash hits rejected by token/parent verification
+  int64_t n_duplicates = 0;  // publishes refused: an equal block is already published
+  int64_t n_events_dropped = 0;
+  std::vector<std::pair<NamespaceId, NamespaceStats>> per_namespace;
+};
+
+class PrefixIndex {
+ public:
+  // Partial-block candidates examined per lookup (children of the last
+  // matched node, most recently published first).
+  static constexpr int kMaxPartialScan = 64;
+
+  // Attaches to `pool` (at most one index per pool).
+  explicit PrefixIndex(BlockPool& pool);
+  ~PrefixIndex();
+  PrefixIndex(const PrefixIndex&) = delete;
+  PrefixIndex& operator=(const PrefixIndex&) = delete;
+
+  BlockPool& pool() const { return pool_; }
+  int block_size() const { return block_size_; }
+
+  // The namespace for a cache-identity digest (cache_identity.h), created on
+  // first use. `is_public` marks the one deployment-wide public namespace
+  // (REQUIRES: at most one digest is registered public).
+  NamespaceId intern_namespace(const Hash128& identity_digest, bool is_public = false);
+  NamespaceId public_namespace() const { return public_ns_; }
+  int64_t n_namespaces() const { return static_cast<int64_t>(roots_.size()); }
+
+  // Longest match of `tokens[0, max_tokens)` in namespace `ns` (plus public
+  // blocks): full blocks, then the best partial-block candidate for the rest
+  // when find_partial. `extra` gives per-block extra keys (block j uses
+  // extra[j] when j < extra.size()). References are taken on every returned
+  // block. Counts one query in the stats.
+  PrefixMatch match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
+                    bool find_partial = true, std::span<const BlockExtraKeys> extra = {});
+
+  // Publishes the full committed blocks [n_published, table.length() / P) of
+  // `table`, whose committed token ids are tokens[0, table.length()), as
+  // nodes of `ns`. Blocks [0, n_published) must already be the published
+  // chain of this table (what a previous publish returned, or adopted match
+  // blocks). Stops at the first block that cannot be published (an equal
+  // block is already published by another table, or a hash collision).
+  // Returns the new length of the published chain, in blocks.
+  int64_t publish(NamespaceId ns, const BlockTable& table, std::span<const int32_t> tokens,
+                  int64_t n_published, std::span<const BlockExtraKeys> extra = {});
+
+  // Evicts up to n cached blocks (leaf-first, LRU) back to the pool's free
+  // list; returns the number evicted (< n only when fewer are cached).
+  int64_t evict(int64_t n);
+
+  bool is_published(int32_t block) const { return nodes_[block].published; }
+  // Chained hash of a published block. REQUIRES is_published(block).
+  Hash128 block_hash(int32_t block) const { return nodes_[block].hash; }
+  NamespaceId block_namespace(int32_t block) const { return nodes_[block].ns; }
+  // Stored token ids of a published block ([P]).
+  std::span<const int32_t> block_tokens(int32_t block) const;
+
+  PrefixIndexStats stats() const;
+
+  // Events since the last drain, oldest first (capacity bounded: the oldest
+  // are dropped and counted when more than `max_events` are pending).
+  void set_event_capacity(int64_t max_events) { max_events_ = max_events; }
+  std::vector<KvEvent> drain_events();
+
+  // Tree, hash map, LRU list and state consistency; KV_CHECK on violation.
+  // O(nodes). Called by BlockPool::check_invariants.
+  void check_invariants() const;
+
+ private:
+  friend class BlockPool;
+
+  struct Node {
+    Hash128 hash;
+    int32_t parent = kNullBlock;  // parent block, or kNullBlock (top level)
+    NamespaceId ns = kNoNamespace;
+    int32_t first_child = kNullBlock;  // children list (most recent first)
+    int32_t next_sibling = kNullBlock;
+    int32_t prev_sibling = kNullBlock;
+    int32_t n_children = 0;
+    int32_t lru_prev = kNullBlock;
+    int32_t lru_next = kNullBlock;
+    bool published = false;
+    bool in_lru = false;
+    bool deferred = false;  // cached but left the LRU list while it had children
+    bool has_extra = false;
+  };
+  struct Root {
+    Hash128 digest;
+    bool is_public = false;
+    int32_t first_child = kNullBlock;  // top-level nodes (most recent first)
+    NamespaceStats stats;
+  };
+  struct HashOf {
+    size_t operator()(const Hash128& h) const { return static_cast<size_t>(h.lo ^ (h.hi << 1)); }
+  };
+
+  // Pool callbacks.
+  void on_unreferenced(int32_t block);  // ref 1 -> 0 of a published block
+  void on_referenced(int32_t block);    // cached block revived
+
+  Hash128 child_key(const Hash128& parent_hash, NamespaceId ns, const int32_t* tokens,
+                    BlockExtraKeys extra) const;
+  // The verified child of `parent` (kNullBlock: top level of ns) for these
+  // tokens in namespace ns, or kNullBlock.
+  int32_t find_child(int32_t parent, NamespaceId ns, const int32_t* tokens, BlockExtraKeys extra);
+  int32_t& child_head(int32_t parent, NamespaceId ns);
+  void link_child(int32_t parent, NamespaceId ns, int32_t block);
+  void unlink_child(int32_t block);
+  void lru_push_back(int32_t block);
+  void lru_push_front(int32_t block);
+  void lru_remove(int32_t block);
+  void remove_node(int32_t block);
+  void emit(KvEvent e);
+  // Best partial candidate among the children of `parent` (and public
+  // children when allow_public): longest common prefix with tokens[0, n).
+  int32_t best_partial(int32_t parent, NamespaceId ns, bool allow_public, const int32_t* tokens,
+                       int64_t n, int64_t* n_common) const;
+
+  BlockPool& pool_;
+  int block_size_ = 0;
+  std::vector<Node> nodes_;      // [n_blocks]
+  std::vector<int32_t> tokens_;  // [n_blocks, P] token ids of published blocks
+  std::unordered_map<int32_t, std::vector<uint64_t>> extra_;  // blocks with extra keys
+  std::unordered_map<Hash128, int32_t, HashOf> by_hash_;
+  std::vector<Root> roots_;
+  std::unordered_map<Hash128, NamespaceId, HashOf> ns_by_digest_;
+  NamespaceId public_ns_ = kNoNamespace;
+  int32_t lru_head_ = kNullBlock;  // least recently released cached node
+  int32_t lru_tail_ = kNullBlock;
+  int64_t n_nodes_ = 0;
+  int64_t n_partial_hits_ = 0;
+  int64_t n_partial_tokens_ = 0;
+  int64_t n_evictions_ = 0;
+  int64_t n_collisions_ = 0;
+  int64_t n_duplicates_ = 0;
+  std::deque<KvEvent> events_;
+  int64_t max_events_ = 0;  // 0 = events off
+  int64_t n_events_dropped_ = 0;
+  std::vector<uint8_t> key_buf_;  // scratch for child_key
+};
+
+}  // namespace kvstack
