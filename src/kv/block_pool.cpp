@@ -227,7 +227,14 @@ BlockPoolStats BlockPool::stats() const {
   s.n_tokens_reserved = n_tokens_reserved_;
   s.block_size = block_size();
   s.block_bytes = block_bytes();
-  s.payload_bytes = layout_.payload_bytes_per_token() * n_tokens_committed_;
+  if (layout_.block_meta_bytes() == 0) {
+    s.payload_bytes = layout_.payload_bytes_per_token() * n_tokens_committed_;
+  } else {
+    // Formats with per-block metadata (fp8 scales): each sequence's payload
+    // includes the metadata of every block its committed tokens touch.
+    s.payload_bytes = 0;
+    for (const BlockTable* t : tables_) s.payload_bytes += layout_.payload_bytes(t->length());
+  }
   s.allocated_bytes = (s.n_blocks_used + s.n_blocks_cached) * block_bytes();
   s.pool_bytes = n_blocks() * block_bytes();
   {

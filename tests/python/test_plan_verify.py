@@ -49,3 +49,10 @@ def test_verify_rejects_format_the_engine_lacks():
                        "--ctx", 64, "--block-size", 16, check=False)
     assert proc.returncode != 0
     assert "kivi2" in proc.stderr
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4]], ids=lambda s: "_".join(map(str, s)))
+def test_verify_matches_quantized(shape, dtype):
+    """Quantized formats count their metadata (fp8: per-block scales) exactly as the planner."""
+    test_verify_matches(shape, dtype)
