@@ -22,7 +22,8 @@ namespace {
 int run_chat(const std::vector<std::string>& argv) {
   auto specs = engine_options();
   specs.push_back({"system", 0, "TEXT", "system message"});
-  specs.push_back({"chat-template", 0, "NAME", "override the template: chatml, llama3, mistral, gemma"});
+  specs.push_back(
+      {"chat-template", 0, "NAME", "override the template: chatml, llama3, mistral, gemma"});
   specs.push_back({"cache-salt", 0, "TEXT", "prefix-cache namespace of this conversation"});
   for (auto& s : sampling_options()) specs.push_back(s);
   specs.push_back(help_option());
@@ -77,8 +78,8 @@ int run_chat(const std::vector<std::string>& argv) {
     messages.push_back({"user", line});
     auto text = tmpl->render(messages, true);
     if (!text) return fail("chat", text.error().message);
-    const std::vector<int32_t> full =
-        e.tokenizer().tokenize(*text, {.add_special = tmpl->bos_text().empty(), .parse_special = true});
+    const std::vector<int32_t> full = e.tokenizer().tokenize(
+        *text, {.add_special = tmpl->bos_text().empty(), .parse_special = true});
     // Continue the live conversation when the new prompt extends it exactly;
     // otherwise start a new sequence, which looks the prompt up in the cache.
     const std::vector<int32_t>& held = conv.tokens();

@@ -5,8 +5,8 @@
 #include "cli/chat_input.h"
 #include "cli/engine_options.h"
 #include "cli/text_input.h"
-#include "engine/beam_search.h"
 #include "core/units.h"
+#include "engine/beam_search.h"
 
 namespace kvstack::cli {
 namespace {
@@ -15,11 +15,21 @@ std::string json_escape(const std::string& s) {
   std::string out;
   for (unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (c < 0x20) {
           char buf[8];
@@ -38,9 +48,11 @@ int run_run(const std::vector<std::string>& argv) {
   specs.push_back({"prompt", 'p', "TEXT", "prompt text (special-token text is parsed)"});
   specs.push_back({"file", 'f', "FILE", "read the prompt from a file"});
   specs.push_back({"tokens", 0, "IDS", "prompt as token ids: 1,2,3"});
-  specs.push_back({"chat", 0, "", "wrap the prompt as a user message in the model's chat template"});
+  specs.push_back(
+      {"chat", 0, "", "wrap the prompt as a user message in the model's chat template"});
   specs.push_back({"system", 0, "TEXT", "system message for --chat"});
-  specs.push_back({"chat-template", 0, "NAME", "override the template: chatml, llama3, mistral, gemma"});
+  specs.push_back(
+      {"chat-template", 0, "NAME", "override the template: chatml, llama3, mistral, gemma"});
   for (auto& s : sampling_options()) specs.push_back(s);
   specs.push_back({"json", 0, "", "print one JSON object (tokens, text, timings) at the end"});
   specs.push_back({"cache-salt", 0, "TEXT",
@@ -52,14 +64,15 @@ int run_run(const std::vector<std::string>& argv) {
   auto args = Args::parse(argv, specs);
   if (!args) return fail("run", args.error().message);
   if (args->flag("help")) {
-    std::fputs(format_help("kvstack run [-m MODEL] -p PROMPT [-n N] [--chat] [--temp T] [--top-k K] "
-                           "[--top-p P] [--seed S] [--threads T] [--block-size P] "
-                           "[--kv-cache-mem SIZE] [--kv-dtype f32|f16|bf16]",
-                           "Generate a continuation of the prompt through the paged KV cache. Text "
-                           "streams to stdout; timings and KV memory go to stderr.",
-                           specs)
-                   .c_str(),
-               stdout);
+    std::fputs(
+        format_help("kvstack run [-m MODEL] -p PROMPT [-n N] [--chat] [--temp T] [--top-k K] "
+                    "[--top-p P] [--seed S] [--threads T] [--block-size P] "
+                    "[--kv-cache-mem SIZE] [--kv-dtype f32|f16|bf16]",
+                    "Generate a continuation of the prompt through the paged KV cache. Text "
+                    "streams to stdout; timings and KV memory go to stderr.",
+                    specs)
+            .c_str(),
+        stdout);
     return 0;
   }
   auto gen = generate_options_from(*args);
@@ -79,7 +92,8 @@ int run_run(const std::vector<std::string>& argv) {
     msgs.push_back({"user", *args->get("prompt")});
     auto text = tmpl->render(msgs, true);
     if (!text) return fail("run", text.error().message);
-    tokens = e.tokenizer().tokenize(*text, {.add_special = tmpl->bos_text().empty(), .parse_special = true});
+    tokens = e.tokenizer().tokenize(
+        *text, {.add_special = tmpl->bos_text().empty(), .parse_special = true});
     for (const auto& s : tmpl->stop_strings()) gen->stop.push_back(s);
   } else {
     tokens = prompt_tokens(*args, e);

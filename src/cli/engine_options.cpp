@@ -4,9 +4,9 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "cli/text_input.h"
 #include "core/cpu_features.h"
 #include "core/units.h"
-#include "cli/text_input.h"
 
 namespace kvstack::cli {
 
@@ -88,8 +88,9 @@ Result<std::unique_ptr<Engine>> load_engine(const Args& args, bool quiet) {
     const std::vector<int32_t> tokens =
         (*engine)->tokenizer().tokenize(*text, {.add_special = true, .parse_special = true});
     auto pinned = (*engine)->add_public_prefix(tokens);
-    if (!pinned) return make_error(pinned.error().code, "--public-prefix " + path + ": " +
-                                                            pinned.error().message);
+    if (!pinned)
+      return make_error(pinned.error().code,
+                        "--public-prefix " + path + ": " + pinned.error().message);
     n_pinned += *pinned;
   }
   if (!quiet) {

@@ -66,16 +66,17 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   auto pool = BlockPool::create(*layout, pc);
   if (!pool) return pool.error();
   e->pool_ = std::move(*pool);
-  e->threads_ =
-      std::make_unique<ThreadPool>(config.n_threads > 0 ? config.n_threads : default_thread_count());
+  e->threads_ = std::make_unique<ThreadPool>(config.n_threads > 0 ? config.n_threads
+                                                                  : default_thread_count());
   e->forward_ = std::make_unique<Forward>(*e->model_, *e->threads_);
   auto identity = engine_cache_identity(*e->model_, config, e->pool_->layout());
   if (!identity) return identity.error();
-  e->kv_ = std::make_unique<KvManager>(*e->pool_, std::move(*identity),
-                                       KvManagerConfig{.prefix_cache = config.prefix_cache,
-                                                       .default_namespace = config.default_namespace,
-                                                       .partial_reuse = true,
-                                                       .event_capacity = config.kv_event_capacity});
+  e->kv_ =
+      std::make_unique<KvManager>(*e->pool_, std::move(*identity),
+                                  KvManagerConfig{.prefix_cache = config.prefix_cache,
+                                                  .default_namespace = config.default_namespace,
+                                                  .partial_reuse = true,
+                                                  .event_capacity = config.kv_event_capacity});
   return e;
 }
 

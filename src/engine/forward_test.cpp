@@ -69,11 +69,12 @@ TEST_P(CacheEquivalence, PrefillSplitsAndDecodeMatchRecomputation) {
     std::vector<std::vector<double>> ref(prompt.size());
     for (size_t j = 0; j < prompt.size(); ++j) {
       ref[j] = reference_last_logits(
-          w, std::vector<int32_t>(prompt.begin(), prompt.begin() + static_cast<long>(j) + 1), dtype);
+          w, std::vector<int32_t>(prompt.begin(), prompt.begin() + static_cast<long>(j) + 1),
+          dtype);
     }
     for (int block_size : {1, 4, 16, 256}) {
-      auto layout = KvLayout::uniform(spec.n_layers, spec.n_kv_heads, spec.head_dim(), dtype,
-                                      block_size);
+      auto layout =
+          KvLayout::uniform(spec.n_layers, spec.n_kv_heads, spec.head_dim(), dtype, block_size);
       ASSERT_TRUE(layout.ok());
       auto pool = BlockPool::create(*layout, {.n_tokens = 8 * 1024});
       ASSERT_TRUE(pool.ok());
@@ -86,9 +87,11 @@ TEST_P(CacheEquivalence, PrefillSplitsAndDecodeMatchRecomputation) {
         for (int b = 0; b < n_prompt; b += chunk) {
           const int e = std::min(n_prompt, b + chunk);
           const StepSeq batch[2] = {
-              {.table = &side, .tokens = std::span<const int32_t>(other.data() + b, e - b),
+              {.table = &side,
+               .tokens = std::span<const int32_t>(other.data() + b, e - b),
                .logits = LogitsMode::kNone},
-              {.table = &seq, .tokens = std::span<const int32_t>(prompt.data() + b, e - b),
+              {.table = &seq,
+               .tokens = std::span<const int32_t>(prompt.data() + b, e - b),
                .logits = LogitsMode::kAll},
           };
           ASSERT_TRUE(fwd.step(batch, &logits).ok());

@@ -8,9 +8,12 @@ namespace kvstack {
 
 const char* finish_reason_name(FinishReason r) {
   switch (r) {
-    case FinishReason::kLength: return "length";
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kEos: return "eos";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kEos:
+      return "eos";
   }
   return "?";
 }
@@ -101,8 +104,8 @@ Result<GenerateResult> generate_impl(Engine& engine, BlockTable& table, Sequence
 
 }  // namespace
 
-Result<GenerateResult> generate(Engine& engine, BlockTable& table,
-                                std::span<const int32_t> prompt, const GenerateOptions& options,
+Result<GenerateResult> generate(Engine& engine, BlockTable& table, std::span<const int32_t> prompt,
+                                const GenerateOptions& options,
                                 const std::function<void(std::string_view)>& on_text) {
   return generate_impl(engine, table, nullptr, prompt, options, on_text);
 }

@@ -48,7 +48,7 @@ struct GenerateResult {
   std::vector<int32_t> tokens;  // sampled tokens (the EOG token included if sampled)
   std::string text;             // their text, cut before a stop string
   FinishReason finish = FinishReason::kLength;
-  int32_t pending_token = -1;   // last sampled token, not yet written to the cache
+  int32_t pending_token = -1;  // last sampled token, not yet written to the cache
   GenerateStats stats;
 };
 
@@ -56,8 +56,8 @@ struct GenerateResult {
 // safe to emit (complete UTF-8, no possible stop-string prefix); may be empty.
 // Errors: kInvalidArgument (empty prompt, bad options), kOutOfBlocks (the
 // pool cannot hold the sequence); the table keeps what was committed.
-Result<GenerateResult> generate(Engine& engine, BlockTable& table,
-                                std::span<const int32_t> prompt, const GenerateOptions& options,
+Result<GenerateResult> generate(Engine& engine, BlockTable& table, std::span<const int32_t> prompt,
+                                const GenerateOptions& options,
                                 const std::function<void(std::string_view)>& on_text = {});
 
 // The same on a sequence, through the prefix cache: when the sequence is

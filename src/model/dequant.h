@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
-#include "core/result.h"
 #include "core/ggml_types.h"
+#include "core/result.h"
 
 namespace kvstack {
 

@@ -3,13 +3,13 @@
 // with no cache (every step recomputes the whole prefix).
 #pragma once
 
+#include <unistd.h>
 #include <cmath>
-#include <functional>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <random>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 #include "core/half.h"
@@ -44,7 +44,8 @@ struct SyntheticWeights {
   std::string path;  // the written GGUF
 };
 
-inline std::vector<double> random_vec(std::mt19937& rng, size_t n, double scale, double offset = 0) {
+inline std::vector<double> random_vec(std::mt19937& rng, size_t n, double scale,
+                                      double offset = 0) {
   std::normal_distribution<double> d(0.0, 1.0);
   std::vector<double> v(n);
   // Values are stored in f32, so keep the float-rounded value for the reference.
@@ -84,7 +85,8 @@ inline SyntheticWeights make_synthetic_model(const SyntheticSpec& s) {
   b.add_u32(arch + ".vocab_size", s.n_vocab);
   b.add_scalar<float>(arch + ".rope.freq_base", kVF32, s.rope_base);
   b.add_scalar<float>(arch + ".attention.layer_norm_rms_epsilon", kVF32, 1e-5f);
-  b.add_tensor("token_embd.weight", {static_cast<uint64_t>(s.n_embd), static_cast<uint64_t>(s.n_vocab)}, 0,
+  b.add_tensor("token_embd.weight",
+               {static_cast<uint64_t>(s.n_embd), static_cast<uint64_t>(s.n_vocab)}, 0,
                f32_tensor(w.embd));
   b.add_tensor("output_norm.weight", {static_cast<uint64_t>(s.n_embd)}, 0, f32_tensor(w.out_norm));
   auto mat = [&](const std::string& name, size_t n_in, size_t n_out, double scale) {
@@ -113,7 +115,8 @@ inline SyntheticWeights make_synthetic_model(const SyntheticSpec& s) {
     L.ffn_norm = vec(p + "ffn_norm.weight", s.n_embd, 0.1, 1.0);
     L.gate = mat(p + "ffn_gate.weight", s.n_embd, s.n_ff, ws);
     L.up = mat(p + "ffn_up.weight", s.n_embd, s.n_ff, ws);
-    L.down = mat(p + "ffn_down.weight", s.n_ff, s.n_embd, 1.0 / std::sqrt(static_cast<double>(s.n_ff)));
+    L.down =
+        mat(p + "ffn_down.weight", s.n_ff, s.n_embd, 1.0 / std::sqrt(static_cast<double>(s.n_ff)));
     w.layers.push_back(std::move(L));
   }
   const Bytes img = b.build();
@@ -132,10 +135,14 @@ inline SyntheticWeights make_synthetic_model(const SyntheticSpec& s) {
 inline double kv_round(double x, KvDtype t) {
   const auto f = static_cast<float>(x);
   switch (t) {
-    case KvDtype::kF32: return f;
-    case KvDtype::kF16: return f16_to_f32(f32_to_f16(f));
-    case KvDtype::kBF16: return bf16_to_f32(f32_to_bf16(f));
-    default: break;  // quantized formats: see forward_quant_test.cpp
+    case KvDtype::kF32:
+      return f;
+    case KvDtype::kF16:
+      return f16_to_f32(f32_to_f16(f));
+    case KvDtype::kBF16:
+      return bf16_to_f32(f32_to_bf16(f));
+    default:
+      break;  // quantized formats: see forward_quant_test.cpp
   }
   return f;
 }
@@ -158,11 +165,11 @@ inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
 inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
                                                  const std::vector<int32_t>& tokens,
                                                  KvDtype kv_dtype) {
-  return reference_last_logits(w, tokens, [kv_dtype](int, int, std::vector<double>& k,
-                                                     std::vector<double>& v) {
-    for (double& x : k) x = kv_round(x, kv_dtype);
-    for (double& x : v) x = kv_round(x, kv_dtype);
-  });
+  return reference_last_logits(
+      w, tokens, [kv_dtype](int, int, std::vector<double>& k, std::vector<double>& v) {
+        for (double& x : k) x = kv_round(x, kv_dtype);
+        for (double& x : v) x = kv_round(x, kv_dtype);
+      });
 }
 
 inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
@@ -174,7 +181,8 @@ inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
   const int q_dim = s.n_heads * hd, kv_dim = s.n_kv_heads * hd;
   std::vector<std::vector<double>> x(n, std::vector<double>(s.n_embd));
   for (int t = 0; t < n; ++t) {
-    for (int i = 0; i < s.n_embd; ++i) x[t][i] = w.embd[static_cast<size_t>(tokens[t]) * s.n_embd + i];
+    for (int i = 0; i < s.n_embd; ++i)
+      x[t][i] = w.embd[static_cast<size_t>(tokens[t]) * s.n_embd + i];
   }
   auto norm = [&](const std::vector<double>& v, const std::vector<double>& g) {
     double ss = 0;
