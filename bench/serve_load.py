@@ -3,9 +3,14 @@
 llama.cpp's llama-server side by side.
 
 For each concurrency level, N streaming clients each send `--requests`
-completions (fixed prompt mix with shared prefixes, ignore_eos so every
-request generates exactly --max-tokens tokens) and the script reports
-aggregate output tokens/s, TTFT and inter-token latency percentiles.
+completions (ignore_eos so every request generates exactly its token count)
+and the script reports request throughput, aggregate output tokens/s, TTFT
+and inter-token latency percentiles and the KV memory the server used.
+The prompt mix: a shared system prompt on every other request, then a
+request-specific part; with --mix sharegpt the part and the output length
+are drawn (seeded) from a long-tailed ShareGPT-like distribution, otherwise
+fixed (--max-tokens). With --rate R (requests/s) requests arrive as a Poisson
+process (at most N in flight) instead of N closed-loop clients.
 
   bench/serve_load.py --kvstack-bin build/src/cli/kvstack \
       [--llama-server-bin /path/to/llama-server] [--concurrency 1,4,16]
@@ -18,7 +23,9 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import random
 import signal
+import threading
 import socket
 import statistics
 import subprocess
@@ -68,10 +75,27 @@ def stop(proc):
         proc.kill()
 
 
-def one_request(base, i, max_tokens):
+WORDS = ("river stone light tree garden market window music engine signal harbor winter "
+         "paper bridge orbit silver forest candle theory")
+
+
+def workload(i, max_tokens, mix):
+    """(prompt, output tokens) of request i: a pure function of i and the mix."""
+    if mix == "sharegpt":
+        rng = random.Random(1000 + i)
+        words = WORDS.split()
+        n_words = min(400, max(4, int(rng.lognormvariate(3.6, 0.8))))  # median ~37 words
+        part = " ".join(rng.choice(words) for _ in range(n_words))
+        n_out = min(4 * max_tokens, max(8, int(rng.lognormvariate(4.0, 0.6))))  # median ~55
+        return (SHARED if i % 2 == 0 else "") + f"Request {i}: {part}", n_out
     prompt = (SHARED if i % 2 == 0 else "") + f"Request {i}: describe item number {i} " * (1 + i % 5)
+    return prompt, max_tokens
+
+
+def one_request(base, i, max_tokens, mix="fixed", extra=None):
+    prompt, max_tokens = workload(i, max_tokens, mix)
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, **(extra or {})}
     t0 = time.perf_counter()
     stamps = []
     with requests.post(base + "/v1/completions", json=body, stream=True, timeout=600) as r:
@@ -85,7 +109,44 @@ def one_request(base, i, max_tokens):
     if not stamps:
         return None
     itl = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {"ttft": stamps[0] - t0, "itl": itl, "e2e": stamps[-1] - t0, "n_chunks": len(stamps)}
+    return {"ttft": stamps[0] - t0, "itl": itl, "e2e": stamps[-1] - t0, "n_chunks": len(stamps),
+            "n_tokens": max_tokens}
+
+
+class KvSampler:
+    """Polls the server's KV usage while a level runs; keeps the peak (bytes)."""
+
+    def __init__(self, name, base, kv_bytes_per_token):
+        self.name, self.base, self.per_token = name, base, kv_bytes_per_token
+        self.peak = 0
+        self.allocated = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def sample(self):
+        try:
+            if self.name.startswith("kvstack"):
+                p = requests.get(self.base + "/v1/kv/stats", timeout=5).json()["pool"]
+                self.allocated = p["pool_bytes"]
+                return p["blocks_used"] * p["block_bytes"]
+            # llama-server: cells in use x bytes per cell (its /slots n_past).
+            slots = requests.get(self.base + "/slots", timeout=5).json()
+            return sum(s.get("n_past", 0) or 0 for s in slots) * self.per_token
+        except (requests.RequestException, ValueError, KeyError, TypeError):
+            return 0
+
+    def run(self):
+        while not self.stop.is_set():
+            self.peak = max(self.peak, self.sample())
+            time.sleep(0.05)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
 
 
 def pct(xs, q):
@@ -95,25 +156,56 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def bench(name, base, levels, n_requests, max_tokens):
+def bench(name, base, levels, n_requests, max_tokens, mix="fixed", rate=0.0, extra=None,
+          kv_bytes_per_token=0, kv_allocated=0):
     rows = []
     for c in levels:
+        n_total = c * n_requests
         t0 = time.perf_counter()
-        with cf.ThreadPoolExecutor(c) as ex:
-            res = [r for r in ex.map(lambda i: one_request(base, i, max_tokens),
-                                     range(c * n_requests)) if r]
+        with KvSampler(name, base, kv_bytes_per_token) as kv, cf.ThreadPoolExecutor(c) as ex:
+            if rate > 0:  # Poisson arrivals, at most c in flight
+                rng = random.Random(7)
+                futs, t_next = [], time.perf_counter()
+                for i in range(n_total):
+                    t_next += rng.expovariate(rate)
+                    time.sleep(max(0.0, t_next - time.perf_counter()))
+                    futs.append(ex.submit(one_request, base, i, max_tokens, mix, extra))
+                res = [f.result() for f in futs]
+            else:
+                res = list(ex.map(lambda i: one_request(base, i, max_tokens, mix, extra),
+                                  range(n_total)))
+            res = [r for r in res if r]
         wall = time.perf_counter() - t0
-        toks = len(res) * max_tokens
+        toks = sum(r["n_tokens"] for r in res)
         itl = [x for r in res for x in r["itl"]]
         row = {"server": name, "concurrency": c, "requests": len(res),
+               "req_s": len(res) / wall,
                "output_tok_s": toks / wall,
                "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in res], 0.5),
                "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in res], 0.99),
                "itl_p50_ms": 1e3 * pct(itl, 0.5), "itl_p99_ms": 1e3 * pct(itl, 0.99),
-               "e2e_mean_s": statistics.mean(r["e2e"] for r in res) if res else float("nan")}
+               "e2e_mean_s": statistics.mean(r["e2e"] for r in res) if res else float("nan"),
+               "kv_peak_used_mib": kv.peak / 2**20,
+               "kv_allocated_mib": (kv.allocated or kv_allocated) / 2**20}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def kv_bytes_per_token(model):
+    """f16 K+V bytes per token of every layer (llama-server's default cache)."""
+    try:
+        import gguf
+        r = gguf.GGUFReader(model)
+        arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+
+        def val(key):
+            return int(r.fields[f"{arch}.{key}"].parts[-1][0])
+        n_layer, n_embd = val("block_count"), val("embedding_length")
+        n_head, n_kv = val("attention.head_count"), val("attention.head_count_kv")
+        return n_layer * 2 * n_kv * (n_embd // n_head) * 2
+    except Exception:  # noqa: BLE001 - the memory column is informative only
+        return 0
 
 
 def main():
@@ -128,28 +220,40 @@ def main():
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--mix", choices=["fixed", "sharegpt"], default="fixed")
+    ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals (requests/s)")
+    ap.add_argument("--llama-extra", default="", help="extra llama-server arguments")
+    ap.add_argument("--kvstack-extra", default="", help="extra kvstack serve arguments")
     a = ap.parse_args()
     levels = [int(x) for x in a.concurrency.split(",")]
     max_c = max(levels)
-    targets = [tuple(u.split("=", 1)) for u in a.url]
+    targets = [(*u.split("=", 1), {}) for u in a.url]
     procs = []
     try:
         if not a.url and os.path.exists(a.kvstack_bin):
             port = free_port()
-            procs.append(start([a.kvstack_bin, "serve", "-m", a.model, "--port", str(port),
-                                "--threads", str(a.threads), "--kv-cache-tokens", str(a.ctx),
-                                "--max-seqs", str(max_c)], port))
-            targets.append(("kvstack", procs[-1][1]))
+            cmd = [a.kvstack_bin, "serve", "-m", a.model, "--port", str(port),
+                   "--threads", str(a.threads), "--kv-cache-tokens", str(a.ctx),
+                   "--max-seqs", str(max_c), *a.kvstack_extra.split()]
+            print("#", " ".join(cmd), flush=True)
+            procs.append(start(cmd, port))
+            targets.append(("kvstack", procs[-1][1], {}))
         if not a.url and a.llama_server_bin:
             port = free_port()
-            procs.append(start([a.llama_server_bin, "-m", a.model, "--host", "127.0.0.1",
-                                "--port", str(port), "-t", str(a.threads), "-c", str(a.ctx),
-                                "-np", str(max_c), "-cb"], port))
-            targets.append(("llama-server", procs[-1][1]))
+            # Continuous batching, one slot per client, the same KV tokens in
+            # total (unified cache), prompt cache on (cache_prompt per request).
+            cmd = [a.llama_server_bin, "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
+                   "-t", str(a.threads), "-tb", str(a.threads), "-c", str(a.ctx),
+                   "-np", str(max_c), "-cb", "--slots", *a.llama_extra.split()]
+            print("#", " ".join(cmd), flush=True)
+            procs.append(start(cmd, port))
+            targets.append(("llama-server", procs[-1][1], {"cache_prompt": True}))
         if not targets:
             sys.exit("nothing to benchmark: build kvstack or pass --url / --llama-server-bin")
-        for name, base in targets:
-            bench(name, base, levels, a.requests, a.max_tokens)
+        per_token = kv_bytes_per_token(a.model)
+        for name, base, extra in targets:
+            bench(name, base, levels, a.requests, a.max_tokens, a.mix, a.rate, extra,
+                  kv_bytes_per_token=per_token, kv_allocated=per_token * a.ctx)
     finally:
         for p, _ in procs:
             stop(p)

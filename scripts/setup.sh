@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(cmake g++ make libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev
-  libcpp-httplib-dev nlohmann-json3-dev clang libclang-rt-14-dev python3-venv python3-pip unzip
+  libcpp-httplib-dev nlohmann-json3-dev clang clang-format clang-tidy libclang-rt-14-dev python3-venv python3-pip unzip
   pkg-config)
 
 log() { printf '[setup] %s\n' "$*" >&2; }

@@ -1,18 +1,35 @@
-// Decode attention throughput: one sequence, one query row, KV in the block
-// pool either paged (block size 16, blocks shuffled) or contiguous (a single
-// block as long as the context, same kernel and view). Reports the KV bytes
-// the step must read per second ("kv_bytes/s"), to compare with BM_MemRead,
-// a plain parallel read of a 512 MiB buffer on the same number of threads.
+// Decode attention kernel benchmark (issues 3 and 7): one sequence, one
+// query row, `ctx` cached tokens in one layer.
+//
+// BM_DecodeAttention/ctx/shape/fmt/threads measures, interleaved run by run
+// so that load from other processes hits all of them alike:
+//   - paged:  the KV in blocks of 16 tokens, block table shuffled;
+//   - contig: the same format in one block as long as the context (same
+//             kernel, identity table);
+//   - f16:    paged f16 (only for fmt != f16), the quantized formats' yardstick;
+//   - memory: a streaming read of a buffer much larger than the LLC on the
+//             same pool and thread count (the machine's read bandwidth).
+// The reported time is the paged median; counters (medians of the runs):
+//   paged/contig   contiguous time / paged time (>= 0.9 is the target)
+//   kv_GB/s        KV bytes the step reads (codes + metadata) / paged time
+//   mem_GB/s       measured read bandwidth
+//   bw_frac        kv_GB/s / mem_GB/s (>= 0.7 at 32K is the target)
+//   vs_f16         paged time / paged f16 time (< 1: faster than f16)
+// and the same ratios from process CPU time (suffix _cpu), which on a
+// machine shared with other jobs leave out the time spent waiting for a core
+// (with threads > 1 they include the pool's spin-waiting).
 //
 //   attention_bench --benchmark_counters_tabular=true
 //
-// Arguments: ctx, shape (0: 9 q / 3 kv heads, d 64 = SmolLM2; 1: 32 / 8,
-// d 128), dtype (0 f32, 1 f16), layout (0 contiguous, 1 paged), threads.
+// Arguments: ctx; shape (0: 9 q / 3 kv heads, d 64 = SmolLM2; 1: 32 / 8,
+// d 128); fmt (0 f32, 1 f16, 2 bf16, 3 fp8, 4 int8, 5 int4); threads.
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 #include <sys/mman.h>
+#include <time.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -21,14 +38,31 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "attention/paged_attention.h"
 #include "core/cpu_features.h"
-#include "core/half.h"
+#include "kv/kv_codec.h"
+#include "kv/kv_write.h"
 
 namespace kvstack {
 namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// CPU seconds used by the whole process (every pool thread): on a machine
+// shared with other jobs this excludes the time the threads wait for a core.
+double process_cpu_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+struct Timing {
+  double wall = 0.0;  // seconds
+  double cpu = 0.0;   // CPU seconds of the process
+};
 
 struct Shape {
   int n_q_heads;
@@ -36,10 +70,11 @@ struct Shape {
   int head_dim;
 };
 constexpr Shape kShapes[] = {{9, 3, 64}, {32, 8, 128}};
+constexpr KvDtype kFormats[] = {KvDtype::kF32, KvDtype::kF16,  KvDtype::kBF16,
+                                KvDtype::kFp8, KvDtype::kInt8, KvDtype::kInt4};
 
 // Buffers are anonymous mappings with transparent huge pages requested, as a
-// block pool's should be (KVSTACK_BENCH_NO_HUGEPAGES=1 to compare): scattered
-// block pieces over 4 KiB pages cost extra TLB misses.
+// block pool's should be (KVSTACK_BENCH_NO_HUGEPAGES=1 to compare).
 struct Unmap {
   size_t bytes;
   void operator()(uint8_t* p) const { munmap(p, bytes); }
@@ -57,95 +92,64 @@ Bytes alloc_bytes(size_t n) {
   return Bytes(static_cast<uint8_t*>(p), Unmap{bytes});
 }
 
-// K and V pools (block-major: [n_blocks, n_kv_heads, block_size, head_dim])
-// holding one sequence of `ctx` tokens, plus its table.
-struct KvSetup {
-  Bytes k, v;
-  PagedKvLayerView view;
-  std::vector<int32_t> table;
-  int64_t payload_bytes = 0;  // K + V bytes the step reads
-};
-
-void fill(uint8_t* p, size_t n_elems, KvDtype dtype, uint32_t seed) {
-  uint32_t x = seed | 1u;
-  for (size_t i = 0; i < n_elems; ++i) {
-    x ^= x << 13;
-    x ^= x >> 17;
-    x ^= x << 5;
-    const float f = static_cast<float>(static_cast<int32_t>(x)) * (1.0f / 2147483648.0f);
-    if (dtype == KvDtype::kF32) {
-      std::memcpy(p + 4 * i, &f, 4);
-    } else {
-      const uint16_t h = f32_to_f16(f);
-      std::memcpy(p + 2 * i, &h, 2);
-    }
-  }
+int64_t align64(int64_t x) {
+  return (x + 63) / 64 * 64;
 }
 
-KvSetup make_kv(const Shape& sh, KvDtype dtype, int ctx, bool paged) {
+// One layer of one sequence of `ctx` tokens in blocks of `block_size`:
+// per block [K codes: H x P rows][V codes][K metadata: H x (P rows + block
+// metadata)][V metadata], the layout the block pool uses.
+struct KvSetup {
+  Bytes pool;
+  PagedKvLayerView view;
+  std::vector<int32_t> table;
+  int64_t payload_bytes = 0;  // K + V codes and metadata the step reads
+};
+
+KvSetup make_kv(const Shape& sh, KvDtype dtype, int ctx, int block_size, bool shuffle) {
   KvSetup s;
-  const int block_size = paged ? 16 : ctx;
   const int n_blocks = (ctx + block_size - 1) / block_size;
-  const int eb = kv_dtype_bytes(dtype);
+  const KvRowGeometry geo = *kv_row_geometry(dtype, sh.head_dim);
+  const int64_t data_bytes = align64(geo.row_bytes * block_size * sh.n_kv_heads);
+  const int64_t meta_head = geo.meta_row_bytes * block_size + geo.meta_block_bytes;
+  const int64_t meta_bytes = align64(meta_head * sh.n_kv_heads);
   PagedKvLayerView& v = s.view;
   v.dtype = dtype;
   v.block_size = block_size;
   v.n_kv_heads = sh.n_kv_heads;
   v.head_dim = sh.head_dim;
-  v.slot_stride = int64_t{sh.head_dim} * eb;
-  v.head_stride = v.slot_stride * block_size;
-  v.block_stride = v.head_stride * sh.n_kv_heads;
-  const size_t bytes = static_cast<size_t>(v.block_stride) * n_blocks;
-  s.k = alloc_bytes(bytes);
-  s.v = alloc_bytes(bytes);
-  fill(s.k.get(), bytes / eb, dtype, 12345);
-  fill(s.v.get(), bytes / eb, dtype, 67890);
-  v.k = s.k.get();
-  v.v = s.v.get();
+  v.slot_stride = geo.row_bytes;
+  v.head_stride = geo.row_bytes * block_size;
+  v.block_stride = 2 * data_bytes + (kv_dtype_is_quantized(dtype) ? 2 * meta_bytes : 0);
+  s.pool = alloc_bytes(static_cast<size_t>(v.block_stride) * n_blocks);
+  v.k = s.pool.get();
+  v.v = s.pool.get() + data_bytes;
+  if (kv_dtype_is_quantized(dtype)) {
+    v.k_meta = s.pool.get() + 2 * data_bytes;
+    v.v_meta = v.k_meta + meta_bytes;
+    v.k_meta_head_stride = v.v_meta_head_stride = meta_head;
+    v.k_meta_slot_stride = v.v_meta_slot_stride = geo.meta_row_bytes;
+  }
   s.table.resize(n_blocks);
   std::iota(s.table.begin(), s.table.end(), 0);
-  if (paged) std::shuffle(s.table.begin(), s.table.end(), std::mt19937(7));
-  s.payload_bytes = 2LL * ctx * sh.n_kv_heads * sh.head_dim * eb;
-  return s;
-}
-
-void BM_DecodeAttention(benchmark::State& state) {
-  const int ctx = static_cast<int>(state.range(0));
-  const Shape sh = kShapes[state.range(1)];
-  const KvDtype dtype = state.range(2) == 0 ? KvDtype::kF32 : KvDtype::kF16;
-  const bool paged = state.range(3) != 0;
-  ThreadPool pool(static_cast<int>(state.range(4)));
-  KvSetup kv = make_kv(sh, dtype, ctx, paged);
-  std::vector<float> q(static_cast<size_t>(sh.n_q_heads) * sh.head_dim);
-  std::vector<float> out(q.size());
-  std::mt19937 rng(3);
-  std::normal_distribution<float> nd;
-  for (float& x : q) x = nd(rng);
-  const AttnParams p{.n_q_heads = sh.n_q_heads,
-                     .n_kv_heads = sh.n_kv_heads,
-                     .head_dim = sh.head_dim,
-                     .scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim))};
-  const AttnSeq seq{.block_table = kv.table.data(),
-                    .n_blocks = static_cast<int32_t>(kv.table.size()),
-                    .n_past = ctx - 1,
-                    .n_new = 1,
-                    .q = q.data(),
-                    .out = out.data()};
-  for (auto _ : state) {
-    const Status st = paged_attention(kv.view, p, std::span<const AttnSeq>(&seq, 1), &pool);
-    if (!st.ok()) {
-      state.SkipWithError(st.error().message.c_str());
-      break;
-    }
-    benchmark::DoNotOptimize(out.data());
-    benchmark::ClobberMemory();
+  if (shuffle) std::shuffle(s.table.begin(), s.table.end(), std::mt19937(7));
+  uint32_t x = 11;  // xorshift: values in [-1, 1); the kernels' speed does not depend on them
+  auto next = [&x] {
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    return static_cast<float>(static_cast<int32_t>(x)) * (1.0f / 2147483648.0f);
+  };
+  const int chunk = 1024;
+  std::vector<float> k(static_cast<size_t>(chunk) * sh.n_kv_heads * sh.head_dim), vv(k.size());
+  for (int p = 0; p < ctx; p += chunk) {
+    for (float& e : k) e = next();
+    for (float& e : vv) e = next();
+    write_kv(v, s.table, p, k.data(), vv.data(), std::min(chunk, ctx - p));
   }
-  state.counters["kv_bytes/s"] = benchmark::Counter(static_cast<double>(kv.payload_bytes),
-                                                    benchmark::Counter::kIsIterationInvariantRate,
-                                                    benchmark::Counter::kIs1024);
-  state.counters["kv_MiB"] = static_cast<double>(kv.payload_bytes) / (1 << 20);
-  state.SetLabel(std::string(paged ? "paged16" : "contig") +
-                 (dtype == KvDtype::kF32 ? "/f32" : "/f16") + "/isa=" + isa_name(best_isa()));
+  s.payload_bytes = 2 * (int64_t{ctx} * sh.n_kv_heads * (geo.row_bytes + geo.meta_row_bytes) +
+                         int64_t{n_blocks} * sh.n_kv_heads * geo.meta_block_bytes);
+  return s;
 }
 
 __attribute__((target("avx2"))) float read_sum_avx2(const float* p, int64_t n) {
@@ -161,48 +165,127 @@ __attribute__((target("avx2"))) float read_sum_avx2(const float* p, int64_t n) {
   return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
 }
 
-// Sequential read of 512 MiB split evenly across the threads.
-void BM_MemRead(benchmark::State& state) {
-  if (best_isa() < Isa::kAvx2) {
-    state.SkipWithError("needs AVX2");
-    return;
+// Streaming read of a 256 MiB buffer (far beyond any LLC) split evenly
+// across the pool's threads; seconds per pass.
+class MemReader {
+ public:
+  static constexpr int64_t kBytes = 256LL << 20;
+  MemReader() : buf_(alloc_bytes(kBytes)) {
+    std::memset(buf_.get(), 0, kBytes);  // touch every page
   }
-  constexpr int64_t kBytes = 512LL << 20;
-  const int n_threads = static_cast<int>(state.range(0));
-  ThreadPool pool(n_threads);
-  Bytes buf = alloc_bytes(kBytes);
-  fill(buf.get(), kBytes / 4, KvDtype::kF32, 99);
-  const auto* f = reinterpret_cast<const float*>(buf.get());
-  const int64_t n = kBytes / 4;
-  std::vector<float> sums(n_threads);
-  for (auto _ : state) {
+  Timing pass_seconds(ThreadPool& pool) {
+    const int n_threads = pool.n_threads();
+    std::vector<float> sums(n_threads);
+    const auto* f = reinterpret_cast<const float*>(buf_.get());
+    const int64_t n = kBytes / 4;
+    const double c0 = process_cpu_seconds();
+    const auto t0 = Clock::now();
     pool.run([&](int t) {
       const int64_t b = n * t / n_threads / 32 * 32;
       const int64_t e = n * (t + 1) / n_threads / 32 * 32;
       sums[t] = read_sum_avx2(f + b, e - b);
     });
+    const Timing tm{std::chrono::duration<double>(Clock::now() - t0).count(),
+                    process_cpu_seconds() - c0};
     benchmark::DoNotOptimize(sums.data());
+    return tm;
   }
-  state.counters["read_bytes/s"] =
-      benchmark::Counter(static_cast<double>(kBytes), benchmark::Counter::kIsIterationInvariantRate,
-                         benchmark::Counter::kIs1024);
+
+ private:
+  Bytes buf_;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+void BM_DecodeAttention(benchmark::State& state) {
+  const int ctx = static_cast<int>(state.range(0));
+  const Shape sh = kShapes[state.range(1)];
+  const KvDtype fmt = kFormats[state.range(2)];
+  ThreadPool pool(static_cast<int>(state.range(3)));
+  if (best_isa() < Isa::kAvx2) {
+    state.SkipWithError("needs AVX2 (memory read loop)");
+    return;
+  }
+  KvSetup paged = make_kv(sh, fmt, ctx, 16, true);
+  KvSetup contig = make_kv(sh, fmt, ctx, ctx, false);
+  std::unique_ptr<KvSetup> f16;
+  if (fmt != KvDtype::kF16)
+    f16 = std::make_unique<KvSetup>(make_kv(sh, KvDtype::kF16, ctx, 16, true));
+  MemReader mem;
+  std::vector<float> q(static_cast<size_t>(sh.n_q_heads) * sh.head_dim);
+  std::vector<float> out(q.size());
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  for (float& x : q) x = nd(rng);
+  const AttnParams p{.n_q_heads = sh.n_q_heads,
+                     .n_kv_heads = sh.n_kv_heads,
+                     .head_dim = sh.head_dim,
+                     .scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim))};
+  auto step = [&](const KvSetup& kv) {
+    const AttnSeq seq{.block_table = kv.table.data(),
+                      .n_blocks = static_cast<int32_t>(kv.table.size()),
+                      .n_past = ctx - 1,
+                      .n_new = 1,
+                      .q = q.data(),
+                      .out = out.data()};
+    const double c0 = process_cpu_seconds();
+    const auto t0 = Clock::now();
+    const Status st = paged_attention(kv.view, p, std::span<const AttnSeq>(&seq, 1), &pool);
+    Timing tm{std::chrono::duration<double>(Clock::now() - t0).count(), process_cpu_seconds() - c0};
+    benchmark::DoNotOptimize(out.data());
+    if (!st.ok()) tm.wall = -1.0;
+    return tm;
+  };
+  // [wall, cpu] samples of paged, contig, f16, memory read.
+  std::vector<double> t[4][2];
+  auto add = [&](int which, const Timing& tm) {
+    t[which][0].push_back(tm.wall);
+    t[which][1].push_back(tm.cpu);
+  };
+  int iter = 0;
+  for (auto _ : state) {
+    const Timing tp = step(paged);
+    if (tp.wall < 0) {
+      state.SkipWithError("paged_attention failed");
+      break;
+    }
+    state.SetIterationTime(tp.wall);
+    add(0, tp);
+    add(1, step(contig));
+    if (f16) add(2, step(*f16));
+    if (iter++ % 8 == 0) add(3, mem.pass_seconds(pool));
+  }
+  // Ratios from wall time, and (suffix _cpu) from process CPU time.
+  for (int c = 0; c < 2; ++c) {
+    const std::string sfx = c == 0 ? "" : "_cpu";
+    const double mp = median(t[0][c]);
+    const double mem_bps = MemReader::kBytes / median(t[3][c]);
+    const double kv_bps = static_cast<double>(paged.payload_bytes) / mp;
+    state.counters["paged/contig" + sfx] = median(t[1][c]) / mp;
+    state.counters["kv_GB/s" + sfx] = kv_bps * 1e-9;
+    state.counters["mem_GB/s" + sfx] = mem_bps * 1e-9;
+    state.counters["bw_frac" + sfx] = kv_bps / mem_bps;
+    state.counters["vs_f16" + sfx] = f16 ? mp / median(t[2][c]) : 1.0;
+  }
+  state.counters["kv_MiB"] = static_cast<double>(paged.payload_bytes) / (1 << 20);
+  state.SetLabel(std::string(kv_dtype_name(fmt)) + "/isa=" + isa_name(best_isa()));
 }
 
 void decode_args(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"ctx", "shape", "f16", "paged", "threads"});
-  for (int threads : {1, 2}) {
+  b->ArgNames({"ctx", "shape", "fmt", "threads"});
+  for (int threads : {2, 1}) {
     for (int shape : {0, 1}) {
-      for (int dtype : {1, 0}) {
-        for (int ctx : {4096, 16384, 32768}) {
-          for (int paged : {0, 1}) b->Args({ctx, shape, dtype, paged, threads});
-        }
+      for (int fmt : {1, 4, 5, 3, 0, 2}) {
+        for (int ctx : {4096, 16384, 32768}) b->Args({ctx, shape, fmt, threads});
       }
     }
   }
 }
 
-BENCHMARK(BM_DecodeAttention)->Apply(decode_args)->Unit(benchmark::kMicrosecond)->UseRealTime();
-BENCHMARK(BM_MemRead)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_DecodeAttention)->Apply(decode_args)->Unit(benchmark::kMicrosecond)->UseManualTime();
 
 }  // namespace
 }  // namespace kvstack

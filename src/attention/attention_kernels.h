@@ -1,7 +1,13 @@
-// Internal tile kernels behind paged_attention(); not part of the public API.
+// Internal tile kernels and the shared work planner behind paged_attention()
+// and paged_attention_quant(); not part of the public API.
+//
+// Every K/V format (f32, f16, bf16, fp8, int8, int4, and K and V in different
+// formats) goes through the same planner (run_attention) and the same three
+// kernels; the format-specific part is the inner per-chunk code of the AVX2
+// kernels (a table indexed by format) and the row decoder of the scalar one.
 //
 // A tile is the work of one (sequence, KV head, run of query rows, key range)
-// (decode tiles may take several KV heads, see TileArgs::n_heads):
+// (decode tiles may take several consecutive KV heads, see TileArgs::n_heads):
 // its "query vectors" are the n_rows x group (row, q head) pairs that share
 // that KV head, vector i = row i / group, q head kv_head * group + i % group.
 // A tile either writes the normalised output, or (split-K) its unnormalised
@@ -12,26 +18,33 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <span>
 
+#include "attention/paged_attention.h"
 #include "core/check.h"
+#include "core/cpu_features.h"
 #include "kv/kv_view.h"
 
 namespace kvstack::attn_detail {
 
-// Keys and values of one KV head of one sequence, addressed through its table.
-struct KeySource {
-  const uint8_t* k_head = nullptr;  // view.k + kv_head * head_stride
-  const uint8_t* v_head = nullptr;  // view.v + kv_head * head_stride
-  const int32_t* block_table = nullptr;
-  int64_t block_stride = 0;  // bytes
-  int64_t slot_stride = 0;   // bytes
-  int block_size = 0;
+// One stream (K or V) of one KV head.
+struct HeadStream {
+  const uint8_t* data = nullptr;  // view.k + kv_head * head_stride (or V's)
+  const uint8_t* meta = nullptr;  // k_meta + kv_head * k_meta_head_stride; null for floats
+  int64_t slot_stride = 0;        // bytes between positions of one block
+  int64_t meta_slot_stride = 0;   // bytes between positions' metadata (0: per-block metadata)
+  int64_t head_stride = 0;        // bytes from this KV head to the next (data)
+  int64_t meta_head_stride = 0;   // same for the metadata
   KvDtype dtype = KvDtype::kF32;
-  int head_dim = 0;
 };
 
 struct TileArgs {
-  KeySource keys;
+  HeadStream k;
+  HeadStream v;
+  const int32_t* block_table = nullptr;
+  int64_t block_stride = 0;  // bytes
+  int block_size = 0;
+  int head_dim = 0;
   const float* q = nullptr;  // vector (r, g) at q + r * row_stride + g * head_dim
   float* out = nullptr;      // same layout as q; used when part_acc is null
   int64_t row_stride = 0;    // floats between query rows: n_q_heads * head_dim
@@ -43,15 +56,15 @@ struct TileArgs {
   int32_t key_end = 0;    // each row additionally sees only its causal/window range
   float scale = 0.0f;
   // Decode tiles (n_rows == 1) may cover n_heads consecutive KV heads: head j
-  // reads keys.k_head / v_head + j * head_stride and its q heads are vectors
-  // j * group .. j * group + group - 1 (consecutive q heads, so vector i is at
-  // q + i * head_dim). Prefill tiles and the scalar kernel take n_heads == 1.
+  // reads k/v data (and meta) + j * head_stride (meta_head_stride) and its q
+  // heads are vectors j * group .. j * group + group - 1 (consecutive q heads,
+  // so vector i is at q + i * head_dim). Other tiles take n_heads == 1.
   int n_heads = 1;
-  int64_t head_stride = 0;  // bytes
-  // Split-K partial output, [n_rows * group * n_heads] entries each, or all null.
+  // Split-K partial output, [n_vec] entries each, n_vec = n_rows * group *
+  // n_heads, or all null.
   float* part_m = nullptr;
   float* part_l = nullptr;
-  float* part_acc = nullptr;  // [n_rows * group * n_heads, head_dim]
+  float* part_acc = nullptr;  // [n_vec, head_dim]
 };
 
 // First position visible to a query at position `pos`.
@@ -61,17 +74,40 @@ inline int32_t first_visible(int32_t pos, int window) {
   return lo < 0 ? 0 : static_cast<int32_t>(lo);
 }
 
-// Address of element 0 of position `t` in one head's K (or V) storage.
-inline const uint8_t* row_ptr(const KeySource& ks, const uint8_t* head_base, int32_t t) {
-  const int32_t block = ks.block_table[t / ks.block_size];
-  return head_base + block * ks.block_stride + (t % ks.block_size) * ks.slot_stride;
+// Row and metadata addresses of logical position t in one stream.
+inline const uint8_t* stream_row(const TileArgs& a, const HeadStream& s, int32_t t) {
+  return s.data + a.block_table[t / a.block_size] * a.block_stride +
+         (t % a.block_size) * s.slot_stride;
+}
+inline const uint8_t* stream_meta(const TileArgs& a, const HeadStream& s, int32_t t) {
+  if (s.meta == nullptr) return nullptr;
+  return s.meta + a.block_table[t / a.block_size] * a.block_stride +
+         (t % a.block_size) * s.meta_slot_stride;
 }
 
-// Generic kernel for any tile shape; float accumulation, std::exp.
-void attention_tile_scalar(const TileArgs& a);
+// Streams of KV head h of a view (K and V each in their own format).
+HeadStream k_stream(const PagedKvLayerView& kv, int h);
+HeadStream v_stream(const PagedKvLayerView& kv, int h);
+
+// Plans and runs attention for a validated batch: tiles, split-K, threads,
+// merge. `isa` >= kAvx2 selects the AVX2 kernels (the caller checks that the
+// CPU has AVX2+FMA+F16C and head_dim % 8 == 0), else the scalar kernel.
+//
+// Batch invariance: how a sequence is cut into tiles and split-K pieces
+// depends only on its own n_past, n_new, the shape and fixed constants (not
+// on the other sequences, nor the thread count), each piece is computed by
+// one thread in a fixed order and the pieces are merged in a fixed order, so
+// a sequence's output is bitwise the same alone, in any batch, and on any
+// number of threads.
+void run_attention(bool use_avx2, const PagedKvLayerView& kv, const AttnParams& p,
+                   std::span<const AttnSeq> seqs, ThreadPool* pool);
+
+// Generic kernel for any tile shape and format (kv_decode_row per row);
+// float accumulation, std::exp. REQUIRES n_heads == 1.
+void tile_scalar(const TileArgs& a);
 // AVX2+FMA+F16C kernels. REQUIRES: head_dim % 8 == 0 and a CPU with them.
 void decode_tile_avx2(const TileArgs& a);   // REQUIRES: n_rows == 1
-void prefill_tile_avx2(const TileArgs& a);  // any n_rows
+void prefill_tile_avx2(const TileArgs& a);  // any n_rows; REQUIRES n_heads == 1
 
 // Growable 64-byte-aligned float buffer for per-thread scratch: it only
 // grows, so steady-state calls do not allocate.

@@ -1,11 +1,25 @@
-// AVX2+FMA+F16C tile kernels. Every function that uses these instructions
-// carries the target attribute; the file is compiled for generic x86-64 and
-// is only entered after a run-time check (core/cpu_features.h).
+// AVX2+FMA+F16C tile kernels for every K/V format. Every function that uses
+// these instructions carries the target attribute; the file is compiled for
+// generic x86-64 and only entered after a run-time check (run_attention).
 //
 // K/V are consumed in chunks of kChunk consecutive logical positions whose
 // row addresses come from the block table, so a chunk may span blocks and
-// block size 1 costs no more than contiguous storage. f16/bf16 rows are
-// widened in registers as they are loaded.
+// block size 1 costs no more than contiguous storage.
+//
+// Decode (one query row): the rows are read once per KV head and used by all
+// q heads of its group, in their stored form: q . K is computed on the raw
+// values (f16/bf16 widened; int8 codes; fp8 codes as f16 bits, i.e. value *
+// 2^-8 / scale; int4 codes 0..15) and the per-token (int8), per-block (fp8)
+// or per-group (int4) scale is applied once per key (and group) after the
+// dot, the int4 minimum through sum(q) of the group; for V the scale is
+// folded into the softmax weight and the int4 minimum into one per-group sum
+// of weights. The rows two chunks ahead (every KV head of the tile) are
+// prefetched while a chunk is computed: with scattered blocks the hardware
+// prefetcher loses the stream at every block boundary.
+//
+// Prefill (several query rows): each chunk's K is decoded (scales applied,
+// exactly as kv_decode_row) and transposed into an L1 tile, V into a
+// row-major L1 tile, and every query vector of the tile reuses them.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -23,19 +37,83 @@ namespace {
 constexpr int kChunk = 32;  // keys per chunk (multiple of 16)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-template <KvDtype DT>
-constexpr int kElemBytes = DT == KvDtype::kF32 ? 4 : 2;
+KV_AVX2 inline float f16_scalar(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
 
-// Eight consecutive elements of a K/V row, widened to f32.
-template <KvDtype DT>
-KV_AVX2 inline __m256 load8(const uint8_t* p) {
-  if constexpr (DT == KvDtype::kF32) {
-    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
-  } else if constexpr (DT == KvDtype::kF16) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  } else {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// E4M3 codes -> f16 bits of value * 2^-8: sign to bit 15, exponent+mantissa
+// shifted left by 7 (normals and subnormals alike).
+KV_AVX2 inline __m256 fp8_raw8(const uint8_t* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16(-32768)),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+  return _mm256_cvtph_ps(h);
+}
+
+// Elements [c, c + 8) of a row in raw form (see the file comment): the value
+// for float formats, else the value before the scale (and int4 minimum).
+// REQUIRES c % 8 == 0.
+template <KvDtype F>
+KV_AVX2 inline __m256 raw8(const uint8_t* row, int c) {
+  if constexpr (F == KvDtype::kF32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + c);
+  } else if constexpr (F == KvDtype::kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * c)));
+  } else if constexpr (F == KvDtype::kBF16) {
+    const __m256i w =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * c)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  } else if constexpr (F == KvDtype::kInt8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  } else if constexpr (F == KvDtype::kFp8) {
+    return fp8_raw8(row + c);
+  } else {  // kInt4: byte j of group g holds element 32g + j (low) and 32g + 16 + j (high)
+    const int o = c & 31;
+    const __m128i b =
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 16 * (c >> 5) + (o & 15)));
+    __m256i v = _mm256_cvtepu8_epi32(b);
+    v = o >= 16 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0xf));
+    return _mm256_cvtepi32_ps(v);
+  }
+}
+
+// Multiplier turning a raw int8/fp8 row into values (1 for the others;
+// int4 has per-group scales instead).
+template <KvDtype F>
+KV_AVX2 inline float row_scale(const uint8_t* meta) {
+  if constexpr (F == KvDtype::kInt8) {
+    return f16_scalar(meta);
+  } else if constexpr (F == KvDtype::kFp8) {
+    float s;
+    std::memcpy(&s, meta, 4);
+    return s * 256.0f;
+  } else {
+    return 1.0f;
+  }
+}
+
+template <KvDtype F>
+constexpr bool kRowScaled = F == KvDtype::kInt8 || F == KvDtype::kFp8;
+
+// Elements [c, c + 8) decoded exactly as kv_decode_row() does (prefill tiles).
+template <KvDtype F>
+KV_AVX2 inline __m256 deq8(const uint8_t* row, const uint8_t* meta, int c) {
+  if constexpr (F == KvDtype::kInt8) {
+    return _mm256_mul_ps(raw8<F>(row, c), _mm256_set1_ps(f16_scalar(meta)));
+  } else if constexpr (F == KvDtype::kFp8) {
+    float scale;
+    std::memcpy(&scale, meta, 4);
+    return _mm256_mul_ps(_mm256_mul_ps(fp8_raw8(row + c), _mm256_set1_ps(256.0f)),
+                         _mm256_set1_ps(scale));
+  } else if constexpr (F == KvDtype::kInt4) {
+    const int g = c >> 5;
+    return _mm256_fmadd_ps(_mm256_set1_ps(f16_scalar(meta + 4 * g)), raw8<F>(row, c),
+                           _mm256_set1_ps(f16_scalar(meta + 4 * g + 2)));
+  } else {
+    return raw8<F>(row, c);
   }
 }
 
@@ -115,149 +193,6 @@ KV_AVX2 inline void transpose8(__m256* r) {
   r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-// Row addresses of positions [t0, t0 + n) of one head, walking the table.
-inline void chunk_rows(const KeySource& ks, int32_t t0, int n, const uint8_t** kp,
-                       const uint8_t** vp) {
-  int32_t blk = t0 / ks.block_size;
-  int32_t off = t0 % ks.block_size;
-  for (int j = 0; j < n; ++j) {
-    const int64_t o = ks.block_table[blk] * ks.block_stride + off * ks.slot_stride;
-    kp[j] = ks.k_head + o;
-    vp[j] = ks.v_head + o;
-    if (++off == ks.block_size) {
-      off = 0;
-      ++blk;
-    }
-  }
-}
-
-// ---------------------------------------------------------------- decode --
-
-// s[h * kChunk + j] = qs[h] . K_j for SG heads and n_pad keys (n_pad a
-// multiple of J). J keys at a time share each q load; the SG * J dot
-// products are reduced together by one hadd tree.
-template <KvDtype DT, int SG, int J>
-KV_AVX2 void qk_chunk(const float* qs, int d, const uint8_t* const* kp, int n_pad, float* s) {
-  static_assert(SG * J <= 8);
-  constexpr int eb = kElemBytes<DT>;
-  for (int j0 = 0; j0 < n_pad; j0 += J) {
-    __m256 acc[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-    for (int c = 0; c < d; c += 8) {
-      __m256 qv[SG];
-#pragma GCC unroll 8
-      for (int h = 0; h < SG; ++h) qv[h] = _mm256_loadu_ps(qs + h * d + c);
-#pragma GCC unroll 8
-      for (int jj = 0; jj < J; ++jj) {
-        const __m256 kv = load8<DT>(kp[j0 + jj] + c * eb);
-#pragma GCC unroll 8
-        for (int h = 0; h < SG; ++h) acc[h * J + jj] = _mm256_fmadd_ps(qv[h], kv, acc[h * J + jj]);
-      }
-    }
-    alignas(32) float tmp[8];
-    _mm256_store_ps(tmp, hsum8(acc));
-#pragma GCC unroll 8
-    for (int h = 0; h < SG; ++h) {
-#pragma GCC unroll 8
-      for (int jj = 0; jj < J; ++jj) s[h * kChunk + j0 + jj] = tmp[h * J + jj];
-    }
-  }
-}
-
-// acc[h] = alpha[h] * acc[h] + sum_j p[h * kChunk + j] V_j for SG heads.
-template <KvDtype DT, int SG>
-KV_AVX2 void pv_chunk(const float* p, const uint8_t* const* vp, int n, const float* alpha,
-                      float* acc, int d) {
-  constexpr int eb = kElemBytes<DT>;
-  int c = 0;
-  for (; c + 16 <= d; c += 16) {
-    __m256 a0[SG], a1[SG];
-#pragma GCC unroll 8
-    for (int h = 0; h < SG; ++h) {
-      const __m256 al = _mm256_broadcast_ss(alpha + h);
-      a0[h] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + c), al);
-      a1[h] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + c + 8), al);
-    }
-    for (int j = 0; j < n; ++j) {
-      const __m256 v0 = load8<DT>(vp[j] + c * eb);
-      const __m256 v1 = load8<DT>(vp[j] + (c + 8) * eb);
-#pragma GCC unroll 8
-      for (int h = 0; h < SG; ++h) {
-        const __m256 pb = _mm256_broadcast_ss(p + h * kChunk + j);
-        a0[h] = _mm256_fmadd_ps(pb, v0, a0[h]);
-        a1[h] = _mm256_fmadd_ps(pb, v1, a1[h]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int h = 0; h < SG; ++h) {
-      _mm256_storeu_ps(acc + h * d + c, a0[h]);
-      _mm256_storeu_ps(acc + h * d + c + 8, a1[h]);
-    }
-  }
-  if (c < d) {  // d % 16 == 8
-    __m256 a0[SG];
-#pragma GCC unroll 8
-    for (int h = 0; h < SG; ++h) {
-      a0[h] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + c), _mm256_broadcast_ss(alpha + h));
-    }
-    for (int j = 0; j < n; ++j) {
-      const __m256 v0 = load8<DT>(vp[j] + c * eb);
-#pragma GCC unroll 8
-      for (int h = 0; h < SG; ++h) {
-        a0[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * kChunk + j), v0, a0[h]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int h = 0; h < SG; ++h) _mm256_storeu_ps(acc + h * d + c, a0[h]);
-  }
-}
-
-// Keys loaded together per q head count: SG * J <= 8 accumulators.
-constexpr int keys_per_step(int sg) {
-  return sg == 1 ? 8 : sg == 2 ? 4 : 2;
-}
-
-template <KvDtype DT>
-KV_AVX2 void qk_dispatch(int sg, const float* qs, int d, const uint8_t** kp, int n, float* s) {
-  const int j = keys_per_step(sg);
-  const int n_pad = (n + j - 1) / j * j;
-  for (int x = n; x < n_pad; ++x) kp[x] = kp[0];  // finite filler, scores dropped below
-  switch (sg) {
-    case 1:
-      qk_chunk<DT, 1, 8>(qs, d, kp, n_pad, s);
-      break;
-    case 2:
-      qk_chunk<DT, 2, 4>(qs, d, kp, n_pad, s);
-      break;
-    case 3:
-      qk_chunk<DT, 3, 2>(qs, d, kp, n_pad, s);
-      break;
-    default:
-      qk_chunk<DT, 4, 2>(qs, d, kp, n_pad, s);
-      break;
-  }
-}
-
-template <KvDtype DT>
-KV_AVX2 void pv_dispatch(int sg, const float* p, const uint8_t* const* vp, int n,
-                         const float* alpha, float* acc, int d) {
-  switch (sg) {
-    case 1:
-      pv_chunk<DT, 1>(p, vp, n, alpha, acc, d);
-      break;
-    case 2:
-      pv_chunk<DT, 2>(p, vp, n, alpha, acc, d);
-      break;
-    case 3:
-      pv_chunk<DT, 3>(p, vp, n, alpha, acc, d);
-      break;
-    default:
-      pv_chunk<DT, 4>(p, vp, n, alpha, acc, d);
-      break;
-  }
-}
-
 // Online-softmax update of one query vector over a chunk of n scores at s
 // (s padded to kChunk in place). Leaves p = exp(s - m_new) in s, returns the
 // rescale factor of the previous state. An all-masked chunk leaves the state
@@ -284,9 +219,9 @@ KV_AVX2 inline float softmax_update(float* s, int n, float* m, float* l) {
   return alpha;
 }
 
-inline void finish_tile(const TileArgs& a, int n_vec, const float* acc, const float* m,
-                        const float* l) {
-  const int d = a.keys.head_dim;
+// Writes the tile's result: normalised output, or the split-K partial state.
+void finish_tile(const TileArgs& a, int n_vec, const float* acc, const float* m, const float* l) {
+  const int d = a.head_dim;
   for (int i = 0; i < n_vec; ++i) {
     const float* ai = acc + static_cast<size_t>(i) * d;
     if (a.part_acc != nullptr) {
@@ -303,24 +238,454 @@ inline void finish_tile(const TileArgs& a, int n_vec, const float* acc, const fl
   }
 }
 
-template <KvDtype DT>
-KV_AVX2 void decode_tile_impl(const TileArgs& a) {
-  const int d = a.keys.head_dim;
+// Int4 metadata of keys [0, n_pad) of a chunk, widened once per chunk:
+// sc[g * kChunk + j], mn[g * kChunk + j] = scale and minimum of group g of
+// key j; keys [n, n_pad) (padding) get 0.
+KV_AVX2 inline void int4_meta(const uint8_t* const* metas, int n, int n_pad, int n_groups,
+                              float* sc, float* mn) {
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* mj = metas[j];
+    int gi = 0;
+    for (; gi + 2 <= n_groups; gi += 2) {  // (scale, min) x 2 = 8 bytes
+      alignas(16) float t[4];
+      _mm_store_ps(t, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mj + 4 * gi))));
+      sc[gi * kChunk + j] = t[0];
+      mn[gi * kChunk + j] = t[1];
+      sc[(gi + 1) * kChunk + j] = t[2];
+      mn[(gi + 1) * kChunk + j] = t[3];
+    }
+    if (gi < n_groups) {
+      sc[gi * kChunk + j] = f16_scalar(mj + 4 * gi);
+      mn[gi * kChunk + j] = f16_scalar(mj + 4 * gi + 2);
+    }
+  }
+  for (int gi = 0; gi < n_groups; ++gi) {
+    for (int j = n; j < n_pad; ++j) sc[gi * kChunk + j] = mn[gi * kChunk + j] = 0.0f;
+  }
+}
+
+// ---------------------------------------------------------------- decode --
+
+// s[h * kChunk + j] = qs[h] . K_j for SG heads and n_pad keys (a multiple of
+// J). J keys at a time share each q load; the SG * J dots are reduced
+// together by one hadd tree. qsum [SG, d / 32]: per-group sums of qs (int4).
+template <KvDtype F, int SG, int J>
+KV_AVX2 void qk_chunk(const float* qs, int d, const uint8_t* const* kp, const uint8_t* const* km,
+                      int n_pad, float* s, const float* qsum, const float* ksc) {
+  static_assert(SG * J <= 8);
+  const int n_groups = d / 32;
+  for (int j0 = 0; j0 < n_pad; j0 += J) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    if constexpr (F == KvDtype::kInt4) {
+      for (int gi = 0; gi < n_groups; ++gi) {
+        __m256 ag[SG * J];
+#pragma GCC unroll 8
+        for (int i = 0; i < SG * J; ++i) ag[i] = _mm256_setzero_ps();
+        for (int c = 32 * gi; c < 32 * gi + 32; c += 8) {
+          __m256 qv[SG];
+#pragma GCC unroll 8
+          for (int h = 0; h < SG; ++h) qv[h] = _mm256_loadu_ps(qs + h * d + c);
+#pragma GCC unroll 8
+          for (int jj = 0; jj < J; ++jj) {
+            const __m256 kv = raw8<F>(kp[j0 + jj], c);
+#pragma GCC unroll 8
+            for (int h = 0; h < SG; ++h)
+              ag[h * J + jj] = _mm256_fmadd_ps(qv[h], kv, ag[h * J + jj]);
+          }
+        }
+#pragma GCC unroll 8
+        for (int jj = 0; jj < J; ++jj) {
+          const __m256 sc = _mm256_broadcast_ss(ksc + gi * kChunk + j0 + jj);
+#pragma GCC unroll 8
+          for (int h = 0; h < SG; ++h)
+            acc[h * J + jj] = _mm256_fmadd_ps(ag[h * J + jj], sc, acc[h * J + jj]);
+        }
+      }
+    } else {
+      for (int c = 0; c < d; c += 8) {
+        __m256 qv[SG];
+#pragma GCC unroll 8
+        for (int h = 0; h < SG; ++h) qv[h] = _mm256_loadu_ps(qs + h * d + c);
+#pragma GCC unroll 8
+        for (int jj = 0; jj < J; ++jj) {
+          const __m256 kv = raw8<F>(kp[j0 + jj], c);
+#pragma GCC unroll 8
+          for (int h = 0; h < SG; ++h)
+            acc[h * J + jj] = _mm256_fmadd_ps(qv[h], kv, acc[h * J + jj]);
+        }
+      }
+    }
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, hsum8(acc));
+#pragma GCC unroll 8
+    for (int jj = 0; jj < J; ++jj) {
+      if constexpr (F == KvDtype::kInt4) {
+#pragma GCC unroll 8
+        for (int h = 0; h < SG; ++h) s[h * kChunk + j0 + jj] = tmp[h * J + jj];
+      } else {
+        const float rs = row_scale<F>(km[j0 + jj]);
+#pragma GCC unroll 8
+        for (int h = 0; h < SG; ++h) {
+          s[h * kChunk + j0 + jj] = kRowScaled<F> ? tmp[h * J + jj] * rs : tmp[h * J + jj];
+        }
+      }
+    }
+  }
+  if constexpr (F == KvDtype::kInt4) {  // + sum over groups of min * sum(q of the group)
+    const float* kmn = ksc + n_groups * kChunk;
+    for (int h = 0; h < SG; ++h) {
+      for (int j = 0; j < n_pad; j += 8) {
+        __m256 v = _mm256_loadu_ps(s + h * kChunk + j);
+        for (int gi = 0; gi < n_groups; ++gi) {
+          v = _mm256_fmadd_ps(_mm256_loadu_ps(kmn + gi * kChunk + j),
+                              _mm256_broadcast_ss(qsum + h * n_groups + gi), v);
+        }
+        _mm256_storeu_ps(s + h * kChunk + j, v);
+      }
+    }
+  } else {
+    (void)km;
+    (void)qsum;
+    (void)ksc;
+  }
+}
+
+// acc[h][c] = alpha[h] * acc[h][c] + sum_j w[h * kChunk + j] raw(V_j)[c]
+// (+ add[h]) for SG heads and columns [c0, c1) (multiples of 8).
+template <KvDtype F, int SG, bool kAdd>
+KV_AVX2 void pv_cols(const float* w, const uint8_t* const* vp, int n, const float* alpha,
+                     float* acc, int d, int c0, int c1, const float* add) {
+  int c = c0;
+  for (; c + 16 <= c1; c += 16) {
+    __m256 a0[SG], a1[SG];
+#pragma GCC unroll 8
+    for (int h = 0; h < SG; ++h) {
+      const __m256 al = _mm256_broadcast_ss(alpha + h);
+      a0[h] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + c), al);
+      a1[h] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + c + 8), al);
+      if constexpr (kAdd) {
+        const __m256 ad = _mm256_broadcast_ss(add + h);
+        a0[h] = _mm256_add_ps(a0[h], ad);
+        a1[h] = _mm256_add_ps(a1[h], ad);
+      }
+    }
+    for (int j = 0; j < n; ++j) {
+      const __m256 v0 = raw8<F>(vp[j], c);
+      const __m256 v1 = raw8<F>(vp[j], c + 8);
+#pragma GCC unroll 8
+      for (int h = 0; h < SG; ++h) {
+        const __m256 pb = _mm256_broadcast_ss(w + h * kChunk + j);
+        a0[h] = _mm256_fmadd_ps(pb, v0, a0[h]);
+        a1[h] = _mm256_fmadd_ps(pb, v1, a1[h]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int h = 0; h < SG; ++h) {
+      _mm256_storeu_ps(acc + h * d + c, a0[h]);
+      _mm256_storeu_ps(acc + h * d + c + 8, a1[h]);
+    }
+  }
+  if (c < c1) {  // 8 columns left
+    __m256 a0[SG];
+#pragma GCC unroll 8
+    for (int h = 0; h < SG; ++h) {
+      a0[h] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + c), _mm256_broadcast_ss(alpha + h));
+      if constexpr (kAdd) a0[h] = _mm256_add_ps(a0[h], _mm256_broadcast_ss(add + h));
+    }
+    for (int j = 0; j < n; ++j) {
+      const __m256 v0 = raw8<F>(vp[j], c);
+#pragma GCC unroll 8
+      for (int h = 0; h < SG; ++h) {
+        a0[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + h * kChunk + j), v0, a0[h]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int h = 0; h < SG; ++h) _mm256_storeu_ps(acc + h * d + c, a0[h]);
+  }
+}
+
+// acc[h] = alpha[h] * acc[h] + sum_j p[h * kChunk + j] V_j for SG heads, the
+// V scales folded into the weights (wbuf: [4, kChunk] scratch, then int4:
+// [2, d / 32, kChunk]).
+template <KvDtype F, int SG>
+KV_AVX2 void pv_chunk(const float* p, const uint8_t* const* vp, const uint8_t* const* vm, int n,
+                      const float* alpha, float* acc, int d, float* wbuf) {
+  if constexpr (F == KvDtype::kInt4) {
+    const int n_groups = d / 32;
+    const int n8 = (n + 7) / 8 * 8;  // p is 0 past n (softmax_update pads the chunk)
+    float* sc = wbuf + 4 * kChunk;
+    float* mn = sc + n_groups * kChunk;
+    int4_meta(vm, n, n8, n_groups, sc, mn);
+    for (int gi = 0; gi < n_groups; ++gi) {
+      float add[SG];
+#pragma GCC unroll 8
+      for (int h = 0; h < SG; ++h) {
+        __m256 sum = _mm256_setzero_ps();
+        for (int j = 0; j < n8; j += 8) {
+          const __m256 pj = _mm256_loadu_ps(p + h * kChunk + j);
+          _mm256_storeu_ps(wbuf + h * kChunk + j,
+                           _mm256_mul_ps(pj, _mm256_loadu_ps(sc + gi * kChunk + j)));
+          sum = _mm256_fmadd_ps(pj, _mm256_loadu_ps(mn + gi * kChunk + j), sum);
+        }
+        add[h] = hsum(sum);
+      }
+      pv_cols<F, SG, true>(wbuf, vp, n, alpha, acc, d, 32 * gi, 32 * gi + 32, add);
+    }
+  } else if constexpr (kRowScaled<F>) {
+    alignas(32) float sc[kChunk];
+    for (int j = 0; j < n; ++j) sc[j] = row_scale<F>(vm[j]);
+#pragma GCC unroll 8
+    for (int h = 0; h < SG; ++h) {
+      for (int j = 0; j < n; ++j) wbuf[h * kChunk + j] = p[h * kChunk + j] * sc[j];
+    }
+    pv_cols<F, SG, false>(wbuf, vp, n, alpha, acc, d, 0, d, nullptr);
+  } else {
+    pv_cols<F, SG, false>(p, vp, n, alpha, acc, d, 0, d, nullptr);
+  }
+}
+
+// Keys loaded together per q head count: SG * J <= 8 accumulators.
+constexpr int keys_per_step(int sg) {
+  return sg == 1 ? 8 : sg == 2 ? 4 : 2;
+}
+
+template <KvDtype F>
+KV_AVX2 void qk_any(int sg, const float* qs, int d, const uint8_t** kp, const uint8_t** km, int n,
+                    float* s, const float* qsum, float* mbuf) {
+  // int4 pads to 8 keys (its min term is added 8 keys at a time), others to J.
+  const int j = F == KvDtype::kInt4 ? 8 : keys_per_step(sg);
+  const int n_pad = (n + j - 1) / j * j;
+  for (int x = n; x < n_pad; ++x) {  // finite filler, scores dropped
+    kp[x] = kp[0];
+    km[x] = km[0];
+  }
+  if constexpr (F == KvDtype::kInt4) {
+    int4_meta(km, n_pad, n_pad, d / 32, mbuf, mbuf + (d / 32) * kChunk);
+  }
+  switch (sg) {
+    case 1:
+      return qk_chunk<F, 1, 8>(qs, d, kp, km, n_pad, s, qsum, mbuf);
+    case 2:
+      return qk_chunk<F, 2, 4>(qs, d, kp, km, n_pad, s, qsum, mbuf);
+    case 3:
+      return qk_chunk<F, 3, 2>(qs, d, kp, km, n_pad, s, qsum, mbuf);
+    default:
+      return qk_chunk<F, 4, 2>(qs, d, kp, km, n_pad, s, qsum, mbuf);
+  }
+}
+
+template <KvDtype F>
+KV_AVX2 void pv_any(int sg, const float* p, const uint8_t* const* vp, const uint8_t* const* vm,
+                    int n, const float* alpha, float* acc, int d, float* wbuf) {
+  switch (sg) {
+    case 1:
+      return pv_chunk<F, 1>(p, vp, vm, n, alpha, acc, d, wbuf);
+    case 2:
+      return pv_chunk<F, 2>(p, vp, vm, n, alpha, acc, d, wbuf);
+    case 3:
+      return pv_chunk<F, 3>(p, vp, vm, n, alpha, acc, d, wbuf);
+    default:
+      return pv_chunk<F, 4>(p, vp, vm, n, alpha, acc, d, wbuf);
+  }
+}
+
+using QkFn = void (*)(int, const float*, int, const uint8_t**, const uint8_t**, int, float*,
+                      const float*, float*);
+using PvFn = void (*)(int, const float*, const uint8_t* const*, const uint8_t* const*, int,
+                      const float*, float*, int, float*);
+
+// The format-specific part of the decode kernel.
+struct DecodeFns {
+  QkFn qk = nullptr;
+  PvFn pv = nullptr;
+  int row_bytes_num = 0;  // row bytes = head_dim * num / 2
+};
+
+template <KvDtype F>
+constexpr DecodeFns decode_fns(int num) {
+  return DecodeFns{qk_any<F>, pv_any<F>, num};
+}
+
+DecodeFns decode_table(KvDtype t) {
+  switch (t) {
+    case KvDtype::kF32:
+      return decode_fns<KvDtype::kF32>(8);
+    case KvDtype::kF16:
+      return decode_fns<KvDtype::kF16>(4);
+    case KvDtype::kBF16:
+      return decode_fns<KvDtype::kBF16>(4);
+    case KvDtype::kFp8:
+      return decode_fns<KvDtype::kFp8>(2);
+    case KvDtype::kInt8:
+      return decode_fns<KvDtype::kInt8>(2);
+    case KvDtype::kInt4:
+      return decode_fns<KvDtype::kInt4>(1);
+    default:
+      return DecodeFns{};
+  }
+}
+
+// Block base offset and slot of positions [t0, t0 + n) (block table walk).
+inline void chunk_slots(const TileArgs& a, int32_t t0, int n, int64_t* base, int32_t* slot) {
+  int32_t blk = t0 / a.block_size;
+  int32_t off = t0 % a.block_size;
+  for (int j = 0; j < n; ++j) {
+    base[j] = a.block_table[blk] * a.block_stride;
+    slot[j] = off;
+    if (++off == a.block_size) {
+      off = 0;
+      ++blk;
+    }
+  }
+}
+
+inline void stream_rows(const HeadStream& s, int hh, const int64_t* base, const int32_t* slot,
+                        int n, const uint8_t** rows, const uint8_t** metas) {
+  const uint8_t* data = s.data + hh * s.head_stride;
+  for (int j = 0; j < n; ++j) rows[j] = data + base[j] + slot[j] * s.slot_stride;
+  if (s.meta == nullptr) {
+    for (int j = 0; j < n; ++j) metas[j] = nullptr;
+    return;
+  }
+  const uint8_t* meta = s.meta + hh * s.meta_head_stride;
+  for (int j = 0; j < n; ++j) metas[j] = meta + base[j] + slot[j] * s.meta_slot_stride;
+}
+
+KV_AVX2 inline void prefetch_rows(const HeadStream& s, int hh, const int64_t* base,
+                                  const int32_t* slot, int n, int row_bytes) {
+  const uint8_t* data = s.data + hh * s.head_stride;
+  for (int j = 0; j < n; ++j) {
+    const char* r = reinterpret_cast<const char*>(data + base[j] + slot[j] * s.slot_stride);
+    for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(r + b, _MM_HINT_T1);
+  }
+  if (s.meta != nullptr) {  // metadata rows are small: one line per block or so
+    const uint8_t* meta = s.meta + hh * s.meta_head_stride;
+    for (int j = 0; j < n; j += 8) {
+      _mm_prefetch(reinterpret_cast<const char*>(meta + base[j] + slot[j] * s.meta_slot_stride),
+                   _MM_HINT_T1);
+    }
+  }
+}
+
+// --------------------------------------------------------------- prefill --
+
+// kt[c * kChunk + j] = K_j[c] for the kChunk rows (padding rows included).
+template <KvDtype F>
+KV_AVX2 void k_tile(const uint8_t* const* rows, const uint8_t* const* metas, int d, float* kt) {
+  for (int j0 = 0; j0 < kChunk; j0 += 8) {
+    for (int c = 0; c < d; c += 8) {
+      __m256 r[8];
+#pragma GCC unroll 8
+      for (int x = 0; x < 8; ++x) r[x] = deq8<F>(rows[j0 + x], metas[j0 + x], c);
+      transpose8(r);
+#pragma GCC unroll 8
+      for (int x = 0; x < 8; ++x) _mm256_storeu_ps(kt + (c + x) * kChunk + j0, r[x]);
+    }
+  }
+}
+
+// vc[j * d + c] = V_j[c] for j < n.
+template <KvDtype F>
+KV_AVX2 void v_tile(const uint8_t* const* rows, const uint8_t* const* metas, int n, int d,
+                    float* vc) {
+  for (int j = 0; j < n; ++j) {
+    for (int c = 0; c < d; c += 8) _mm256_storeu_ps(vc + j * d + c, deq8<F>(rows[j], metas[j], c));
+  }
+}
+
+using KTileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int, float*);
+using VTileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int, int, float*);
+
+KTileFn k_tile_fn(KvDtype t) {
+  switch (t) {
+    case KvDtype::kF32:
+      return k_tile<KvDtype::kF32>;
+    case KvDtype::kF16:
+      return k_tile<KvDtype::kF16>;
+    case KvDtype::kBF16:
+      return k_tile<KvDtype::kBF16>;
+    case KvDtype::kFp8:
+      return k_tile<KvDtype::kFp8>;
+    case KvDtype::kInt8:
+      return k_tile<KvDtype::kInt8>;
+    case KvDtype::kInt4:
+      return k_tile<KvDtype::kInt4>;
+    default:
+      return nullptr;
+  }
+}
+
+VTileFn v_tile_fn(KvDtype t) {
+  switch (t) {
+    case KvDtype::kF32:
+      return v_tile<KvDtype::kF32>;
+    case KvDtype::kF16:
+      return v_tile<KvDtype::kF16>;
+    case KvDtype::kBF16:
+      return v_tile<KvDtype::kBF16>;
+    case KvDtype::kFp8:
+      return v_tile<KvDtype::kFp8>;
+    case KvDtype::kInt8:
+      return v_tile<KvDtype::kInt8>;
+    case KvDtype::kInt4:
+      return v_tile<KvDtype::kInt4>;
+    default:
+      return nullptr;
+  }
+}
+
+// Row and metadata addresses of positions [t0, t0 + n) of one stream.
+inline void chunk_rows(const TileArgs& a, const HeadStream& s, int32_t t0, int n,
+                       const uint8_t** rows, const uint8_t** metas) {
+  int32_t blk = t0 / a.block_size;
+  int32_t off = t0 % a.block_size;
+  for (int j = 0; j < n; ++j) {
+    const int64_t base = a.block_table[blk] * a.block_stride;
+    rows[j] = s.data + base + off * s.slot_stride;
+    metas[j] = s.meta == nullptr ? nullptr : s.meta + base + off * s.meta_slot_stride;
+    if (++off == a.block_size) {
+      off = 0;
+      ++blk;
+    }
+  }
+}
+
+}  // namespace
+
+KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
+  const int d = a.head_dim;
   const int g = a.group;
   const int n_vec = g * a.n_heads;  // query vectors: q heads of every KV head in the tile
-  // Scratch: qs, acc [n_vec, d]; s [n_vec, kChunk]; m, l, alpha [n_vec].
-  float* base = thread_scratch().get(static_cast<size_t>(n_vec) * (2 * d + kChunk + 3));
-  float* qs = base;
+  const int n_groups = d / 32;      // int4 groups
+  const DecodeFns kf = decode_table(a.k.dtype);
+  const DecodeFns vf = decode_table(a.v.dtype);
+  if (kf.qk == nullptr || vf.pv == nullptr) return;  // validated by the caller
+  // Scratch: qs, acc [n_vec, d]; s [n_vec, kChunk]; m, l, alpha [n_vec];
+  // qsum [n_vec, n_groups]; wbuf [4, kChunk] + V int4 metadata [2, n_groups,
+  // kChunk]; kbuf: K int4 metadata [2, n_groups, kChunk].
+  float* qs = thread_scratch().get(static_cast<size_t>(n_vec) * (2 * d + kChunk + 3 + n_groups) +
+                                   4 * kChunk + 4 * static_cast<size_t>(n_groups) * kChunk);
   float* acc = qs + static_cast<size_t>(n_vec) * d;
   float* s = acc + static_cast<size_t>(n_vec) * d;
   float* m = s + static_cast<size_t>(n_vec) * kChunk;
   float* l = m + n_vec;
   float* alpha = l + n_vec;
+  float* qsum = alpha + n_vec;
+  float* wbuf = qsum + static_cast<size_t>(n_vec) * n_groups;
+  float* kbuf = wbuf + 4 * kChunk + 2 * static_cast<size_t>(n_groups) * kChunk;
   const __m256 scale = _mm256_set1_ps(a.scale);
   for (int h = 0; h < n_vec; ++h) {
     for (int c = 0; c < d; c += 8) {
       _mm256_storeu_ps(qs + h * d + c, _mm256_mul_ps(_mm256_loadu_ps(a.q + h * d + c), scale));
       _mm256_storeu_ps(acc + h * d + c, _mm256_setzero_ps());
+    }
+    for (int gi = 0; gi < n_groups; ++gi) {
+      __m256 t = _mm256_loadu_ps(qs + h * d + 32 * gi);
+      for (int c = 8; c < 32; c += 8)
+        t = _mm256_add_ps(t, _mm256_loadu_ps(qs + h * d + 32 * gi + c));
+      qsum[h * n_groups + gi] = hsum(t);
     }
     m[h] = kNegInf;
     l[h] = 0.0f;
@@ -331,55 +696,61 @@ KV_AVX2 void decode_tile_impl(const TileArgs& a) {
   const int n_sub = (g + 3) / 4;
   const int32_t t_begin = std::max(a.key_begin, first_visible(a.pos0, a.window));
   const int32_t t_end = std::min(a.key_end, a.pos0 + 1);
-  // Rows of the next chunk (every KV head of the tile) are prefetched while
-  // this one is computed: with scattered blocks the hardware prefetcher loses
-  // the stream at every block boundary, and decode is bound by memory.
-  const int row_bytes = d * kElemBytes<DT>;
-  const uint8_t* rows[2][2][kChunk];  // [buffer][K, V][key], KV head 0 of the tile
-  const uint8_t* hk[kChunk + 8];      // one KV head's rows (+ padding for qk_dispatch)
-  const uint8_t* hv[kChunk];
+  const int k_row_bytes = d * kf.row_bytes_num / 2;
+  const int v_row_bytes = d * vf.row_bytes_num / 2;
+  int64_t base[2][kChunk];
+  int32_t slot[2][kChunk];
+  const uint8_t* kp[kChunk + 8];  // + padding for qk_any
+  const uint8_t* km[kChunk + 8];
+  const uint8_t* vp[kChunk];
+  const uint8_t* vm[kChunk];
+  // Chunk i + 2 is prefetched (into L2: a chunk of every KV head may exceed
+  // half of L1) while chunk i is computed, one KV head's K (V) rows before
+  // that head's q.K (p.V), so that the misses are spread over the chunk
+  // rather than queued behind each other; chunk i + 1's addresses are ready.
+  int64_t pf_base[kChunk];
+  int32_t pf_slot[kChunk];
+  int n_pf = 0;
   int cur = 0;
   if (t_begin < t_end) {
-    chunk_rows(a.keys, t_begin, std::min<int32_t>(kChunk, t_end - t_begin), rows[0][0], rows[0][1]);
+    chunk_slots(a, t_begin, std::min<int32_t>(kChunk, t_end - t_begin), base[0], slot[0]);
+    if (t_begin + kChunk < t_end) {  // chunk 1 now, while chunk 0 is demand-loaded
+      n_pf = std::min<int32_t>(kChunk, t_end - t_begin - kChunk);
+      chunk_slots(a, t_begin + kChunk, n_pf, pf_base, pf_slot);
+      for (int hh = 0; hh < a.n_heads; ++hh) {
+        prefetch_rows(a.k, hh, pf_base, pf_slot, n_pf, k_row_bytes);
+        prefetch_rows(a.v, hh, pf_base, pf_slot, n_pf, v_row_bytes);
+      }
+    }
   }
   for (int32_t c0 = t_begin; c0 < t_end; c0 += kChunk) {
     const int n = std::min<int32_t>(kChunk, t_end - c0);
-    const uint8_t** kp = rows[cur][0];
-    const uint8_t** vp = rows[cur][1];
+    const int64_t* cb = base[cur];
+    const int32_t* cs = slot[cur];
+    n_pf = c0 + 2 * kChunk < t_end ? std::min<int32_t>(kChunk, t_end - c0 - 2 * kChunk) : 0;
+    if (n_pf > 0) chunk_slots(a, c0 + 2 * kChunk, n_pf, pf_base, pf_slot);
     if (c0 + kChunk < t_end) {
-      const int n_next = std::min<int32_t>(kChunk, t_end - c0 - kChunk);
-      const uint8_t** kn = rows[cur ^ 1][0];
-      const uint8_t** vn = rows[cur ^ 1][1];
-      chunk_rows(a.keys, c0 + kChunk, n_next, kn, vn);
-      for (int hh = 0; hh < a.n_heads; ++hh) {
-        const int64_t ho = hh * a.head_stride;
-        for (int j = 0; j < n_next; ++j) {
-          for (int b = 0; b < row_bytes; b += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(kn[j] + ho + b), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(vn[j] + ho + b), _MM_HINT_T0);
-          }
-        }
-      }
+      chunk_slots(a, c0 + kChunk, std::min<int32_t>(kChunk, t_end - c0 - kChunk), base[cur ^ 1],
+                  slot[cur ^ 1]);
     }
     cur ^= 1;
     for (int hh = 0; hh < a.n_heads; ++hh) {
-      const int64_t ho = hh * a.head_stride;
-      for (int j = 0; j < n; ++j) {
-        hk[j] = kp[j] + ho;
-        hv[j] = vp[j] + ho;
-      }
+      stream_rows(a.k, hh, cb, cs, n, kp, km);
+      stream_rows(a.v, hh, cb, cs, n, vp, vm);
       const int v0 = hh * g;  // first query vector of this KV head
+      prefetch_rows(a.k, hh, pf_base, pf_slot, n_pf, k_row_bytes);
       for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
         const int sg = g / n_sub + (sub < g % n_sub ? 1 : 0);
-        qk_dispatch<DT>(sg, qs + h0 * d, d, hk, n, s + h0 * kChunk);
+        kf.qk(sg, qs + h0 * d, d, kp, km, n, s + h0 * kChunk, qsum + h0 * n_groups, kbuf);
         h0 += sg;
       }
       for (int h = v0; h < v0 + g; ++h) {
         alpha[h] = softmax_update(s + h * kChunk, n, m + h, l + h);
       }
+      prefetch_rows(a.v, hh, pf_base, pf_slot, n_pf, v_row_bytes);
       for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
         const int sg = g / n_sub + (sub < g % n_sub ? 1 : 0);
-        pv_dispatch<DT>(sg, s + h0 * kChunk, hv, n, alpha + h0, acc + h0 * d, d);
+        vf.pv(sg, s + h0 * kChunk, vp, vm, n, alpha + h0, acc + h0 * d, d, wbuf);
         h0 += sg;
       }
     }
@@ -387,22 +758,15 @@ KV_AVX2 void decode_tile_impl(const TileArgs& a) {
   finish_tile(a, n_vec, acc, m, l);
 }
 
-// --------------------------------------------------------------- prefill --
-
-// A tile of up to n_vec query vectors (padded to a multiple of 4) against
-// chunks of kChunk keys: S = Qs Kt (4 x 16 register blocks), online softmax
-// per vector with causal/window masking, O = alpha O + P V. The chunk's K is
-// transposed (and widened) into a kChunk-wide L1 tile because every query
-// vector reuses it; V is widened into an L1 tile unless already f32.
-template <KvDtype DT>
-KV_AVX2 void prefill_tile_impl(const TileArgs& a) {
-  constexpr int eb = kElemBytes<DT>;
-  const int d = a.keys.head_dim;
+KV_AVX2 void prefill_tile_avx2(const TileArgs& a) {
+  const int d = a.head_dim;
   const int g = a.group;
   const int n_vec = a.n_rows * g;
   const int n_vp = (n_vec + 3) / 4 * 4;
-  // Scratch: qs, o [n_vp, d]; s [n_vp, kChunk]; kt [d, kChunk]; vc [kChunk, d];
-  // m, l, alpha [n_vp].
+  const KTileFn k_fn = k_tile_fn(a.k.dtype);
+  const VTileFn v_fn = v_tile_fn(a.v.dtype);
+  if (k_fn == nullptr || v_fn == nullptr) return;  // validated by the caller
+  // qs, o [n_vp, d]; s [n_vp, kChunk]; kt [d, kChunk]; vc [kChunk, d]; m, l, alpha [n_vp].
   const size_t n_floats =
       static_cast<size_t>(n_vp) * (2 * d + kChunk + 3) + 2 * static_cast<size_t>(kChunk) * d;
   float* qs = thread_scratch().get(n_floats);
@@ -432,31 +796,26 @@ KV_AVX2 void prefill_tile_impl(const TileArgs& a) {
   const int32_t t_begin = std::max(a.key_begin, first_visible(a.pos0, a.window));
   const int32_t t_end = std::min(a.key_end, pos_last + 1);
   const uint8_t* kp[kChunk];
+  const uint8_t* km[kChunk];
   const uint8_t* vp[kChunk];
-  const float* vr[kChunk];
+  const uint8_t* vm[kChunk];
   for (int32_t c0 = t_begin; c0 < t_end; c0 += kChunk) {
     const int n = std::min<int32_t>(kChunk, t_end - c0);
-    chunk_rows(a.keys, c0, n, kp, vp);
-    for (int j = n; j < kChunk; ++j) kp[j] = kp[0];  // finite filler, masked below
-    for (int j0 = 0; j0 < kChunk; j0 += 8) {
-      for (int c = 0; c < d; c += 8) {
-        __m256 r[8];
-#pragma GCC unroll 8
-        for (int x = 0; x < 8; ++x) r[x] = load8<DT>(kp[j0 + x] + c * eb);
-        transpose8(r);
-#pragma GCC unroll 8
-        for (int x = 0; x < 8; ++x) _mm256_storeu_ps(kt + (c + x) * kChunk + j0, r[x]);
-      }
+    chunk_rows(a, a.k, c0, n, kp, km);
+    chunk_rows(a, a.v, c0, n, vp, vm);
+    for (int j = n; j < kChunk; ++j) {  // finite filler, masked below
+      kp[j] = kp[0];
+      km[j] = km[0];
     }
-    for (int j = 0; j < n; ++j) {
-      if constexpr (DT == KvDtype::kF32) {
-        vr[j] = reinterpret_cast<const float*>(vp[j]);
-      } else {
-        float* dst = vc + static_cast<size_t>(j) * d;
-        for (int c = 0; c < d; c += 8) _mm256_storeu_ps(dst + c, load8<DT>(vp[j] + c * eb));
-        vr[j] = dst;
-      }
+    // Decode is bound by memory: fetch the next chunk's first rows early.
+    if (c0 + kChunk < t_end) {
+      const int32_t nb = (c0 + kChunk) / a.block_size;
+      const int64_t base = a.block_table[nb] * a.block_stride;
+      _mm_prefetch(reinterpret_cast<const char*>(a.k.data + base), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(a.v.data + base), _MM_HINT_T0);
     }
+    k_fn(kp, km, d, kt);
+    v_fn(vp, vm, n, d, vc);
 
     // S = Qs Kt, 4 vectors x 16 keys per register block.
     const int n_kb = n > 16 ? 2 : 1;
@@ -497,35 +856,10 @@ KV_AVX2 void prefill_tile_impl(const TileArgs& a) {
     }
     for (int i = n_vec; i < n_vp; ++i) std::memset(s + i * kChunk, 0, sizeof(float) * kChunk);
 
-    // O = alpha O + P V, 4 vectors x 16 dims per register block.
+    // O = alpha O + P V, 4 vectors x 8 dims per register block.
     for (int i0 = 0; i0 < n_vp; i0 += 4) {
       const float* p0 = s + static_cast<size_t>(i0) * kChunk;
-      int c = 0;
-      for (; c + 16 <= d; c += 16) {
-        __m256 acc[4][2];
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          const __m256 al = _mm256_broadcast_ss(alpha + i0 + r);
-          acc[r][0] = _mm256_mul_ps(_mm256_loadu_ps(o + (i0 + r) * d + c), al);
-          acc[r][1] = _mm256_mul_ps(_mm256_loadu_ps(o + (i0 + r) * d + c + 8), al);
-        }
-        for (int j = 0; j < n; ++j) {
-          const __m256 v0 = _mm256_loadu_ps(vr[j] + c);
-          const __m256 v1 = _mm256_loadu_ps(vr[j] + c + 8);
-#pragma GCC unroll 4
-          for (int r = 0; r < 4; ++r) {
-            const __m256 pb = _mm256_broadcast_ss(p0 + r * kChunk + j);
-            acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
-          }
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          _mm256_storeu_ps(o + (i0 + r) * d + c, acc[r][0]);
-          _mm256_storeu_ps(o + (i0 + r) * d + c + 8, acc[r][1]);
-        }
-      }
-      if (c < d) {  // d % 16 == 8
+      for (int c = 0; c < d; c += 8) {
         __m256 acc[4];
 #pragma GCC unroll 4
         for (int r = 0; r < 4; ++r) {
@@ -533,7 +867,7 @@ KV_AVX2 void prefill_tile_impl(const TileArgs& a) {
                                  _mm256_broadcast_ss(alpha + i0 + r));
         }
         for (int j = 0; j < n; ++j) {
-          const __m256 v0 = _mm256_loadu_ps(vr[j] + c);
+          const __m256 v0 = _mm256_loadu_ps(vc + j * d + c);
 #pragma GCC unroll 4
           for (int r = 0; r < 4; ++r) {
             acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + r * kChunk + j), v0, acc[r]);
@@ -544,41 +878,8 @@ KV_AVX2 void prefill_tile_impl(const TileArgs& a) {
       }
     }
   }
+
   finish_tile(a, n_vec, o, m, l);
-}
-
-}  // namespace
-
-void decode_tile_avx2(const TileArgs& a) {
-  switch (a.keys.dtype) {
-    case KvDtype::kF32:
-      decode_tile_impl<KvDtype::kF32>(a);
-      return;
-    case KvDtype::kF16:
-      decode_tile_impl<KvDtype::kF16>(a);
-      return;
-    case KvDtype::kBF16:
-      decode_tile_impl<KvDtype::kBF16>(a);
-      return;
-    default:  // quantized formats take attention_quant_*.cpp
-      return;
-  }
-}
-
-void prefill_tile_avx2(const TileArgs& a) {
-  switch (a.keys.dtype) {
-    case KvDtype::kF32:
-      prefill_tile_impl<KvDtype::kF32>(a);
-      return;
-    case KvDtype::kF16:
-      prefill_tile_impl<KvDtype::kF16>(a);
-      return;
-    case KvDtype::kBF16:
-      prefill_tile_impl<KvDtype::kBF16>(a);
-      return;
-    default:  // quantized formats take attention_quant_*.cpp
-      return;
-  }
 }
 
 }  // namespace kvstack::attn_detail

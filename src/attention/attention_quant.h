@@ -2,17 +2,15 @@
 // (kv_view_is_quantized(view)). Same contract as paged_attention() in
 // paged_attention.h, which forwards such views here.
 //
-// The kernels consume the stored codes directly: each chunk of 32 key
-// positions of one KV head is decoded (scales applied) into a 32 x head_dim
-// tile in L1 (K transposed, V row-major) and used there by every query vector
-// of the tile; no full-precision copy of a block list or of the cache is ever
-// materialised. Decode splits long sequences along the keys (split-K) and
-// merges the partial softmax states, like the float path.
-//
-// Scalar kernels decode rows with the kv_codec.h reference decoders; the
-// AVX2+FMA+F16C kernels decode in registers (fp8 via the E4M3 -> f16 bit
-// shift, int8/int4 via integer widening and FMA) and produce the same K/V
-// values bit for bit, so the two paths differ only in accumulation order.
+// The same planner, split-K and kernels serve every format
+// (attention_kernels.h). The kernels consume the stored codes directly; no
+// full-precision copy of a block list or of the cache is ever materialised.
+// Decode computes q . K on the raw codes and applies the per-token (int8),
+// per-block (fp8) or per-group (int4) scale once per key after the dot; for V
+// the scale is folded into the softmax weight. Prefill decodes each chunk of
+// 32 keys of one KV head (scales applied, bit for bit as kv_decode_row) into
+// L1 tiles used by every query vector of the tile. The scalar kernel decodes
+// rows with the kv_codec.h reference decoders.
 #pragma once
 
 #include <span>

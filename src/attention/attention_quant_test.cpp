@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -204,6 +205,36 @@ TEST(QuantAttention, RejectsBadArguments) {
   ASSERT_FALSE(b.ok());
   EXPECT_NE(b.error().message.find("sequence 0"), std::string::npos) << b.error().message;
   EXPECT_EQ(out[0][0], -7.0f);  // untouched
+}
+
+// Batch invariance for the quantized formats: a sequence's output is bitwise
+// the same alone on one thread and in a mixed decode/prefill batch on any
+// number of threads.
+TEST(QuantAttention, OutputIsBitwiseIndependentOfBatchAndThreads) {
+  const Shape s{9, 3, 64, 16, {2500, 37, 1200, 0, 5000}, {1, 1, 30, 50, 2}};
+  for (KvDtype t : {KvDtype::kFp8, KvDtype::kInt8, KvDtype::kInt4}) {
+    SCOPED_TRACE(kv_dtype_name(t));
+    CacheFixture st = make_setup(t, t, s, 5);
+    const AttnParams p{.n_q_heads = 9, .n_kv_heads = 3, .head_dim = 64, .scale = 0.125f};
+    for (Isa isa : {Isa::kScalar, Isa::kAvx2}) {
+      for (int n_threads : {1, 2, 3}) {
+        ThreadPool pool(n_threads);
+        std::vector<std::vector<float>> out;
+        auto seqs = seqs_for(st, s, out);
+        ASSERT_TRUE(paged_attention_quant_isa(isa, st.view, p, seqs, &pool).ok());
+        for (size_t i = 0; i < seqs.size(); ++i) {
+          std::vector<float> alone(out[i].size(), -1.0f);
+          AttnSeq one = seqs[i];
+          one.out = alone.data();
+          ASSERT_TRUE(
+              paged_attention_quant_isa(isa, st.view, p, std::span<const AttnSeq>(&one, 1), nullptr)
+                  .ok());
+          EXPECT_EQ(std::memcmp(alone.data(), out[i].data(), alone.size() * sizeof(float)), 0)
+              << isa_name(isa) << " seq " << i << " threads " << n_threads;
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "attention/attention_kernels.h"
+#include "attention/attention_kivi.h"
 #include "attention/attention_quant.h"
 #include "core/cpu_features.h"
 #include "core/half.h"
@@ -19,20 +20,20 @@ namespace kvstack {
 namespace {
 
 using attn_detail::first_visible;
-using attn_detail::KeySource;
-using attn_detail::TileArgs;
 
 // Query vectors ((row, q head) pairs of one KV group) per prefill tile.
 constexpr int kPrefillVectors = 32;
-// A split-K piece covers at least this many keys (its partial state costs
-// n_vec * (head_dim + 2) floats to write and merge).
-constexpr int32_t kMinSplitKeys = 256;
-// Decode rows seeing at least this many keys take all KV heads in one tile.
-constexpr int32_t kMergeHeadsKeys = 2 * kMinSplitKeys;
-// Split until there are about this many work items per thread.
-constexpr int kItemsPerThread = 8;
-// Split-K piece boundaries are multiples of this (the kernels' key chunk).
-constexpr int32_t kSplitAlign = 32;
+// Split-K pieces: a tile seeing more keys than this is cut at the multiples
+// of it (absolute positions, so the cut depends only on the tile's own key
+// range). A piece's partial state costs n_vec * (head_dim + 2) floats to
+// write and merge; decode pieces are short so that one long sequence spreads
+// over every thread, prefill tiles are many already.
+constexpr int32_t kDecodeSplitKeys = 512;
+constexpr int32_t kPrefillSplitKeys = 4096;
+// Decode rows seeing at least this many keys take all KV heads in one tile:
+// the heads of a block lie next to each other, so the tile streams whole
+// blocks.
+constexpr int32_t kMergeHeadsKeys = 2 * kDecodeSplitKeys;
 
 struct WorkItem {
   int32_t seq;
@@ -41,7 +42,7 @@ struct WorkItem {
   int32_t n_rows;
   int32_t key_begin;
   int32_t key_end;
-  int64_t cost;         // ~ key rows touched times query rows (times KV heads)
+  int64_t cost;         // ~ key rows touched times query rows times KV heads
   int64_t part_offset;  // float offset of its partial slot, or -1
   int32_t n_heads;      // KV heads kv_head .. kv_head + n_heads - 1 (> 1 only for decode)
 };
@@ -59,7 +60,6 @@ struct MergeGroup {
 };
 
 struct Plan {
-  std::vector<WorkItem> tiles;
   std::vector<WorkItem> items;
   std::vector<MergeGroup> merges;
   attn_detail::ScratchBuffer partials;
@@ -88,57 +88,52 @@ float kv_element(const PagedKvLayerView& kv, const uint8_t* head_base, const int
   return kv.dtype == KvDtype::kF16 ? f16_to_f32(h) : bf16_to_f32(h);
 }
 
-// Splits the tiles' key ranges so that `n_threads` threads get about
-// kItemsPerThread items each; long tiles are split into a multiple of
-// n_threads pieces so that one long sequence spreads evenly.
-void plan_items(Plan& plan, int n_threads, int n_vec_per_row, int head_dim) {
+// Cuts every sequence into tiles and split-K pieces. Everything here depends
+// only on the sequence itself (see run_attention's contract): the thread
+// count only changes who runs which item.
+void make_plan(Plan& plan, const AttnParams& p, std::span<const AttnSeq> seqs, bool use_avx2) {
+  const int g = p.n_q_heads / p.n_kv_heads;
   plan.items.clear();
   plan.merges.clear();
-  int64_t total = 0;
-  for (const WorkItem& t : plan.tiles) total += t.cost;
-  const int64_t target = std::max<int64_t>(1, total / (int64_t{n_threads} * kItemsPerThread));
   int64_t offset = 0;
-  for (const WorkItem& t : plan.tiles) {
-    const int32_t len = t.key_end - t.key_begin;
-    int64_t n_parts = 1;
-    if (n_threads > 1 && t.cost > target && len >= 2 * kMinSplitKeys) {
-      const int64_t cap = len / kMinSplitKeys;
-      n_parts = std::min<int64_t>((t.cost + target - 1) / target, cap);
-      const int64_t rounded = (n_parts + n_threads - 1) / n_threads * n_threads;
-      if (rounded <= cap) {
-        n_parts = rounded;
-      } else if (n_parts >= n_threads) {
-        n_parts = n_parts / n_threads * n_threads;
+  for (size_t si = 0; si < seqs.size(); ++si) {
+    const AttnSeq& s = seqs[si];
+    const int32_t rows_per_tile = s.n_new == 1 ? 1 : std::max(1, kPrefillVectors / g);
+    for (int32_t row0 = 0; row0 < s.n_new; row0 += rows_per_tile) {
+      const int32_t n_rows = std::min(rows_per_tile, s.n_new - row0);
+      const int32_t pos_first = s.n_past + row0;
+      const int32_t key_begin = first_visible(pos_first, p.window);
+      const int32_t key_end = pos_first + n_rows;
+      const int32_t len = key_end - key_begin;
+      const int n_heads = use_avx2 && n_rows == 1 && len >= kMergeHeadsKeys ? p.n_kv_heads : 1;
+      const int32_t piece = n_rows == 1 ? kDecodeSplitKeys : kPrefillSplitKeys;
+      const int64_t slot_floats = int64_t{n_rows} * g * n_heads * (p.head_dim + 2);
+      for (int32_t h = 0; h < p.n_kv_heads; h += n_heads) {
+        WorkItem t{static_cast<int32_t>(si),        h,  row0,   n_rows, key_begin, key_end,
+                   int64_t{len} * n_rows * n_heads, -1, n_heads};
+        if (len <= piece) {
+          plan.items.push_back(t);
+          continue;
+        }
+        MergeGroup mg{t.seq, h, row0, n_rows, 0, n_heads, offset};
+        for (int32_t begin = key_begin; begin < key_end;) {
+          const int32_t end = std::min<int32_t>(key_end, (begin / piece + 1) * piece);
+          WorkItem part = t;
+          part.key_begin = begin;
+          part.key_end = end;
+          part.cost = int64_t{end - begin} * n_rows * n_heads;
+          part.part_offset = offset;
+          plan.items.push_back(part);
+          offset += slot_floats;
+          ++mg.n_parts;
+          begin = end;
+        }
+        plan.merges.push_back(mg);
       }
     }
-    if (n_parts < 2) {
-      plan.items.push_back(t);
-      continue;
-    }
-    const int64_t slot_floats = int64_t{t.n_rows} * n_vec_per_row * t.n_heads * (head_dim + 2);
-    MergeGroup mg{t.seq, t.kv_head, t.row0, t.n_rows, 0, t.n_heads, offset};
-    int32_t begin = t.key_begin;
-    for (int64_t p = 1; p <= n_parts; ++p) {
-      int32_t end = t.key_end;
-      if (p < n_parts) {
-        end = static_cast<int32_t>(t.key_begin + len * p / n_parts);
-        end = end / kSplitAlign * kSplitAlign;
-      }
-      if (end <= begin) continue;
-      WorkItem piece = t;
-      piece.key_begin = begin;
-      piece.key_end = end;
-      piece.cost = t.cost * (end - begin) / len;
-      piece.part_offset = offset;
-      plan.items.push_back(piece);
-      offset += slot_floats;
-      ++mg.n_parts;
-      begin = end;
-    }
-    plan.merges.push_back(mg);
   }
-  // Largest first, so the dynamic schedule ends with small items.
-  // (std::sort: unlike stable_sort it needs no temporary buffer.)
+  // Largest first, so the dynamic schedule ends with small items (the order
+  // does not change any result).
   std::sort(plan.items.begin(), plan.items.end(), [](const WorkItem& x, const WorkItem& y) {
     if (x.cost != y.cost) return x.cost > y.cost;
     if (x.seq != y.seq) return x.seq < y.seq;
@@ -163,7 +158,7 @@ void run_dynamic(ThreadPool* pool, size_t n, const Fn& fn) {
     const Fn* fn;
   } shared{.n = n, .fn = &fn};
   Shared* sh = &shared;  // one captured pointer: std::function stores it inline
-  pool->run([sh](int) {
+  pool->run_shared([sh](int) {
     for (size_t i = sh->next.fetch_add(1, std::memory_order_relaxed); i < sh->n;
          i = sh->next.fetch_add(1, std::memory_order_relaxed)) {
       (*sh->fn)(i);
@@ -230,56 +225,47 @@ Status validate_attention_args(const PagedKvLayerView& kv, const AttnParams& p,
   return {};
 }
 
-Status paged_attention(const PagedKvLayerView& kv, const AttnParams& p,
-                       std::span<const AttnSeq> seqs, ThreadPool* pool) {
-  if (kv_view_is_quantized(kv)) return paged_attention_quant(kv, p, seqs, pool);
-  KV_TRY_STATUS(validate_attention_args(kv, p, seqs));
+namespace attn_detail {
+
+HeadStream k_stream(const PagedKvLayerView& kv, int h) {
+  return HeadStream{kv.k + h * kv.head_stride,
+                    kv.k_meta == nullptr ? nullptr : kv.k_meta + h * kv.k_meta_head_stride,
+                    kv.slot_stride,
+                    kv.k_meta_slot_stride,
+                    kv.head_stride,
+                    kv.k_meta_head_stride,
+                    kv.dtype};
+}
+
+HeadStream v_stream(const PagedKvLayerView& kv, int h) {
+  return HeadStream{kv.v + h * kv.value_head_stride(),
+                    kv.v_meta == nullptr ? nullptr : kv.v_meta + h * kv.v_meta_head_stride,
+                    kv.value_slot_stride(),
+                    kv.v_meta_slot_stride,
+                    kv.value_head_stride(),
+                    kv.v_meta_head_stride,
+                    kv.value_dtype()};
+}
+
+void run_attention(bool use_avx2, const PagedKvLayerView& kv, const AttnParams& p,
+                   std::span<const AttnSeq> seqs, ThreadPool* pool) {
   const int g = p.n_q_heads / p.n_kv_heads;
   const int d = p.head_dim;
   const int64_t row_stride = int64_t{p.n_q_heads} * d;
-  const bool use_avx2 = best_isa() >= Isa::kAvx2 && cpu_features().f16c && d % 8 == 0;
-
-  Plan& plan = thread_plan();
-  plan.tiles.clear();
-  for (size_t si = 0; si < seqs.size(); ++si) {
-    const AttnSeq& s = seqs[si];
-    const int32_t rows_per_tile = s.n_new == 1 ? 1 : std::max(1, kPrefillVectors / g);
-    for (int32_t row0 = 0; row0 < s.n_new; row0 += rows_per_tile) {
-      const int32_t n_rows = std::min(rows_per_tile, s.n_new - row0);
-      const int32_t pos_first = s.n_past + row0;
-      const int32_t key_begin = first_visible(pos_first, p.window);
-      const int32_t key_end = pos_first + n_rows;
-      const int64_t cost = int64_t{key_end - key_begin} * n_rows;
-      // A long decode row takes every KV head in one tile: the heads of a
-      // block lie next to each other, so the tile streams whole blocks, and
-      // split-K (below) still spreads it over the threads.
-      if (use_avx2 && n_rows == 1 && key_end - key_begin >= kMergeHeadsKeys) {
-        plan.tiles.push_back(WorkItem{static_cast<int32_t>(si), 0, row0, n_rows, key_begin, key_end,
-                                      cost * p.n_kv_heads, -1, p.n_kv_heads});
-        continue;
-      }
-      for (int32_t h = 0; h < p.n_kv_heads; ++h) {
-        plan.tiles.push_back(
-            WorkItem{static_cast<int32_t>(si), h, row0, n_rows, key_begin, key_end, cost, -1, 1});
-      }
-    }
-  }
-  const int n_threads = pool == nullptr ? 1 : pool->n_threads();
-  plan_items(plan, n_threads, g, d);
+  Plan& plan = thread_plan();  // a reference: workers must see this thread's plan
+  make_plan(plan, p, seqs, use_avx2);
   float* partials = plan.partials.get(1);
 
   run_dynamic(pool, plan.items.size(), [&](size_t i) {
     const WorkItem& it = plan.items[i];
     const AttnSeq& s = seqs[it.seq];
     TileArgs a;
-    a.keys = KeySource{kv.k + it.kv_head * kv.head_stride,
-                       kv.v + it.kv_head * kv.head_stride,
-                       s.block_table,
-                       kv.block_stride,
-                       kv.slot_stride,
-                       kv.block_size,
-                       kv.dtype,
-                       d};
+    a.k = k_stream(kv, it.kv_head);
+    a.v = v_stream(kv, it.kv_head);
+    a.block_table = s.block_table;
+    a.block_stride = kv.block_stride;
+    a.block_size = kv.block_size;
+    a.head_dim = d;
     const int64_t q_off = it.row0 * row_stride + int64_t{it.kv_head} * g * d;
     a.q = s.q + q_off;
     a.out = s.out + q_off;
@@ -292,7 +278,6 @@ Status paged_attention(const PagedKvLayerView& kv, const AttnParams& p,
     a.key_end = it.key_end;
     a.scale = p.scale;
     a.n_heads = it.n_heads;
-    a.head_stride = kv.head_stride;
     if (it.part_offset >= 0) {
       const int n_vec = it.n_rows * g * it.n_heads;
       a.part_m = partials + it.part_offset;
@@ -300,14 +285,15 @@ Status paged_attention(const PagedKvLayerView& kv, const AttnParams& p,
       a.part_acc = a.part_l + n_vec;
     }
     if (!use_avx2) {
-      attn_detail::attention_tile_scalar(a);
+      tile_scalar(a);
     } else if (it.n_rows == 1) {
-      attn_detail::decode_tile_avx2(a);
+      decode_tile_avx2(a);
     } else {
-      attn_detail::prefill_tile_avx2(a);
+      prefill_tile_avx2(a);
     }
   });
 
+  // Parts are combined in key order, whatever thread computed them.
   run_dynamic(pool, plan.merges.size(), [&](size_t i) {
     const MergeGroup& mg = plan.merges[i];
     const AttnSeq& s = seqs[mg.seq];
@@ -336,11 +322,24 @@ Status paged_attention(const PagedKvLayerView& kv, const AttnParams& p,
       for (int c = 0; c < d; ++c) dst[c] *= inv;
     }
   });
+}
+
+}  // namespace attn_detail
+
+Status paged_attention(const PagedKvLayerView& kv, const AttnParams& p,
+                       std::span<const AttnSeq> seqs, ThreadPool* pool) {
+  if (kv_view_is_kivi(kv)) return paged_attention_kivi(kv, p, seqs, {}, pool);
+  if (kv_view_is_quantized(kv)) return paged_attention_quant(kv, p, seqs, pool);
+  KV_TRY_STATUS(validate_attention_args(kv, p, seqs));
+  const bool use_avx2 =
+      best_isa() >= Isa::kAvx2 && cpu_features().f16c && cpu_features().fma && p.head_dim % 8 == 0;
+  attn_detail::run_attention(use_avx2, kv, p, seqs, pool);
   return {};
 }
 
 Status paged_attention_reference(const PagedKvLayerView& kv, const AttnParams& p,
                                  std::span<const AttnSeq> seqs) {
+  if (kv_view_is_kivi(kv)) return paged_attention_kivi_reference(kv, p, seqs, {});
   if (kv_view_is_quantized(kv)) return paged_attention_quant_reference(kv, p, seqs);
   KV_TRY_STATUS(validate_attention_args(kv, p, seqs));
   const int g = p.n_q_heads / p.n_kv_heads;

@@ -463,5 +463,49 @@ TEST(PagedAttention, RejectsBadArguments) {
   EXPECT_TRUE(paged_attention(w.view, w.params, bad, nullptr).ok());
 }
 
+// Batch invariance (the server's greedy output must not depend on what else
+// is batched): a sequence's output is bitwise the same computed alone on one
+// thread and inside a mixed batch of decode rows and prefill chunks of other
+// lengths on any number of threads, for every kernel ISA.
+TEST(PagedAttention, OutputIsBitwiseIndependentOfBatchAndThreads) {
+  std::mt19937 rng(99);
+  for (KvDtype dtype : {KvDtype::kF16, KvDtype::kF32}) {
+    Case c{.n_q_heads = 9,
+           .n_kv_heads = 3,
+           .head_dim = 64,
+           .block_size = 16,
+           .dtype = dtype,
+           .window = 0,
+           .n_threads = 1,
+           .slot_major = false,
+           .slot_pad = 0,
+           .seqs = {{3000, 1}, {5000, 3}, {37, 1}, {700, 1}, {1500, 40}, {0, 70}, {9000, 1}}};
+    const World w = build_world(c, rng);
+    std::vector<Isa> isas = {Isa::kScalar};
+    if (cpu_features().avx2 && cpu_features().fma) isas.push_back(Isa::kAvx2);
+    for (Isa isa : isas) {
+      set_isa_override(isa);
+      std::vector<std::vector<float>> batch_out;
+      for (int n_threads : {1, 2, 3}) {
+        ThreadPool pool(n_threads);
+        std::vector<std::vector<float>> out;
+        std::vector<AttnSeq> seqs = make_seqs(c, w, out);
+        ASSERT_TRUE(paged_attention(w.view, w.params, seqs, &pool).ok());
+        for (size_t i = 0; i < seqs.size(); ++i) {
+          std::vector<float> alone(out[i].size(), -1.0f);
+          AttnSeq one = seqs[i];
+          one.out = alone.data();
+          ASSERT_TRUE(
+              paged_attention(w.view, w.params, std::span<const AttnSeq>(&one, 1), nullptr).ok());
+          EXPECT_EQ(std::memcmp(alone.data(), out[i].data(), alone.size() * sizeof(float)), 0)
+              << isa_name(isa) << " dtype " << static_cast<int>(dtype) << " seq " << i << " ("
+              << c.seqs[i].n_past << "+" << c.seqs[i].n_new << ") threads " << n_threads;
+        }
+      }
+    }
+    set_isa_override(Isa::kAvx512);
+  }
+}
+
 }  // namespace
 }  // namespace kvstack

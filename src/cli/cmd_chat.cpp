@@ -25,6 +25,9 @@ int run_chat(const std::vector<std::string>& argv) {
   specs.push_back(
       {"chat-template", 0, "NAME", "override the template: chatml, llama3, mistral, gemma"});
   specs.push_back({"cache-salt", 0, "TEXT", "prefix-cache namespace of this conversation"});
+  specs.push_back({"kv-stats", 0, "", "print prefix-cache statistics to stderr at exit"});
+  specs.push_back({"kv-events", 0, "FILE",
+                   "write prefix-cache block stored / removed events to FILE as JSON lines"});
   for (auto& s : sampling_options()) specs.push_back(s);
   specs.push_back(help_option());
   auto args = Args::parse(argv, specs);
@@ -46,6 +49,10 @@ int run_chat(const std::vector<std::string>& argv) {
   auto engine = load_engine(*args);
   if (!engine) return fail("chat", engine.error().message);
   Engine& e = **engine;
+  KvEventFile events;
+  if (auto path = args->get("kv-events")) {
+    if (Status o = events.open(e.kv(), *path); !o.ok()) return fail("chat", o.error().message);
+  }
   auto tmpl = chat_template_for(*args, e);
   if (!tmpl) return fail("chat", tmpl.error().message);
   for (const auto& s : tmpl->stop_strings()) gen->stop.push_back(s);
@@ -115,6 +122,8 @@ int run_chat(const std::vector<std::string>& argv) {
                  res->stats.ttft_s * 1e3, res->stats.decode_tok_s(),
                  static_cast<long long>(conv.length()));
   }
+  if (args->flag("kv-stats"))
+    std::fputs(format_prefix_stats(e.kv().prefix_stats()).c_str(), stderr);
   return 0;
 }
 

@@ -17,9 +17,11 @@
 #include <string>
 #include <vector>
 
+#include "attention/attention_kivi.h"
 #include "attention/paged_attention.h"
 #include "cli/args.h"
 #include "cli/engine_options.h"
+#include "core/half.h"
 #include "kv/kv_write.h"
 #include "kv/layout.h"
 
@@ -60,13 +62,24 @@ Result<double> kernel_step_seconds(KvDtype dtype, int n_layers, int n_q_heads, i
   std::normal_distribution<float> nd;
   const int64_t chunk = 1024;
   std::vector<float> k(static_cast<size_t>(chunk) * n_kv_heads * head_dim), v(k.size());
+  // KIVI: the newest tokens (R = 128 plus the partial group) are f16 rows of
+  // a per-sequence residual, the rest quantized in the blocks.
+  const bool kivi = layout->has_kivi();
+  const int64_t g = kivi ? layout->kivi_group() : 1;
+  const int64_t n_quant = kivi ? std::max<int64_t>(0, (ctx - 128) / g * g) : ctx;
+  const int64_t row = int64_t{n_kv_heads} * head_dim;
+  std::vector<std::vector<uint16_t>> res_k(n_layers), res_v(n_layers);
   for (int l = 0; l < n_layers; ++l) {
     const PagedKvLayerView view = layout->layer_view(l, base.get());
-    for (int64_t p = 0; p < ctx; p += chunk) {
+    for (int64_t p = 0; p < n_quant; p += chunk) {
       for (float& x : k) x = nd(rng);
       for (float& x : v) x = nd(rng);
-      write_kv(view, table, p, k.data(), v.data(), std::min(chunk, ctx - p));
+      write_kv(view, table, p, k.data(), v.data(), std::min(chunk, n_quant - p));
     }
+    res_k[l].resize(static_cast<size_t>((ctx - n_quant) * row));
+    res_v[l].resize(res_k[l].size());
+    for (auto& x : res_k[l]) x = f32_to_f16(nd(rng));
+    for (auto& x : res_v[l]) x = f32_to_f16(nd(rng));
   }
   std::vector<float> q(static_cast<size_t>(n_q_heads) * head_dim), out(q.size());
   for (float& x : q) x = nd(rng);
@@ -84,6 +97,16 @@ Result<double> kernel_step_seconds(KvDtype dtype, int n_layers, int n_q_heads, i
   for (int it = 0; it < iters + 1; ++it) {
     const auto t0 = Clock::now();
     for (int l = 0; l < n_layers; ++l) {
+      if (kivi) {
+        const KvResidualView res{.k = res_k[l].data(),
+                                 .v = res_v[l].data(),
+                                 .start = n_quant,
+                                 .n_tokens = ctx - n_quant};
+        KV_TRY_STATUS(paged_attention_kivi(layout->layer_view(l, base.get()), ap,
+                                           std::span<const AttnSeq>(&seq, 1),
+                                           std::span<const KvResidualView>(&res, 1), &threads));
+        continue;
+      }
       KV_TRY_STATUS(paged_attention(layout->layer_view(l, base.get()), ap,
                                     std::span<const AttnSeq>(&seq, 1), &threads));
     }
@@ -112,14 +135,17 @@ Result<double> e2e_tokens_per_s(EngineConfig cfg, int64_t ctx, int steps) {
   const int64_t chunk = 512;
   const int64_t kv_dim = int64_t{mc.n_kv_heads} * mc.head_dim;
   std::vector<float> k(static_cast<size_t>(chunk * kv_dim)), v(k.size());
-  for (int l = 0; l < mc.n_layers; ++l) {
-    for (int64_t p = 0; p < ctx; p += chunk) {
+  // Chunk by chunk, every layer, then commit (KIVI layouts append in order
+  // and convert their groups at commit).
+  for (int64_t p = 0; p < ctx; p += chunk) {
+    const int64_t n = std::min(chunk, ctx - p);
+    for (int l = 0; l < mc.n_layers; ++l) {
       for (float& x : k) x = nd(rng);
       for (float& x : v) x = nd(rng);
-      table.write(l, p, k.data(), v.data(), std::min(chunk, ctx - p));
+      table.write(l, p, k.data(), v.data(), n);
     }
+    table.commit(n);
   }
-  table.commit(ctx);
   std::vector<float> logits;
   int32_t tok = 1;
   // One warm-up step, then the timed ones.

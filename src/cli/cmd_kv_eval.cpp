@@ -2,6 +2,9 @@
 // the same text (issue 7): perplexity and its relative change, mean and p99
 // KL divergence of the next-token distributions, top-1 agreement, and
 // greedy-continuation agreement over --gen tokens for a set of prompts.
+// A format written X+rot runs with --kv-rotate (Q/K Hadamard rotation), so
+// one invocation can compare a format with and without rotation; the f32
+// baseline is never rotated.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -41,6 +44,7 @@ struct FormatStats {
   double greedy_prefix = 0;     // sum over prompts of tokens before the first divergence
   int64_t bytes_per_token = 0;  // layout payload per token (all layers), per-token part
   int64_t block_bytes = 0;
+  double bytes_per_element = 0;  // block bytes / (P * K and V elements per token)
 };
 
 // Greedy continuation of `prompt` for n_gen tokens.
@@ -98,7 +102,8 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
                     "perplexity over non-overlapping --ctx windows and its relative change, mean "
                     "and p99 KL(f32 || X) of next-token distributions, top-1 agreement, and "
                     "agreement of --gen greedy tokens after --prompts prompts of --prompt-len "
-                    "tokens (taken at evenly spaced offsets of FILE).",
+                    "tokens (taken at evenly spaced offsets of FILE). X+rot (e.g. int4+rot) runs X "
+                    "with --kv-rotate; --kv-rotate rotates every listed format.",
                     specs)
             .c_str(),
         stdout);
@@ -122,6 +127,10 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
 
   auto base_cfg = engine_config_from(*args);
   if (!base_cfg) return fail("kv-eval", base_cfg.error().message);
+  // --kv-rotate applies to every listed format (as a +rot suffix would), never
+  // to the f32 baseline.
+  const bool rotate_all = base_cfg->kv_rotation != KvRotation::kNone;
+  base_cfg->kv_rotation = KvRotation::kNone;
   if (base_cfg->kv_cache_tokens == 0 && base_cfg->kv_cache_mem == 0) {
     base_cfg->kv_cache_tokens = std::max(*ctx, *prompt_len + *n_gen);
   }
@@ -129,17 +138,27 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
   std::vector<std::unique_ptr<Engine>> engines;
   std::vector<FormatStats> stats;
   formats.insert(formats.begin(), "f32");
-  for (const std::string& f : formats) {
-    auto dtype = parse_kv_dtype(f);
-    if (!dtype) return fail("kv-eval", "--kv-dtype: " + dtype.error().message);
+  for (size_t fi = 0; fi < formats.size(); ++fi) {
+    const std::string& f = formats[fi];
+    const std::string suffix = "+rot";
+    const bool rot_suffix =
+        f.size() > suffix.size() && f.compare(f.size() - suffix.size(), suffix.size(), suffix) == 0;
+    auto dtype = parse_kv_dtype(rot_suffix ? f.substr(0, f.size() - suffix.size()) : f);
+    if (!dtype) return fail("kv-eval", "--kv-dtype " + f + ": " + dtype.error().message);
     EngineConfig cfg = *base_cfg;
     cfg.kv_dtype = *dtype;
+    const bool rotate = fi > 0 && (rot_suffix || rotate_all);
+    if (rotate) cfg.kv_rotation = KvRotation::kHadamard;
     auto e = Engine::create(cfg);
     if (!e) return fail("kv-eval", e.error().message);
     FormatStats s;
-    s.name = f;
+    s.name = rotate && !rot_suffix ? f + "+rot" : f;
     s.bytes_per_token = (*e)->layout().payload_bytes_per_token();
     s.block_bytes = (*e)->layout().block_bytes();
+    const ModelConfig& mc = (*e)->model().config();
+    const double elements_per_block =
+        2.0 * mc.n_layers * mc.n_kv_heads * mc.head_dim * (*e)->layout().block_size();
+    s.bytes_per_element = static_cast<double>(s.block_bytes) / elements_per_block;
     stats.push_back(std::move(s));
     engines.push_back(std::move(*e));
   }
@@ -186,7 +205,7 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
     }
     n_scored += *ctx - 1;
     if (!json) {
-      std::fprintf(stderr, "\rkv-eval: window %lld/%lld", static_cast<long long>(w + 1),
+      std::fprintf(stderr, "\rkv-eval: window %lld/%lld", static_cast<long long>(w) + 1,
                    static_cast<long long>(n_windows));
     }
   }
@@ -212,7 +231,7 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
       stats[fi].greedy_prefix += static_cast<double>(prefix);
     }
     if (!json) {
-      std::fprintf(stderr, "\rkv-eval: greedy prompt %lld/%lld   ", static_cast<long long>(pi + 1),
+      std::fprintf(stderr, "\rkv-eval: greedy prompt %lld/%lld   ", static_cast<long long>(pi) + 1,
                    static_cast<long long>(*n_prompts));
     }
   }
@@ -226,12 +245,12 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
         static_cast<long long>(n_windows), static_cast<long long>(*ctx),
         static_cast<long long>(n_scored), static_cast<long long>(n_prompts_run),
         static_cast<long long>(*n_gen), secs);
-    std::printf("%-6s %10s %12s %10s %9s %11s %11s %8s %12s %12s\n", "format", "B/token",
-                "tokens/GiB", "ppl", "d_ppl", "mean KLD", "p99 KLD", "top-1", "greedy",
+    std::printf("%-9s %7s %10s %12s %10s %9s %11s %11s %8s %12s %12s\n", "format", "B/elem",
+                "B/token", "tokens/GiB", "ppl", "d_ppl", "mean KLD", "p99 KLD", "top-1", "greedy",
                 "first-div");
     std::printf(
-        "%-6s %10lld %12.0f %10.4f %9s %11s %11s %8s %12s %12s\n", "f32",
-        static_cast<long long>(stats[0].bytes_per_token),
+        "%-9s %7.4f %10lld %12.0f %10.4f %9s %11s %11s %8s %12s %12s\n", "f32",
+        stats[0].bytes_per_element, static_cast<long long>(stats[0].bytes_per_token),
         1073741824.0 * base.layout().block_size() / static_cast<double>(stats[0].block_bytes),
         ppl_base, "-", "-", "-", "-", "-", "-");
   }
@@ -255,22 +274,29 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
         1073741824.0 * engines[fi]->layout().block_size() / static_cast<double>(s.block_bytes);
     if (json) {
       std::printf(
-          "{\"kv_dtype\": \"%s\", \"bytes_per_token\": %lld, \"block_bytes\": %lld, "
+          "{\"kv_dtype\": \"%s\", \"kv_rotate\": %s, \"bytes_per_element\": %.4f, "
+          "\"bytes_per_token\": %lld, \"block_bytes\": %lld, "
           "\"tokens_per_gib\": %.0f, \"ppl_f32\": %.6f, \"ppl\": %.6f, "
           "\"ppl_rel_change\": %.6f, \"kld_mean\": %.8f, \"kld_p99\": %.8f, "
           "\"top1_agreement\": %.6f, \"greedy_agreement\": %.6f, "
           "\"greedy_tokens_before_divergence\": %.2f, \"ctx\": %lld, \"n_windows\": %lld, "
           "\"n_scored\": %lld, \"n_prompts\": %lld, \"gen\": %lld, \"seconds\": %.1f}\n",
-          s.name.c_str(), static_cast<long long>(s.bytes_per_token),
+          s.name.c_str(), engines[fi]->config().kv_rotation != KvRotation::kNone ? "true" : "false",
+          s.bytes_per_element, static_cast<long long>(s.bytes_per_token),
           static_cast<long long>(s.block_bytes), tokens_per_gib, ppl_base, ppl, ppl / ppl_base - 1,
           mean_kld, p99, top1, greedy_frac, first_div, static_cast<long long>(*ctx),
           static_cast<long long>(n_windows), static_cast<long long>(n_scored),
           static_cast<long long>(n_prompts_run), static_cast<long long>(*n_gen), secs);
     } else {
-      std::printf("%-6s %10lld %12.0f %10.4f %+8.3f%% %11.6f %11.6f %7.2f%% %11.2f%% %12.1f\n",
-                  s.name.c_str(), static_cast<long long>(s.bytes_per_token), tokens_per_gib, ppl,
-                  100 * (ppl / ppl_base - 1), mean_kld, p99, 100 * top1, 100 * greedy_frac,
-                  first_div);
+      char greedy_col[32] = "-", first_div_col[32] = "-";  // "-": no prompts were run
+      if (n_prompts_run > 0) {
+        std::snprintf(greedy_col, sizeof(greedy_col), "%.2f%%", 100 * greedy_frac);
+        std::snprintf(first_div_col, sizeof(first_div_col), "%.1f", first_div);
+      }
+      std::printf("%-9s %7.4f %10lld %12.0f %10.4f %+8.3f%% %11.6f %11.6f %7.2f%% %12s %12s\n",
+                  s.name.c_str(), s.bytes_per_element, static_cast<long long>(s.bytes_per_token),
+                  tokens_per_gib, ppl, 100 * (ppl / ppl_base - 1), mean_kld, p99, 100 * top1,
+                  greedy_col, first_div_col);
     }
   }
   return 0;

@@ -87,10 +87,11 @@ int run_perplexity(const std::vector<std::string>& argv) {
   if (json) {
     std::printf(
         "{\"perplexity\": %.6f, \"nll_mean\": %.8f, \"ctx\": %lld, \"n_windows\": %lld, "
-        "\"n_scored\": %lld, \"n_tokens\": %zu, \"kv_dtype\": \"%s\", \"seconds\": %.3f}\n",
+        "\"n_scored\": %lld, \"n_tokens\": %zu, \"kv_dtype\": \"%s\", \"kv_rotate\": \"%s\", "
+        "\"seconds\": %.3f}\n",
         ppl, nll / static_cast<double>(n_scored), static_cast<long long>(*ctx),
         static_cast<long long>(n_windows), static_cast<long long>(n_scored), tokens.size(),
-        kv_dtype_name(e.config().kv_dtype), secs);
+        kv_dtype_name(e.config().kv_dtype), kv_rotation_name(e.config().kv_rotation), secs);
   } else {
     std::fprintf(stderr, "\n");
     std::printf(

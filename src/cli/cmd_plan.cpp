@@ -879,13 +879,22 @@ std::string render_svg(const PlanInput& in, const PlanResult& r) {
 // --verify
 // ---------------------------------------------------------------------------
 
-int run_verify(const PlanInput& in, const PlanResult& predicted, const std::string& model_path) {
+int run_verify(const PlanInput& in, const PlanResult& predicted, const std::string& model_path,
+               const Args& args) {
   if (!in.workload.block_size) return fail(kCmd, "--verify needs --block-size");
+  if (args.has("kv-quant-group") || args.has("kv-quant-meta-bytes")) {
+    return fail(kCmd,
+                "--verify: the engine's formats have fixed groups; drop --kv-quant-group / "
+                "--kv-quant-meta-bytes");
+  }
   capacity::VerifyRequest req;
   req.model_path = model_path;
   req.seq_tokens = in.workload.seq_tokens;
   req.block_size = in.workload.block_size;
-  req.kv_dtype = in.kv_format.name;
+  req.kv_dtype = args.get_or("kv-dtype", "f16");
+  req.kv_dtype_k = args.get_or("kv-dtype-k", "");
+  req.kv_dtype_v = args.get_or("kv-dtype-v", "");
+  req.kv_residual = in.kv_format.residual_tokens;
 #if defined(KVSTACK_HAVE_PLAN_VERIFY)
   auto measured = capacity::run_plan_verify(req);
   if (!measured) return fail(kCmd, "--verify: " + measured.error().message);
@@ -938,6 +947,8 @@ std::vector<OptionSpec> plan_specs() {
       {"shared-prefix", 0, "S", "tokens of prefix shared by every request (default 0)"},
       {"block-size", 0, "P", "KV block size in tokens: paging figures (default: none)"},
       {"kv-dtype", 0, "DTYPE", "f32, f16, bf16, fp8, int8, int4, kivi2, kivi4 (default f16)"},
+      {"kv-dtype-k", 0, "DTYPE", "K's format when it differs from --kv-dtype"},
+      {"kv-dtype-v", 0, "DTYPE", "V's format when it differs from --kv-dtype"},
       {"kv-quant-group", 0, "G", "group size g of a quantized KV format (elements or tokens)"},
       {"kv-quant-meta-bytes", 0, "S", "metadata bytes s per group (scale, zero/min)"},
       {"kv-residual", 0, "R", "newest tokens kept in f16 per sequence and layer"},
@@ -1013,6 +1024,13 @@ int run_plan(const std::vector<std::string>& argv) {
   // KV format.
   auto kvf = capacity::find_kv_format(args.get_or("kv-dtype", "f16"));
   if (!kvf) return fail(kCmd, "--kv-dtype: " + kvf.error().message);
+  if (args.has("kv-dtype-k") || args.has("kv-dtype-v")) {
+    auto kf = capacity::find_kv_format(args.get_or("kv-dtype-k", kvf->name));
+    if (!kf) return fail(kCmd, "--kv-dtype-k: " + kf.error().message);
+    auto vf = capacity::find_kv_format(args.get_or("kv-dtype-v", kvf->name));
+    if (!vf) return fail(kCmd, "--kv-dtype-v: " + vf.error().message);
+    *kvf = capacity::combine_kv_formats(*kf, *vf);
+  }
   std::optional<int64_t> group, meta, residual;
   for (auto [flag, slot] :
        {std::pair{"kv-quant-group", &group}, std::pair{"kv-quant-meta-bytes", &meta},
@@ -1134,7 +1152,7 @@ int run_plan(const std::vector<std::string>& argv) {
       return fail(kCmd, "--verify needs a GGUF model (-m FILE), not a preset or explicit dims");
     }
     std::fflush(stdout);
-    return run_verify(in, r, model_path);
+    return run_verify(in, r, model_path, args);
   }
   return 0;
 }

@@ -60,6 +60,11 @@ int run_run(const std::vector<std::string>& argv) {
   specs.push_back({"beams", 0, "K",
                    "beam search with K beams on copy-on-write forks (greedy scores, -n tokens); "
                    "prints every beam and the KV blocks used versus K independent sequences"});
+  specs.push_back({"kv-stats", 0, "",
+                   "print prefix-cache statistics at the end (stderr table; with --json a "
+                   "\"kv_stats\" object)"});
+  specs.push_back({"kv-events", 0, "FILE",
+                   "write prefix-cache block stored / removed events to FILE as JSON lines"});
   specs.push_back(help_option());
   auto args = Args::parse(argv, specs);
   if (!args) return fail("run", args.error().message);
@@ -81,6 +86,14 @@ int run_run(const std::vector<std::string>& argv) {
   auto engine = load_engine(*args, json);
   if (!engine) return fail("run", engine.error().message);
   Engine& e = **engine;
+  KvEventFile events;
+  if (auto path = args->get("kv-events")) {
+    if (Status o = events.open(e.kv(), *path); !o.ok()) return fail("run", o.error().message);
+  }
+  const bool kv_stats = args->flag("kv-stats");
+  auto print_kv_stats = [&] {
+    if (kv_stats) std::fputs(format_prefix_stats(e.kv().prefix_stats()).c_str(), stderr);
+  };
 
   Result<std::vector<int32_t>> tokens = std::vector<int32_t>{};
   if (args->flag("chat")) {
@@ -128,6 +141,7 @@ int run_run(const std::vector<std::string>& argv) {
                      ? 100.0 * br->peak_blocks_used / br->peak_blocks_independent
                      : 0.0,
                  static_cast<long long>(br->n_cow_copies));
+    print_kv_stats();
     return 0;
   }
 
@@ -152,12 +166,13 @@ int run_run(const std::vector<std::string>& argv) {
         "{\"tokens\": [%s], \"text\": \"%s\", \"finish_reason\": \"%s\", \"prompt_tokens\": %lld, "
         "\"completion_tokens\": %lld, \"ttft_ms\": %.2f, \"prefill_tok_s\": %.2f, "
         "\"decode_tok_s\": %.2f, \"kv_payload_bytes\": %lld, \"kv_allocated_bytes\": %lld, "
-        "\"cached_tokens\": %lld}\n",
+        "\"cached_tokens\": %lld%s}\n",
         ids.c_str(), json_escape(res->text).c_str(), finish_reason_name(res->finish),
         static_cast<long long>(st.n_prompt), static_cast<long long>(st.n_generated),
         st.ttft_s * 1e3, st.prefill_tok_s(), st.decode_tok_s(),
         static_cast<long long>(kv.payload_bytes), static_cast<long long>(kv.allocated_bytes),
-        static_cast<long long>(st.n_cached));
+        static_cast<long long>(st.n_cached),
+        kv_stats ? (", \"kv_stats\": " + prefix_stats_json(e.kv().prefix_stats())).c_str() : "");
   } else {
     std::printf("\n");
     std::fprintf(stderr,
@@ -172,6 +187,7 @@ int run_run(const std::vector<std::string>& argv) {
                  static_cast<long long>(kv.allocated_bytes),
                  format_bytes(static_cast<double>(kv.allocated_bytes)).c_str(),
                  static_cast<long long>(kv.n_blocks_used), static_cast<long long>(kv.block_bytes));
+    print_kv_stats();
   }
   return 0;
 }

@@ -7,6 +7,7 @@
 // for up to --shutdown-grace seconds, cancel what is left, exit 0.
 #include <pthread.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -15,6 +16,7 @@
 #include "cli/args.h"
 #include "cli/chat_input.h"
 #include "cli/engine_options.h"
+#include "kv/prefix_index.h"
 #include "server/http_server.h"
 
 namespace kvstack::cli {
@@ -25,6 +27,79 @@ std::string model_id_from_path(const std::string& path) {
   if (name.size() > 5 && name.substr(name.size() - 5) == ".gguf") name.resize(name.size() - 5);
   return name;
 }
+
+// --kv-events FILE: the prefix index's event stream (block stored / removed,
+// kv/prefix_index.h) as JSON lines, one object per event:
+//   {"event":"stored","hash":"<32 hex>","parent":"<32 hex>","n_tokens":16,"namespace":0}
+// A writer thread drains the index every 100 ms through Scheduler::inspect
+// (the index belongs to the engine thread) and appends to the file.
+class KvEventWriter {
+ public:
+  ~KvEventWriter() {
+    if (thread_.joinable()) {
+      stop_.store(true);
+      thread_.join();
+    }
+    if (file_ != nullptr) std::fclose(file_);
+  }
+
+  // Opens FILE for appending and turns the index's events on (before the
+  // engine thread starts). Errors name the file or the missing cache.
+  Status open(const std::string& path, Engine& engine) {
+    if (engine.kv().index() == nullptr) {
+      return make_error(Errc::kInvalidArgument, "--kv-events needs the prefix cache");
+    }
+    file_ = std::fopen(path.c_str(), "a");
+    if (file_ == nullptr) {
+      return make_error(Errc::kIo, "--kv-events " + path + ": cannot open for writing");
+    }
+    engine.kv().index()->set_event_capacity(kCapacity);
+    return {};
+  }
+
+  void start(Scheduler& s) {
+    if (file_ == nullptr) return;
+    thread_ = std::thread([this, &s] {
+      while (!stop_.load()) {
+        std::vector<KvEvent> evs;
+        if (!s.inspect([&](Engine& e) { evs = e.kv().index()->drain_events(); }).ok()) break;
+        write(evs);
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    });
+  }
+
+  // REQUIRES: the engine thread has returned (or never ran).
+  void finish(Engine& engine) {
+    if (file_ == nullptr) return;
+    stop_.store(true);
+    if (thread_.joinable()) thread_.join();
+    write(engine.kv().index()->drain_events());
+    const int64_t dropped = engine.kv().index()->stats().n_events_dropped;
+    if (dropped > 0) {
+      std::fprintf(stderr, "kvstack serve: --kv-events: %lld events dropped (writer too slow)\n",
+                   static_cast<long long>(dropped));
+    }
+  }
+
+ private:
+  static constexpr int64_t kCapacity = 1 << 16;  // pending events kept between drains
+
+  void write(const std::vector<KvEvent>& evs) {
+    for (const KvEvent& ev : evs) {
+      std::fprintf(file_,
+                   "{\"event\":\"%s\",\"hash\":\"%s\",\"parent\":\"%s\",\"n_tokens\":%d,"
+                   "\"namespace\":%d}\n",
+                   ev.kind == KvEvent::Kind::kStored ? "stored" : "removed", ev.hash.hex().c_str(),
+                   ev.parent_hash.hex().c_str(), ev.n_tokens, ev.ns);
+    }
+    if (!evs.empty()) std::fflush(file_);
+  }
+
+  std::FILE* file_ = nullptr;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+};
 
 int run_serve(const std::vector<std::string>& argv) {
   auto specs = engine_options();
@@ -41,6 +116,8 @@ int run_serve(const std::vector<std::string>& argv) {
   specs.push_back({"model-id", 0, "NAME", "model name in the API (default: the file name)"});
   specs.push_back(
       {"chat-template", 0, "NAME", "override the template: chatml, llama3, mistral, gemma"});
+  specs.push_back({"kv-events", 0, "FILE",
+                   "append prefix-cache events (block stored/removed) to FILE as JSON lines"});
   specs.push_back({"shutdown-grace", 0, "S",
                    "seconds in-flight requests may finish after a signal (default 10)"});
   specs.push_back(help_option());
@@ -117,7 +194,16 @@ int run_serve(const std::vector<std::string>& argv) {
     return fail("serve", sched.error().message);
   }
   Scheduler& s = **sched;
+  KvEventWriter events;
+  if (auto path = args->get("kv-events")) {
+    if (auto st = events.open(*path, **engine); !st.ok()) {
+      http.stop();
+      http_thread.join();
+      return fail("serve", st.error().message);
+    }
+  }
   std::thread engine_thread([&] { s.run(); });
+  events.start(s);
   http.attach(&s, tmpl ? &*tmpl : nullptr);
   std::fprintf(stderr,
                "kvstack serve: ready on http://%s:%d (model '%s', max %d sequences, %lld "
@@ -152,6 +238,7 @@ int run_serve(const std::vector<std::string>& argv) {
   http_thread.join();
   s.shutdown(/*drain=*/false);
   engine_thread.join();
+  events.finish(**engine);  // the engine thread is gone: drain the rest here
   pthread_kill(signal_thread.native_handle(), SIGUSR1);
   signal_thread.join();
   std::fprintf(stderr, "kvstack serve: stopped\n");

@@ -10,6 +10,7 @@
 #include "cli/args.h"
 #include "model/gguf.h"
 #include "tokenizer/tokenizer.h"
+#include "tokenizer/unicode.h"
 
 namespace kvstack::cli {
 namespace {
@@ -44,23 +45,6 @@ Result<std::string> parse_json_string(std::string_view s) {
         return false;
     }
     return true;
-  };
-  auto put_cp = [&](uint32_t cp) {
-    if (cp < 0x80) {
-      out.push_back(static_cast<char>(cp));
-    } else if (cp < 0x800) {
-      out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    } else if (cp < 0x10000) {
-      out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    } else {
-      out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    }
   };
   while (true) {
     if (i >= s.size()) return bad("unterminated");
@@ -106,7 +90,7 @@ Result<std::string> parse_json_string(std::string_view s) {
           if (i + 6 <= s.size() && s[i] == '\\' && s[i + 1] == 'u' && hex4(i + 2, lo) &&
               lo >= 0xDC00 && lo <= 0xDFFF) {
             i += 6;
-            put_cp(0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00));
+            unicode::append_utf8(0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00), out);
           } else {
             return bad("lone high surrogate");
           }
@@ -115,7 +99,7 @@ Result<std::string> parse_json_string(std::string_view s) {
         } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
           return bad("lone low surrogate");
         } else {
-          put_cp(cp);
+          unicode::append_utf8(cp, out);
         }
         break;
       }
@@ -161,43 +145,20 @@ std::string to_json_string(std::string_view bytes) {
       ++i;
       continue;
     }
-    // Strict UTF-8 validation of one sequence.
-    int len = 0;
-    uint8_t lo = 0x80, hi = 0xBF;
-    if (b >= 0xC2 && b <= 0xDF)
-      len = 2;
-    else if (b == 0xE0)
-      len = 3, lo = 0xA0;
-    else if (b == 0xED)
-      len = 3, hi = 0x9F;
-    else if (b >= 0xE1 && b <= 0xEF)
-      len = 3;
-    else if (b == 0xF0)
-      len = 4, lo = 0x90;
-    else if (b >= 0xF1 && b <= 0xF3)
-      len = 4;
-    else if (b == 0xF4)
-      len = 4, hi = 0x8F;
-    bool ok = len > 0 && i + len <= n;
-    for (int k = 1; ok && k < len; ++k) {
-      const uint8_t c = s[i + k];
-      ok = k == 1 ? (c >= lo && c <= hi) : (c & 0xC0) == 0x80;
-    }
-    if (!ok) {
-      esc(0xDC00 + b);
+    const unicode::Utf8Char c = unicode::decode_utf8_char(bytes.substr(i));
+    if (!c.valid) {
+      esc(0xDC00 + b);  // each byte of an invalid sequence on its own
       ++i;
       continue;
     }
-    uint32_t cp = len == 2 ? (b & 0x1F) : len == 3 ? (b & 0x0F) : (b & 0x07);
-    for (int k = 1; k < len; ++k) cp = (cp << 6) | (s[i + k] & 0x3F);
-    if (cp >= 0x10000) {
-      cp -= 0x10000;
-      esc(0xD800 + (cp >> 10));
-      esc(0xDC00 + (cp & 0x3FF));
+    if (c.cp >= 0x10000) {
+      const uint32_t v = c.cp - 0x10000;
+      esc(0xD800 + (v >> 10));
+      esc(0xDC00 + (v & 0x3FF));
     } else {
-      esc(cp);
+      esc(c.cp);
     }
-    i += len;
+    i += c.len;
   }
   out += "\"";
   return out;

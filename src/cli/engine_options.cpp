@@ -19,7 +19,15 @@ std::vector<OptionSpec> engine_options() {
       {"kv-cache-tokens", 0, "N", "KV pool size in tokens (default: the model's context length)"},
       {"kv-dtype", 0, "TYPE",
        "KV cache format: f32, f16, bf16, fp8 (E4M3, per-block scale), int8 (per-token scale) or "
-       "int4 (groups of 32) (default f16)"},
+       "int4 (groups of 32), kivi2/kivi4 (KIVI: keys per channel, values per token, newest "
+       "tokens in f16) (default f16)"},
+      {"kv-dtype-k", 0, "TYPE", "K's format when it differs from --kv-dtype"},
+      {"kv-dtype-v", 0, "TYPE", "V's format when it differs from --kv-dtype"},
+      {"kv-residual", 0, "R",
+       "KIVI: newest tokens per sequence kept in f16, a multiple of the key group (default 128)"},
+      {"kv-rotate", 0, "",
+       "rotate queries and keys per head (normalized Walsh-Hadamard with fixed random signs) "
+       "before K is stored: spreads key outlier channels for quantized caches"},
       {"prefill-chunk", 0, "N", "max tokens per prefill step (default 512)"},
       {"no-prefix-cache", 0, "", "do not share KV between requests (no prefix cache)"},
       {"public-prefix", 0, "FILE",
@@ -58,6 +66,18 @@ Result<EngineConfig> engine_config_from(const Args& args) {
   auto dtype = parse_kv_dtype(args.get_or("kv-dtype", "f16"));
   if (!dtype) return make_error(Errc::kInvalidArgument, "--kv-dtype: " + dtype.error().message);
   c.kv_dtype = *dtype;
+  for (const char* side : {"kv-dtype-k", "kv-dtype-v"}) {
+    if (!args.has(side)) continue;
+    auto t = parse_kv_dtype(args.get_or(side, ""));
+    if (!t)
+      return make_error(Errc::kInvalidArgument,
+                        std::string("--") + side + ": " + t.error().message);
+    (side[9] == 'k' ? c.kv_dtype_k : c.kv_dtype_v) = *t;
+  }
+  auto residual = args.get_int("kv-residual", 128, 0, 1 << 20);
+  if (!residual) return residual.error();
+  c.kv_residual = static_cast<int>(*residual);
+  if (args.flag("kv-rotate")) c.kv_rotation = KvRotation::kHadamard;
   auto chunk = args.get_int("prefill-chunk", 512, 1, 1 << 20);
   if (!chunk) return chunk.error();
   c.prefill_chunk = static_cast<int>(*chunk);
@@ -104,7 +124,11 @@ Result<std::unique_ptr<Engine>> load_engine(const Args& args, bool quiet) {
                  format_bytes(static_cast<double>((*engine)->model().weight_bytes())).c_str(), ms,
                  (*engine)->threads().n_threads(), isa_name(best_isa()),
                  static_cast<long long>(st.n_blocks_total), cfg->block_size,
-                 kv_dtype_name(cfg->kv_dtype),
+                 (std::string(kv_dtype_name(cfg->key_dtype())) +
+                  (cfg->value_dtype() != cfg->key_dtype()
+                       ? std::string("/") + kv_dtype_name(cfg->value_dtype())
+                       : std::string()))
+                     .c_str(),
                  format_bytes(static_cast<double>(st.pool_bytes)).c_str());
     if (!cfg->prefix_cache) {
       std::fprintf(stderr, "kvstack: prefix cache off\n");

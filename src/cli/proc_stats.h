@@ -1,4 +1,5 @@
-// Process memory figures from /proc (Linux).
+// Process memory figures for the CLI's reports. The measurement itself is
+// core's process_rss_bytes (core/proc_stats.h), shared with the engine.
 #pragma once
 
 #include <cstdint>

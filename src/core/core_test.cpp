@@ -2,10 +2,13 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "core/half.h"
+#include "core/proc_stats.h"
 #include "core/thread_pool.h"
 #include "core/units.h"
 
@@ -68,6 +71,19 @@ TEST(Units, FormatBytes) {
   EXPECT_EQ(format_bytes(512), "512 B");
   EXPECT_EQ(format_bytes(1536), "1.50 KiB");
   EXPECT_EQ(format_bytes(3.0 * (1ull << 30)), "3.00 GiB");
+}
+
+TEST(ProcStats, RssCountsTouchedPages) {
+  const int64_t before = process_rss_bytes();
+  ASSERT_GT(before, 0);
+  // 32 MiB written page by page must become resident (the process is not
+  // under memory pressure in tests; allow a quarter for noise).
+  constexpr size_t kBytes = size_t{32} << 20;
+  auto buf = std::make_unique<char[]>(kBytes);
+  std::memset(buf.get(), 1, kBytes);
+  const int64_t after = process_rss_bytes();
+  EXPECT_GE(after - before, static_cast<int64_t>(kBytes / 4 * 3));
+  EXPECT_EQ(buf[kBytes - 1], 1);
 }
 
 TEST(ThreadPool, ParallelForCoversRangeOnce) {

@@ -18,6 +18,8 @@ const char* errc_name(Errc code) {
       return "not_found";
     case Errc::kCancelled:
       return "cancelled";
+    case Errc::kBusy:
+      return "busy";
     case Errc::kInternal:
       return "internal";
   }

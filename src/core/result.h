@@ -18,6 +18,7 @@ enum class Errc {
   kOutOfBlocks,      // KV pool cannot satisfy an allocation
   kNotFound,         // named thing (key, tensor, template) does not exist
   kCancelled,        // request cancelled by its owner
+  kBusy,             // temporarily over capacity (queue full): retry later
   kInternal,         // a bug; should never reach a user
 };
 

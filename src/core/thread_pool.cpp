@@ -28,7 +28,7 @@ ThreadPool::ThreadPool(int n_threads) : n_threads_(std::max(1, n_threads)) {
 
 ThreadPool::~ThreadPool() {
   stop_.store(true, std::memory_order_release);
-  generation_.fetch_add(1, std::memory_order_acq_rel);
+  generation_.fetch_add(2, std::memory_order_acq_rel);
   generation_.notify_all();
   for (auto& t : workers_) t.join();
 }
@@ -47,8 +47,19 @@ void ThreadPool::worker_loop(int index) {
     }
     seen = g;
     if (stop_.load(std::memory_order_acquire)) return;
-    (*job_)(index);
-    pending_.fetch_sub(1, std::memory_order_acq_rel);
+    if ((g & 1) == 0) {
+      job_.load(std::memory_order_relaxed)->operator()(index);
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+      continue;
+    }
+    // Shared job: announce ourselves, then enter only if generation g is still
+    // open. Paired with run_shared() closing the job and then waiting for
+    // active_ == 0 (both seq_cst), either we see it closed or it sees us.
+    active_.fetch_add(1, std::memory_order_seq_cst);
+    if (open_.load(std::memory_order_seq_cst) == g) {
+      job_.load(std::memory_order_relaxed)->operator()(index);
+    }
+    active_.fetch_sub(1, std::memory_order_release);
   }
 }
 
@@ -57,9 +68,10 @@ void ThreadPool::run(const std::function<void(int)>& fn) {
     fn(0);
     return;
   }
-  job_ = &fn;
+  job_.store(&fn, std::memory_order_relaxed);
   pending_.store(n_threads_ - 1, std::memory_order_release);
-  generation_.fetch_add(1, std::memory_order_acq_rel);
+  const uint64_t g = (generation_.load(std::memory_order_relaxed) | 1) + 1;  // next even value
+  generation_.store(g, std::memory_order_release);
   generation_.notify_all();
   fn(0);
   // Spin briefly (workers usually finish within microseconds), then yield so
@@ -71,7 +83,29 @@ void ThreadPool::run(const std::function<void(int)>& fn) {
       std::this_thread::yield();
     }
   }
-  job_ = nullptr;
+}
+
+void ThreadPool::run_shared(const std::function<void(int)>& fn) {
+  if (n_threads_ == 1) {
+    fn(0);
+    return;
+  }
+  // A worker that acquired an older generation does not run job_ (which may
+  // already be this newer job): open_ names a different generation.
+  job_.store(&fn, std::memory_order_relaxed);
+  const uint64_t g = ((generation_.load(std::memory_order_relaxed) >> 1) + 1) * 2 + 1;  // odd
+  open_.store(g, std::memory_order_relaxed);
+  generation_.store(g, std::memory_order_release);
+  generation_.notify_all();
+  fn(0);
+  open_.store(0, std::memory_order_seq_cst);
+  for (int spin = 0; active_.load(std::memory_order_seq_cst) != 0; ++spin) {
+    if (spin < kSpinIterations) {
+      cpu_relax();
+    } else {
+      std::this_thread::yield();
+    }
+  }
 }
 
 void ThreadPool::parallel_for(int64_t n, int64_t grain,

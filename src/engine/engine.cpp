@@ -26,6 +26,7 @@ Result<CacheIdentity> engine_cache_identity(const Model& model, const EngineConf
                      ";Hkv=" + std::to_string(c.n_kv_heads) + ";d=" + std::to_string(c.head_dim) +
                      ";eps=" + std::to_string(c.norm_eps) + ";bias=" + std::to_string(c.qkv_bias);
   id.kv_format = kv_format_key(layout);
+  id.kv_transform = kv_rotation_key(config.kv_rotation);
   id.position = "rope;n_rot=" + std::to_string(c.n_rot) + ";neox=" + std::to_string(c.rope_neox) +
                 ";base=" + std::to_string(c.rope_freq_base) +
                 ";scale=" + std::to_string(c.rope_freq_scale) + ";type=" + c.rope_scaling_type;
@@ -55,7 +56,8 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   }
   e->tokenizer_ = std::make_unique<Tokenizer>(std::move(*tokenizer));
   auto layout =
-      KvLayout::uniform(c.n_layers, c.n_kv_heads, c.head_dim, config.kv_dtype, config.block_size);
+      KvLayout::uniform(c.n_layers, c.n_kv_heads, c.head_dim, config.key_dtype(), config.block_size,
+                        config.value_dtype(), KvLayoutOptions{.kivi_residual = config.kv_residual});
   if (!layout) return layout.error();
   BlockPoolConfig pc;
   if (config.kv_cache_mem > 0) {
@@ -68,7 +70,8 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   e->pool_ = std::move(*pool);
   e->threads_ = std::make_unique<ThreadPool>(config.n_threads > 0 ? config.n_threads
                                                                   : default_thread_count());
-  e->forward_ = std::make_unique<Forward>(*e->model_, *e->threads_);
+  KV_TRY_STATUS(kv_rotation_check(config.kv_rotation, c.head_dim));
+  e->forward_ = std::make_unique<Forward>(*e->model_, *e->threads_, config.kv_rotation);
   auto identity = engine_cache_identity(*e->model_, config, e->pool_->layout());
   if (!identity) return identity.error();
   e->kv_ =
@@ -131,7 +134,9 @@ Status Engine::prefill_chunks(BlockTable& table, std::span<const int32_t> tokens
     if (mode == LogitsMode::kAll) {
       logits->insert(logits->end(), chunk_logits.begin(), chunk_logits.end());
     } else {
-      *logits = std::move(chunk_logits);
+      // kLast: only the final chunk asks for logits. A swap (not a move)
+      // leaves chunk_logits a valid vector, which step() overwrites.
+      logits->swap(chunk_logits);
     }
   }
   return {};

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -28,7 +29,16 @@ struct EngineConfig {
   int n_threads = 0;    // 0 = all cores
   int block_size = 16;  // tokens per KV block (power of two, 1..256)
   KvDtype kv_dtype = KvDtype::kF16;
-  uint64_t kv_cache_mem = 0;    // bytes for the pool (0 = use kv_cache_tokens)
+  // K's and V's formats when they differ from kv_dtype (--kv-dtype-k/-v).
+  std::optional<KvDtype> kv_dtype_k;
+  std::optional<KvDtype> kv_dtype_v;
+  // KIVI formats: newest tokens per sequence kept in f16 (--kv-residual R, a
+  // multiple of the key group G, kivi_codec.h); ignored by other formats.
+  int kv_residual = 128;
+  KvDtype key_dtype() const { return kv_dtype_k.value_or(kv_dtype); }
+  KvDtype value_dtype() const { return kv_dtype_v.value_or(kv_dtype); }
+  KvRotation kv_rotation = KvRotation::kNone;  // --kv-rotate: Q/K rotation before K is stored
+  uint64_t kv_cache_mem = 0;                   // bytes for the pool (0 = use kv_cache_tokens)
   int64_t kv_cache_tokens = 0;  // tokens for the pool (0 = the model's context length)
   int prefill_chunk = 512;      // max tokens per prefill step
   // Prefix cache (sequence.h): off = every request computes its own K/V.

@@ -3,12 +3,15 @@
 #include <cmath>
 #include <string>
 
+#include "attention/attention_kivi.h"
 #include "attention/paged_attention.h"
+#include "kv/kv_codec.h"
 #include "ops/elementwise.h"
 
 namespace kvstack {
 
-Forward::Forward(const Model& model, ThreadPool& threads) : model_(model), threads_(threads) {}
+Forward::Forward(const Model& model, ThreadPool& threads, KvRotation rotation)
+    : model_(model), threads_(threads), rotation_(rotation) {}
 
 void Forward::ensure_workspace(int64_t n_tok) {
   if (n_tok <= capacity_) return;
@@ -28,6 +31,7 @@ void Forward::ensure_workspace(int64_t n_tok) {
 
 Status Forward::step(std::span<const StepSeq> batch, std::vector<float>* logits) {
   const ModelConfig& c = model_.config();
+  rejected_entry_ = -1;
   if (batch.empty()) return make_error(Errc::kInvalidArgument, "empty step");
   int64_t n_tok = 0;
   std::vector<BlockTable*> tables;
@@ -71,7 +75,16 @@ Status Forward::step(std::span<const StepSeq> batch, std::vector<float>* logits)
     row += static_cast<int64_t>(s.tokens.size());
   }
 
-  for (int l = 0; l < c.n_layers; ++l) layer(l, batch, n_tok);
+  for (int l = 0; l < c.n_layers; ++l) {
+    // A rejected K/V row fails the whole step: drop its reservations. Layers
+    // before l wrote only uncommitted slots, except that an fp8 layer may
+    // have re-encoded the committed slots of a partial tail block with a
+    // larger block scale (same values except E4M3 subnormals).
+    if (Status st = layer(l, batch, n_tok); !st.ok()) {
+      for (BlockTable* t : tables) t->rollback();
+      return st;
+    }
+  }
 
   // Logits for the requested rows only.
   std::vector<int64_t> rows;
@@ -99,7 +112,7 @@ Status Forward::step(std::span<const StepSeq> batch, std::vector<float>* logits)
   return {};
 }
 
-void Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
+Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   const ModelConfig& c = model_.config();
   const LayerWeights& w = model_.layers()[l];
   const int64_t q_dim = static_cast<int64_t>(c.n_heads) * c.head_dim;
@@ -131,11 +144,29 @@ void Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
                       .freq_scale = c.rope_freq_scale};
   rope(q_.data(), pos_.data(), n_tok, c.n_heads, c.head_dim, rp);
   rope(k_.data(), pos_.data(), n_tok, c.n_kv_heads, c.head_dim, rp);
+  // --kv-rotate: q.k is unchanged; K is stored (quantized) in the rotated basis.
+  kv_rotate(rotation_, q_.data(), n_tok * c.n_heads, c.head_dim);
+  kv_rotate(rotation_, k_.data(), n_tok * c.n_kv_heads, c.head_dim);
+
+  // Check every sequence's rows before writing any of them.
+  const PagedKvLayerView view = batch.front().table->pool().layer_view(l);
+  int64_t row = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const auto n = static_cast<int64_t>(batch[i].tokens.size());
+    const Status st = kv_validate_rows(view, batch[i].table->length(), k_.data() + row * kv_dim,
+                                       v_.data() + row * kv_dim, n);
+    if (!st.ok()) {
+      rejected_entry_ = static_cast<int64_t>(i);
+      return make_error(st.error().code, "layer " + std::to_string(l) + ", step entry " +
+                                             std::to_string(i) + ": " + st.error().message);
+    }
+    row += n;
+  }
 
   // Write this layer's K/V for every sequence, then attend through the tables.
   std::vector<AttnSeq> seqs;
   seqs.reserve(batch.size());
-  int64_t row = 0;
+  row = 0;
   for (const StepSeq& s : batch) {
     const auto n = static_cast<int64_t>(s.tokens.size());
     s.table->write(l, s.table->length(), k_.data() + row * kv_dim, v_.data() + row * kv_dim, n);
@@ -152,7 +183,16 @@ void Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
                       .head_dim = c.head_dim,
                       .scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
                       .window = c.sliding_window};
-  const Status st = paged_attention(batch.front().table->pool().layer_view(l), ap, seqs, &threads_);
+  Status st;
+  if (kv_view_is_kivi(view)) {
+    // KIVI: each sequence's newest tokens are read from its f16 residual.
+    std::vector<KvResidualView> residuals;
+    residuals.reserve(batch.size());
+    for (const StepSeq& s : batch) residuals.push_back(s.table->residual_view(l));
+    st = paged_attention_kivi(view, ap, seqs, residuals, &threads_);
+  } else {
+    st = paged_attention(view, ap, seqs, &threads_);
+  }
   KV_CHECK(st.ok(), "paged_attention rejected arguments the forward pass built");
 
   matmul(w.wo, attn_.data(), n_tok, h_.data(), &threads_);
@@ -171,6 +211,7 @@ void Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   swiglu(gate_.data(), up_.data(), gate_.data(), n_tok * c.n_ff);
   matmul(w.w_down, gate_.data(), n_tok, h_.data(), &threads_);
   add(x_.data(), h_.data(), x_.data(), n_tok * c.n_embd);
+  return {};
 }
 
 }  // namespace kvstack

@@ -19,6 +19,7 @@
 #include "core/thread_pool.h"
 #include "engine/model.h"
 #include "kv/block_table.h"
+#include "kv/rotation.h"
 
 namespace kvstack {
 
@@ -39,24 +40,37 @@ struct StepSeq {
 class Forward {
  public:
   // REQUIRES: model and pool outlive this object; the pool's layout matches
-  // the model (one standard layer per model layer, n_kv_heads, head_dim).
-  Forward(const Model& model, ThreadPool& threads);
+  // the model (one standard layer per model layer, n_kv_heads, head_dim);
+  // kv_rotation_check(rotation, head_dim) passed. `rotation` (--kv-rotate)
+  // is applied to Q and K after RoPE, so the cache holds rotated keys.
+  Forward(const Model& model, ThreadPool& threads, KvRotation rotation = KvRotation::kNone);
 
   // Runs one step. On success `logits` holds the requested rows in batch
   // order ([n_rows, n_vocab]) and every table's length has advanced by its
   // token count. Errors (no state changed): kInvalidArgument for an empty
   // step, a token id out of range or a sequence past the model's context,
-  // kOutOfBlocks when the pool cannot hold the new tokens.
+  // kOutOfBlocks when the pool cannot hold the new tokens; kInvalidArgument
+  // naming the layer, step entry, K or V, position and head when a computed
+  // K/V row holds NaN/Inf or a value its KV dtype cannot store (the step's
+  // reservations are rolled back and no table's length changes; fp8 caveat
+  // in forward.cpp).
   Status step(std::span<const StepSeq> batch, std::vector<float>* logits);
 
   int64_t n_vocab() const { return model_.config().n_vocab; }
 
+  // Batch index of the entry whose K/V row made the last step fail (-1 when
+  // the last step succeeded or failed for another reason): a scheduler fails
+  // that request only and runs the others again.
+  int64_t rejected_entry() const { return rejected_entry_; }
+
  private:
-  void layer(int l, std::span<const StepSeq> batch, int64_t n_tok);
+  Status layer(int l, std::span<const StepSeq> batch, int64_t n_tok);
   void ensure_workspace(int64_t n_tok);
 
   const Model& model_;
   ThreadPool& threads_;
+  KvRotation rotation_;
+  int64_t rejected_entry_ = -1;
   // Workspace, grown on demand ([n_tok, ...] float32 each).
   int64_t capacity_ = 0;
   std::vector<float> x_, h_, q_, k_, v_, attn_, gate_, up_;

@@ -14,11 +14,13 @@
 #include <random>
 #include <string>
 
+#include "core/half.h"
 #include "engine/forward.h"
 #include "engine/testing/synthetic_model.h"
 #include "kv/block_pool.h"
 #include "kv/block_table.h"
 #include "kv/kv_codec.h"
+#include "kv/kv_write.h"
 #include "kv/layout.h"
 
 namespace kvstack {
@@ -166,6 +168,7 @@ TEST_P(QuantCacheEquivalence, PrefillDecodeAndForkMatchRecomputationOverStoredKv
         const int n_shared_blocks = n_prompt / block_size;
         if (n_shared_blocks > 0) {
           std::vector<BlockRef> refs;
+          refs.reserve(static_cast<size_t>(n_shared_blocks));
           for (int i = 0; i < n_shared_blocks; ++i) refs.push_back(seq.share_block(i));
           BlockTable fork(pool);
           fork.adopt_prefix(std::move(refs));
@@ -196,6 +199,153 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"gqa_4_2_d32", {.n_embd = 128, .n_heads = 4, .n_kv_heads = 2, .seed = 7}},
         Case{"mqa_d64_neox",
              {.n_embd = 128, .n_heads = 2, .n_kv_heads = 1, .neox = true, .seed = 4}}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// ---------------------------------------------------------------------------
+// KIVI: the newest tokens stay in the table's f16 residual and whole key
+// groups are quantized at commit. The reference recomputes the whole prefix
+// in float64 attending over exactly what the last step read: positions
+// converted before the step from the blocks (reference decoder), positions
+// still in the residual at the step from the f16 rows (snapshot before the
+// step, or the residual after it for the step's own rows), i.e. the same
+// groups quantized at the same moments. Covers many group boundaries,
+// chunked prefill, a fork in the middle (shared unconverted blocks, copied
+// on conversion) and prefix sharing of converted blocks.
+// ---------------------------------------------------------------------------
+
+struct ResidualSnapshot {
+  int64_t start = 0;
+  std::vector<std::vector<uint16_t>> k, v;  // per layer [n, H * d]
+};
+
+ResidualSnapshot snapshot(const BlockTable& t) {
+  ResidualSnapshot s;
+  s.start = t.converted();
+  const int n_layers = t.pool().layout().n_layers();
+  for (int l = 0; l < n_layers; ++l) {
+    const KvResidualView r = t.residual_view(l);
+    const int64_t w = r.n_tokens > 0 ? static_cast<int64_t>(t.pool().layer_view(l).n_kv_heads) *
+                                           t.pool().layer_view(l).head_dim
+                                     : 0;
+    s.k.emplace_back(r.k, r.k + r.n_tokens * w);
+    s.v.emplace_back(r.v, r.v + r.n_tokens * w);
+  }
+  return s;
+}
+
+std::vector<double> kivi_reference(const testing::SyntheticWeights& w,
+                                   const std::vector<int32_t>& tokens, const BlockPool& pool,
+                                   const BlockTable& table, const ResidualSnapshot& before) {
+  const int d = w.spec.head_dim();
+  const int hw = w.spec.n_kv_heads * d;
+  return reference_last_logits(
+      w, tokens, [&](int layer, int pos, std::vector<double>& k, std::vector<double>& v) {
+        std::vector<float> kf(hw), vf(hw);
+        const KvResidualView after = table.residual_view(layer);
+        if (pos < before.start) {
+          read_kv(pool.layer_view(layer), table.ids(), pos, 1, kf.data(), vf.data());
+        } else if (pos >= after.start) {
+          for (int i = 0; i < hw; ++i) {
+            kf[i] = f16_to_f32(after.k[(pos - after.start) * hw + i]);
+            vf[i] = f16_to_f32(after.v[(pos - after.start) * hw + i]);
+          }
+        } else {
+          const size_t off = static_cast<size_t>(pos - before.start) * hw;
+          ASSERT_LT(off, before.k[layer].size()) << "position " << pos << " in neither state";
+          for (int i = 0; i < hw; ++i) {
+            kf[i] = f16_to_f32(before.k[layer][off + i]);
+            vf[i] = f16_to_f32(before.v[layer][off + i]);
+          }
+        }
+        for (int i = 0; i < hw; ++i) {
+          k[i] = kf[i];
+          v[i] = vf[i];
+        }
+      });
+}
+
+class KiviCacheEquivalence : public ::testing::TestWithParam<Case> {};
+
+TEST_P(KiviCacheEquivalence, GroupBoundariesForkAndPrefixSharingMatchSameMomentReference) {
+  const SyntheticSpec spec = GetParam().spec;
+  auto w = make_synthetic_model(spec);
+  auto model = Model::load(w.path);
+  ASSERT_TRUE(model.ok()) << model.error().message;
+  std::remove(w.path.c_str());
+  ThreadPool threads(2);
+  Forward fwd(**model, threads);
+  std::mt19937 rng(spec.seed + 300);
+  std::uniform_int_distribution<int32_t> tok(0, spec.n_vocab - 1);
+  struct KFormat {
+    const char* name;
+    KvDtype k, v;
+  };
+  const KFormat formats[] = {{"kivi2", kKvDtypeKivi2, kKvDtypeKivi2},
+                             {"kivi4", kKvDtypeKivi4, kKvDtypeKivi4},
+                             {"kivi2_k_int8_v", kKvDtypeKivi2, KvDtype::kInt8}};
+  for (const KFormat& f : formats) {
+    for (int block_size : {4, 16}) {
+      // Block 16 (G = 16) once: the reference is O(n^2) per step.
+      if (block_size == 16 && f.k != kKvDtypeKivi4) continue;
+      const int residual = block_size == 4 ? 8 : 16;  // G = block size here; chunks <= R
+      SCOPED_TRACE(std::string(f.name) + " block " + std::to_string(block_size));
+      auto layout = KvLayout::uniform(spec.n_layers, spec.n_kv_heads, spec.head_dim(), f.k,
+                                      block_size, f.v, {.kivi_residual = residual});
+      ASSERT_TRUE(layout.ok()) << layout.error().message;
+      auto pool_r = BlockPool::create(*layout, {.n_tokens = 2048});
+      ASSERT_TRUE(pool_r.ok());
+      BlockPool& pool = **pool_r;
+      std::vector<float> logits;
+      // One step of `n` new tokens on `t` (history `hist`), checked.
+      auto step = [&](BlockTable& t, std::vector<int32_t>& hist, int n, const char* what) {
+        std::vector<int32_t> fresh(n);
+        for (auto& x : fresh) x = tok(rng);
+        const ResidualSnapshot before = snapshot(t);
+        const StepSeq s{.table = &t, .tokens = fresh, .logits = LogitsMode::kLast};
+        ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
+        hist.insert(hist.end(), fresh.begin(), fresh.end());
+        const auto ref = kivi_reference(w, hist, pool, t, before);
+        ASSERT_LT(rel_err(logits.data(), ref), kTol) << what << " at length " << t.length();
+      };
+      BlockTable junk(pool), a(pool);
+      ASSERT_TRUE(junk.reserve(3 * block_size).ok());  // scattered blocks
+      std::vector<int32_t> ha;
+      for (int chunk : {1, 4, 7, 3}) step(a, ha, std::min(chunk, residual), "prefill");
+      junk.release();
+      for (int i = 0; i < residual + block_size + 3; ++i) step(a, ha, 1, "decode");
+      ASSERT_GT(a.converted(), 0);
+      ASSERT_LT(a.converted(), a.length());
+      // Fork in the middle: shares every block, including unconverted ones.
+      BlockTable b = a.fork();
+      std::vector<int32_t> hb = ha;
+      for (int i = 0; i < block_size + 2; ++i) {
+        step(a, ha, 1, "decode after fork (parent)");
+        step(b, hb, 1, "decode after fork (child)");
+      }
+      EXPECT_GT(pool.stats().n_cow_copies, 0);
+      // Prefix sharing: a new table adopts a's converted full blocks.
+      const int64_t n_share = a.shareable_length() / block_size;
+      ASSERT_GT(n_share, 1);
+      std::vector<BlockRef> refs;
+      for (int64_t i = 0; i < n_share; ++i) refs.push_back(a.share_block(i));
+      BlockTable c(pool);
+      c.adopt_prefix(std::move(refs));
+      std::vector<int32_t> hc(ha.begin(), ha.begin() + n_share * block_size);
+      step(c, hc, std::min(5, residual), "prefill after prefix hit");
+      for (int i = 0; i < block_size + 2; ++i) step(c, hc, 1, "decode after prefix hit");
+      step(a, ha, 1, "parent after sharing");
+      EXPECT_GT(b.converted(), 0);
+      pool.check_invariants();
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, KiviCacheEquivalence,
+    ::testing::Values(Case{"gqa_3_1_d32", {.n_embd = 96, .n_heads = 3, .n_kv_heads = 1, .seed = 2}},
+                      Case{
+                          "mqa_d64_neox",
+                          {.n_embd = 128, .n_heads = 2, .n_kv_heads = 1, .neox = true, .seed = 4}}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

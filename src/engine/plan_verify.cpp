@@ -1,27 +1,13 @@
 // `kvstack plan --verify`: runs the real engine on a synthetic workload of
 // exactly the planned shape and reports what the pool measured.
-#include <unistd.h>
-
 #include <cstdio>
 #include <random>
 
+#include "core/proc_stats.h"
 #include "engine/engine.h"
 #include "kv/capacity.h"
 
 namespace kvstack::capacity {
-namespace {
-
-int64_t process_rss_bytes() {
-  FILE* f = std::fopen("/proc/self/statm", "r");
-  if (f == nullptr) return 0;
-  long long size = 0;
-  long long resident = 0;
-  const int n = std::fscanf(f, "%lld %lld", &size, &resident);
-  std::fclose(f);
-  return n == 2 ? static_cast<int64_t>(resident) * sysconf(_SC_PAGESIZE) : 0;
-}
-
-}  // namespace
 
 Result<VerifyReport> run_plan_verify(const VerifyRequest& request) {
   if (request.seq_tokens.empty()) {
@@ -37,6 +23,13 @@ Result<VerifyReport> run_plan_verify(const VerifyRequest& request) {
   cfg.model_path = request.model_path;
   cfg.block_size = static_cast<int>(request.block_size);
   cfg.kv_dtype = *dtype;
+  for (const std::string* side : {&request.kv_dtype_k, &request.kv_dtype_v}) {
+    if (side->empty()) continue;
+    auto t = parse_kv_dtype(*side);
+    if (!t) return make_error(Errc::kUnsupported, "the engine has no KV dtype '" + *side + "'");
+    (side == &request.kv_dtype_k ? cfg.kv_dtype_k : cfg.kv_dtype_v) = *t;
+  }
+  cfg.kv_residual = static_cast<int>(request.kv_residual);
   // Pool: exactly the blocks the workload needs (plus nothing), so running
   // out would itself be a planner/engine disagreement.
   int64_t n_blocks = 0;
@@ -91,6 +84,17 @@ Result<VerifyReport> run_plan_verify(const VerifyRequest& request) {
                static_cast<long long>(r.rss_growth_bytes),
                static_cast<long long>(rss_after - rss_before));
   r.pool_bytes = static_cast<uint64_t>(st.pool_bytes);
+  // KIVI residual rows live in the tables, outside the pool.
+  // Payload: converted tokens in the blocks plus the f16 residual rows.
+  if (e.layout().has_kivi()) {
+    r.payload_bytes = 0;
+    for (const BlockTable& t : tables) {
+      r.residual_bytes += static_cast<uint64_t>(t.residual_bytes());
+      r.payload_bytes += static_cast<uint64_t>(e.layout().payload_bytes(t.converted()));
+    }
+    r.payload_bytes += r.residual_bytes;
+    r.allocated_bytes += r.residual_bytes;
+  }
   return r;
 }
 

@@ -62,6 +62,7 @@ std::vector<std::pair<int32_t, double>> reference_chain(const std::vector<float>
     std::erase_if(order, [&](int32_t t) { return std::exp(logits[t] - m) < p.min_p; });
   }
   std::vector<std::pair<int32_t, double>> out;
+  out.reserve(order.size());
   double z = 0.0;
   for (int32_t t : order) z += std::exp((logits[t] - m) / p.temperature);
   for (int32_t t : order) out.push_back({t, std::exp((logits[t] - m) / p.temperature) / z});

@@ -183,9 +183,8 @@ Result<std::shared_ptr<RequestHandle>> Scheduler::submit(SeqRequest req) {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return make_error(Errc::kCancelled, "the server is shutting down");
     if (n_queued_ >= config_.max_queue) {
-      return make_error(Errc::kOutOfBlocks, "the request queue is full (" +
-                                                std::to_string(n_queued_) +
-                                                " requests waiting); retry later");
+      return make_error(Errc::kBusy, "the request queue is full (" + std::to_string(n_queued_) +
+                                         " requests waiting); retry later");
     }
     r->arrival = next_arrival_++;
     n_queued_++;
@@ -250,6 +249,45 @@ void Scheduler::drop_cancelled() {
   std::erase_if(preempted_, gone);
 }
 
+int64_t Scheduler::prefill_chunk_tokens() const {
+  // A prefilling sequence is running, so at most max_seqs - 1 others decode
+  // in a step and the budget left for chunks is at least this.
+  const int64_t guaranteed = config_.max_batch_tokens - (config_.max_seqs - 1);
+  return std::max<int64_t>(1, std::min<int64_t>(engine_.config().prefill_chunk, guaranteed));
+}
+
+int64_t Scheduler::prefill_take(const Choice& s, int64_t chunk) const {
+  const auto n_prompt = static_cast<int64_t>(s.req->req.prompt.size());
+  const int64_t from = s.kv.length();
+  // Sampled tokens being recomputed after a preemption: one per step, the
+  // shape they were first computed in (a one-token decode entry).
+  if (from >= n_prompt) return 1;
+  int64_t end = std::min(n_prompt, (from / chunk + 1) * chunk);
+  // The last prompt token never forms a chunk of its own (kvstack run
+  // computes it inside a prefill chunk; a one-token entry takes the decode
+  // path of the attention kernel): move that boundary one token earlier.
+  // (When this chunk starts right at that moved boundary, it simply runs to
+  // the end of the prompt; take <= chunk either way, so the budget bound of
+  // prefill_chunk_tokens() holds. Chunks of 1 cannot avoid it.)
+  if (chunk >= 2 && end == n_prompt - 1) end = end - 1 > from ? end - 1 : n_prompt;
+  return end - from;
+}
+
+int64_t Scheduler::adopt_prefix(Choice& s) {
+  const auto n_prompt = static_cast<int64_t>(s.req->req.prompt.size());
+  const std::span<const int32_t> t(s.tokens);
+  // At most n_prompt - 2 prompt tokens: the rest of the prompt is prefilled
+  // as a chunk of >= 2 tokens, as in a lone run (see prefill_take()).
+  const auto capped = t.first(static_cast<size_t>(std::max<int64_t>(1, n_prompt - 1)));
+  if (static_cast<int64_t>(t.size()) == n_prompt) return s.kv.adopt_cached_prefix(capped);
+  int64_t hit = s.kv.adopt_cached_prefix(t);
+  if (hit == n_prompt - 1) {
+    s.kv.release();
+    hit = s.kv.adopt_cached_prefix(capped);
+  }
+  return hit;
+}
+
 int64_t Scheduler::target_tokens(const Choice& s) const {
   const SeqRequest& q = s.req->req;
   const int64_t remaining = q.max_tokens - s.n_generated;
@@ -286,7 +324,7 @@ void Scheduler::admit() {
     budget -= need;
     // Resume: re-hit what the prefix cache kept of the released blocks, then
     // recompute the rest.
-    const int64_t hit = s.kv.adopt_cached_prefix(s.tokens);
+    const int64_t hit = adopt_prefix(s);
     {
       std::lock_guard<std::mutex> lock(mu_);
       metrics_.n_recomputed_tokens += static_cast<int64_t>(s.tokens.size()) - hit;
@@ -314,9 +352,8 @@ void Scheduler::admit() {
       budget -= need;
       for (int32_t t : q.prompt) seq->sampler.accept(t);
       // Prefix cache: adopt the longest cached prefix in the request's
-      // namespace (at most prompt - 1 tokens, so the last position's logits
-      // are computed).
-      const int64_t hit = seq->kv.adopt_cached_prefix(q.prompt);
+      // namespace (at most prompt - 2 tokens, see adopt_prefix()).
+      const int64_t hit = adopt_prefix(*seq);
       r->usage.cached_tokens = hit;
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -354,7 +391,7 @@ int64_t Scheduler::step() {
   std::sort(running_.begin(), running_.end(),
             [](const auto& a, const auto& b) { return a->before_priority(*b); });
 
-  const int64_t chunk_limit = engine_.config().prefill_chunk;
+  const int64_t chunk = prefill_chunk_tokens();
   std::vector<StepSeq> batch;
   std::vector<Choice*> owners;
   std::vector<BlockTable*> tables;
@@ -373,11 +410,17 @@ int64_t Scheduler::step() {
       budget--;
     }
     // Then prompt (or recompute) chunks, oldest first, within the budget.
+    // Chunk boundaries sit at fixed positions (multiples of `chunk`), so how
+    // a prompt is split depends on the prompt only, never on what else runs
+    // in the step: a chunk that does not fit the budget waits whole for the
+    // next step instead of being cut. The oldest prefill always fits (see
+    // prefill_chunk_tokens()).
     for (auto& s : running_) {
       const int64_t left = s->n_unwritten();
       if (left <= 1 || budget <= 0) continue;
-      const int64_t take = std::min({left, budget, chunk_limit});
       const int64_t from = s->kv.length();
+      const int64_t take = prefill_take(*s, chunk);
+      if (take > budget) continue;
       batch.push_back(
           {.table = &s->kv.table(),
            .tokens = std::span<const int32_t>(s->tokens.data() + from, static_cast<size_t>(take)),
@@ -403,9 +446,17 @@ int64_t Scheduler::step() {
     preempt(running_.size() - 1);
   }
 
+  if (config_.on_step) config_.on_step(batch);
   const Status st = engine_.forward().step(batch, &logits_);
   if (!st.ok()) {
-    for (Choice* s : owners) fail_request(*s->req, st);
+    // A row the cache cannot store (NaN/Inf K/V) fails only its own request;
+    // nothing of the step was committed, so the others simply run again.
+    const int64_t bad = engine_.forward().rejected_entry();
+    if (bad >= 0 && static_cast<size_t>(bad) < owners.size()) {
+      fail_request(*owners[static_cast<size_t>(bad)]->req, st);
+    } else {
+      for (Choice* s : owners) fail_request(*s->req, st);
+    }
     std::erase_if(running_, [](const auto& s) { return s->done; });
     publish_gauges();
     return 0;

@@ -4,7 +4,23 @@
 // first one decode token for each sequence that is generating, then chunks
 // of prompts still being prefilled (oldest first) until the per-step token
 // budget (max_batch_tokens) is spent, so a long prompt never stalls the
-// running decodes for its whole prefill (chunked prefill). Sequences whose
+// running decodes for its whole prefill (chunked prefill).
+//
+// Batch invariance: nothing a sequence computes may depend on what else is
+// in its step. Prefill chunks therefore have fixed boundaries, positions
+// [k * L, (k + 1) * L) with L = min(engine prefill_chunk, max_batch_tokens -
+// max_seqs + 1), and a chunk that does not fit the step's remaining budget
+// waits whole (L guarantees the oldest prefill always fits). Every token is
+// computed in the entry shape a lone run (`kvstack run`) gives it, because
+// the attention kernel's one-token (decode) path and its chunk (prefill)
+// path round differently: prompt tokens always in chunks of >= 2 tokens
+// (the boundary before the last prompt token moves one token earlier, and
+// a prefix-cache hit stops at least two tokens before the prompt's end),
+// sampled tokens always as one-token entries, also when they are recomputed
+// after a preemption (one per step). Logits are one row per entry. The rest
+// is up to the kernels: a row's matmul and attention result must not depend
+// on the other rows of the step (ops/, attention/; BatchInvariance tests in
+// scheduler_test.cpp measure it). Sequences whose
 // chunk reaches the end of their known tokens get a logits row and sample
 // their next token in the same step.
 //
@@ -57,6 +73,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -73,6 +90,9 @@ struct SchedulerConfig {
   int64_t max_batch_tokens = 256;      // tokens per step, decode + prefill chunks (>= max_seqs)
   int64_t max_queue = 256;             // waiting requests before submit() refuses
   int64_t reserve_output_tokens = 32;  // output tokens reserved at admission, -1 = max_tokens
+  // Called on the engine thread with every planned step just before it runs
+  // (tests and tracing; an entry's first position is table->length()).
+  std::function<void(std::span<const StepSeq>)> on_step;
 };
 
 struct SeqRequest {
@@ -174,9 +194,8 @@ class Scheduler {
   // prompt + max_tokens past the context, or more blocks than the pool has.
   Status validate_request(const SeqRequest& req) const;
 
-  // Queues a request (validated first). kOutOfBlocks when max_queue requests
-  // already wait (capacity exhausted: retry later, HTTP 429; core/result.h has
-  // no dedicated code yet), kCancelled after shutdown().
+  // Queues a request (validated first). kBusy when max_queue requests already
+  // wait (retry later: HTTP 429), kCancelled after shutdown() (HTTP 503).
   Result<std::shared_ptr<RequestHandle>> submit(SeqRequest req);
 
   // One scheduling iteration on the calling (engine) thread: takes new
@@ -211,6 +230,14 @@ class Scheduler {
   void preempt(size_t running_index);
   int64_t reserve_blocks(const Choice& s) const;
   int64_t target_tokens(const Choice& s) const;
+  // Prefill chunk length: chunk k of a sequence covers positions
+  // [k * L, (k + 1) * L), so the split is a function of the tokens alone.
+  int64_t prefill_chunk_tokens() const;
+  // Tokens of the sequence's next prefill entry (fixed boundaries, see the
+  // header comment). REQUIRES: n_unwritten() > 1.
+  int64_t prefill_take(const Choice& s, int64_t chunk) const;
+  // Adopts the longest usable cached prefix of s.tokens; returns its tokens.
+  int64_t adopt_prefix(Choice& s);
   void sample_and_emit(Choice& s, const float* logits);
   void finish_seq(Choice& s, FinishReason reason, std::string tail);
   void fail_request(Request& r, const Status& st);

@@ -8,11 +8,18 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <optional>
+#include <random>
 #include <thread>
+
+#include "attention/paged_attention.h"
+#include "ops/elementwise.h"
 
 namespace kvstack {
 namespace {
@@ -138,13 +145,18 @@ void expect_pool_idle(Engine& e) {
 // bit-identical across batch sizes).
 constexpr size_t kTieIndex = 1;
 constexpr size_t kTieTokens = 2;
+// One long prompt (kPrompts[4]), split over two lines by design: named
+// rather than concatenated inside the list, so that it cannot be mistaken for
+// two prompts with a missing comma.
+constexpr char kLongPrompt[] =
+    "Water boils at a temperature of one hundred degrees Celsius at sea level, but at higher "
+    "altitudes the boiling point is lower because the air pressure is lower. This means that";
 const char* kPrompts[] = {
     "The capital of France is",
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "def fibonacci(n):",
     "List three colors:",
-    "Water boils at a temperature of one hundred degrees Celsius at sea level, but at higher "
-    "altitudes the boiling point is lower because the air pressure is lower. This means that",
+    kLongPrompt,
     "Hello",
 };
 
@@ -212,6 +224,7 @@ TEST(Scheduler, PreemptionByRecomputeKeepsGreedyTokens) {
   auto s = Scheduler::create(*e, config(6, 64, 256, 0));
   ASSERT_TRUE(s.ok());
   std::vector<std::shared_ptr<RequestHandle>> hs;
+  hs.reserve(prompts.size());
   for (auto& p : prompts) hs.push_back(*(*s)->submit(greedy(p, kN)));
   std::vector<Collected> got;
   run_until_done(**s, hs, got);
@@ -289,7 +302,7 @@ TEST(Scheduler, RejectsRequestsThatCouldNeverRun) {
   REQUIRE_ENGINE(e);
   auto s = Scheduler::create(*e, config(2, 16, 1));
   ASSERT_TRUE(s.ok());
-  auto bad = [&](SeqRequest r, const char* field) {
+  auto bad = [&](const SeqRequest& r, const char* field) {
     auto st = (*s)->validate_request(r);
     ASSERT_FALSE(st.ok()) << field;
     EXPECT_EQ(st.error().code, Errc::kInvalidArgument);
@@ -308,7 +321,8 @@ TEST(Scheduler, RejectsRequestsThatCouldNeverRun) {
   ASSERT_TRUE((*s)->submit(greedy({1, 2}, 4)).ok());
   auto full = (*s)->submit(greedy({1, 2}, 4));
   ASSERT_FALSE(full.ok());
-  EXPECT_EQ(full.error().code, Errc::kOutOfBlocks);
+  EXPECT_EQ(full.error().code, Errc::kBusy);
+  EXPECT_NE(full.error().message.find("queue is full"), std::string::npos);
 }
 
 TEST(Scheduler, ThreadedLoopWithConcurrentClients) {
@@ -319,13 +333,15 @@ TEST(Scheduler, ThreadedLoopWithConcurrentClients) {
   Scheduler& sch = **s;
   std::thread engine_thread([&] { sch.run(); });
   const auto prompt = tokens_of(*e, kPrompts[0]);
+  constexpr int kClients = 6;
   std::vector<std::thread> clients;
+  clients.reserve(kClients);
   std::atomic<int> n_ok{0};
-  for (int c = 0; c < 6; ++c) {
+  for (int c = 0; c < kClients; ++c) {
     clients.emplace_back([&, c] {
       auto h = sch.submit(greedy(prompt, 4 + c));
       if (!h.ok()) return;
-      if (c == 5) (*h)->cancel();
+      if (c == kClients - 1) (*h)->cancel();
       Collected col;
       for (int i = 0; i < 2000 && !col.done; ++i) {
         std::vector<SeqEvent> evs;
@@ -341,10 +357,444 @@ TEST(Scheduler, ThreadedLoopWithConcurrentClients) {
   for (auto& t : clients) t.join();
   sch.shutdown(/*drain=*/true);
   engine_thread.join();
-  EXPECT_EQ(n_ok.load(), 6);
+  EXPECT_EQ(n_ok.load(), kClients);
   EXPECT_FALSE(sch.submit(greedy(prompt, 4)).ok());
   EXPECT_FALSE(sch.inspect([](Engine&) {}).ok());
   EXPECT_EQ(mid.n_blocks_total, 20);
+  expect_pool_idle(*e);
+}
+
+// Prefill chunking is a function of the prompt: the same prompt is split at
+// the same positions whether it runs alone or beside decodes and other
+// prefills (a chunk that does not fit a step waits whole).
+TEST(Scheduler, PrefillChunksDependOnThePromptOnly) {
+  auto e = make_engine(4096);
+  REQUIRE_ENGINE(e);
+  const auto prompt =
+      tokens_of(*e, std::string(kPrompts[4]) + " " + kPrompts[1] + " " + kPrompts[4]);
+  ASSERT_GT(prompt.size(), 60u);
+  using Chunk = std::pair<int64_t, int64_t>;  // (first position, tokens)
+  auto chunks_of_prompt = [&](int n_others, const std::string& salt) {
+    std::vector<Chunk> chunks;
+    SchedulerConfig c = config(4, 24);
+    c.on_step = [&](std::span<const StepSeq> batch) {
+      for (const StepSeq& q : batch) {
+        const int64_t from = q.table->length();
+        const auto n = static_cast<int64_t>(q.tokens.size());
+        if (from + n > static_cast<int64_t>(prompt.size())) continue;
+        if (std::equal(q.tokens.begin(), q.tokens.end(), prompt.begin() + from)) {
+          chunks.emplace_back(from, n);
+        }
+      }
+    };
+    auto s = Scheduler::create(*e, c);
+    EXPECT_TRUE(s.ok());
+    std::vector<std::shared_ptr<RequestHandle>> hs;
+    for (int i = 0; i < n_others; ++i) {
+      SeqRequest o = greedy(tokens_of(*e, kPrompts[i % 4]), 40);
+      o.cache_salt = salt;
+      hs.push_back(*(*s)->submit(o));
+    }
+    for (int i = 0; i < 3; ++i) (*s)->step();  // the others decode (or still prefill)
+    SeqRequest r = greedy(prompt, 2);
+    r.cache_salt = salt;  // no prefix hits across runs
+    hs.push_back(*(*s)->submit(r));
+    std::vector<Collected> got;
+    run_until_done(**s, hs, got);
+    for (const auto& g : got) EXPECT_FALSE(g.error);
+    return chunks;
+  };
+  const std::vector<Chunk> alone = chunks_of_prompt(0, "alone");
+  ASSERT_GE(alone.size(), 3u);
+  // Fixed boundaries: every chunk but the last ends at a multiple of the
+  // chunk length min(prefill_chunk, max_batch_tokens - max_seqs + 1) = 21.
+  int64_t pos = 0;
+  for (size_t i = 0; i < alone.size(); ++i) {
+    EXPECT_EQ(alone[i].first, pos);
+    pos += alone[i].second;
+    // The boundary before the last prompt token moves one token earlier.
+    if (pos < static_cast<int64_t>(prompt.size()) - 2) {
+      EXPECT_EQ(pos % 21, 0) << i;
+    }
+  }
+  std::string listing;
+  for (const Chunk& ch : alone) {
+    listing += std::to_string(ch.first);
+    listing += '+';
+    listing += std::to_string(ch.second);
+    listing += ' ';
+  }
+  EXPECT_GE(alone.back().second, 2) << "prompt of " << prompt.size() << ": " << listing;
+  EXPECT_EQ(pos, static_cast<int64_t>(prompt.size()));
+  EXPECT_EQ(chunks_of_prompt(3, "busy"), alone);
+  EXPECT_EQ(chunks_of_prompt(2, "busier"), alone);
+  expect_pool_idle(*e);
+}
+
+// ---------------------------------------------------------------------------
+// Batch-invariance diagnostic. For greedy output under load to equal a lone
+// run, a row's result must not depend on the other rows of its step. The
+// scheduler guarantees the structure (fixed chunk boundaries, one logits row
+// per entry); these tests measure the numerics, op by op on real activations
+// of the default model (forward order: rms_norm, Q/K/V matmul, rope,
+// attention, wo matmul, add, rms_norm, gate/up matmul, swiglu, down matmul,
+// add, ..., output rms_norm, output matmul) and end to end through
+// Forward::step. The table names the first op of the forward order that is
+// not batch-invariant: that is where a batched run first diverges.
+//
+// Row-local ops (rms_norm, rope, swiglu, add) are asserted always. Matmul
+// and attention are reported; with KVSTACK_REQUIRE_BATCH_INVARIANCE=1 (set
+// it once ops/ and attention/ are batch-invariant) every row must be
+// bit-identical.
+
+bool require_batch_invariance() {
+  const char* v = std::getenv("KVSTACK_REQUIRE_BATCH_INVARIANCE");
+  return v != nullptr && std::string(v) == "1";
+}
+
+struct Divergence {
+  std::string op;
+  std::string context;
+  int64_t n_checked = 0;
+  int64_t n_differ = 0;  // rows (or cases) whose bits differ from the lone run
+  double max_abs = 0;
+};
+
+struct InvarianceReport {
+  std::vector<Divergence> rows;
+  void add(std::string op, std::string context, const float* alone, const float* other, int64_t n) {
+    Divergence* d = nullptr;
+    for (auto& r : rows) {
+      if (r.op == op && r.context == context) d = &r;
+    }
+    if (d == nullptr) {
+      rows.push_back({std::move(op), std::move(context)});
+      d = &rows.back();
+    }
+    d->n_checked++;
+    if (std::memcmp(alone, other, static_cast<size_t>(n) * sizeof(float)) != 0) {
+      d->n_differ++;
+      for (int64_t i = 0; i < n; ++i) {
+        d->max_abs = std::max(d->max_abs, static_cast<double>(std::fabs(alone[i] - other[i])));
+      }
+    }
+  }
+  void print(const char* title) const {
+    std::printf("\n%s\n%-28s %-44s %8s %8s %12s\n", title, "op", "alone vs", "checked", "differ",
+                "max |diff|");
+    const Divergence* first = nullptr;
+    for (const auto& r : rows) {
+      std::printf("%-28s %-44s %8lld %8lld %12.3g\n", r.op.c_str(), r.context.c_str(),
+                  static_cast<long long>(r.n_checked), static_cast<long long>(r.n_differ),
+                  r.max_abs);
+      if (first == nullptr && r.n_differ > 0) first = &r;
+    }
+    if (first != nullptr) {
+      std::printf("FIRST DIVERGENT OP: %s (%s)\n", first->op.c_str(), first->context.c_str());
+    } else {
+      std::printf("every op is batch-invariant\n");
+    }
+  }
+  int64_t n_differ(const std::string& op_prefix) const {
+    int64_t n = 0;
+    for (const auto& r : rows) {
+      if (r.op.rfind(op_prefix, 0) == 0) n += r.n_differ;
+    }
+    return n;
+  }
+};
+
+std::vector<float> random_rows(std::mt19937& rng, int64_t n) {
+  std::normal_distribution<float> d(0.f, 1.f);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+TEST(BatchInvariance, OpByOpOnRealActivations) {
+  auto e = make_engine(4096);
+  REQUIRE_ENGINE(e);
+  const ModelConfig& c = e->model().config();
+  const LayerWeights& w = e->model().layers()[0];
+  ThreadPool* tp = &e->threads();
+  InvarianceReport rep;
+  std::mt19937 rng(5);
+
+  // 64 real rows: embeddings of real text, normed as layer 0 does.
+  std::vector<int32_t> toks;
+  for (const char* p : kPrompts) {
+    const auto t = tokens_of(*e, p);
+    toks.insert(toks.end(), t.begin(), t.end());
+  }
+  while (toks.size() < 64) toks.insert(toks.end(), toks.begin(), toks.end());
+  toks.resize(64);
+  const int64_t n_rows = 64, d = c.n_embd;
+  std::vector<float> x(static_cast<size_t>(n_rows * d)), h(x.size());
+  e->model().embed(toks.data(), n_rows, x.data());
+  // The row alone vs in batches of m rows at every position the check picks.
+  const int64_t kSizes[] = {2, 3, 8, 17, 64};
+  auto rows_of = [&](int64_t m, int64_t at, int64_t target, const std::vector<float>& src,
+                     int64_t width) {
+    // m rows from src with the target row placed at index `at`.
+    std::vector<float> b(static_cast<size_t>(m * width));
+    for (int64_t r = 0, k = 0; r < m; ++r) {
+      const int64_t from = r == at ? target : (k++ + target + 1) % n_rows;
+      std::copy_n(src.data() + from * width, width, b.data() + r * width);
+    }
+    return b;
+  };
+
+  {  // rms_norm
+    rms_norm(x.data(), w.attn_norm, n_rows, d, c.norm_eps, h.data());
+    for (int64_t r = 0; r < n_rows; r += 7) {
+      std::vector<float> one(static_cast<size_t>(d));
+      rms_norm(x.data() + r * d, w.attn_norm, d, c.norm_eps, one.data());
+      rep.add("rms_norm", "rows of a 64-row call", one.data(), h.data() + r * d, d);
+    }
+  }
+  // Inputs for the down projection: real swiglu(gate, up) of the normed rows.
+  std::vector<float> gate(static_cast<size_t>(n_rows * c.n_ff)), up(gate.size());
+  matmul(w.w_gate, h.data(), n_rows, gate.data(), tp);
+  matmul(w.w_up, h.data(), n_rows, up.data(), tp);
+  std::vector<float> act(gate.size());
+  swiglu(gate.data(), up.data(), act.data(), n_rows * c.n_ff);
+  for (int64_t r = 0; r < n_rows; r += 5) {
+    std::vector<float> one(static_cast<size_t>(c.n_ff));
+    swiglu(gate.data() + r * c.n_ff, up.data() + r * c.n_ff, one.data(), c.n_ff);
+    rep.add("swiglu", "row at its offset in a 64-row call", one.data(), act.data() + r * c.n_ff,
+            c.n_ff);
+    std::vector<float> sum(static_cast<size_t>(d)), all(static_cast<size_t>(n_rows * d));
+    add(x.data() + r * d, h.data() + r * d, sum.data(), d);
+    add(x.data(), h.data(), all.data(), n_rows * d);
+    rep.add("add", "row at its offset in a 64-row call", sum.data(), all.data() + r * d, d);
+  }
+  {  // rope
+    const int64_t qd = static_cast<int64_t>(c.n_heads) * c.head_dim;
+    auto q = random_rows(rng, n_rows * qd);
+    std::vector<int32_t> pos(static_cast<size_t>(n_rows));
+    for (int64_t r = 0; r < n_rows; ++r) pos[r] = static_cast<int32_t>(3 * r + 1);
+    const RopeParams rp{.style = c.rope_neox ? RopeStyle::kNeox : RopeStyle::kNormal,
+                        .n_rot = c.n_rot,
+                        .freq_base = c.rope_freq_base,
+                        .freq_scale = c.rope_freq_scale};
+    std::vector<float> all = q;
+    rope(all.data(), pos.data(), n_rows, c.n_heads, c.head_dim, rp);
+    for (int64_t r = 0; r < n_rows; r += 9) {
+      std::vector<float> one(q.begin() + r * qd, q.begin() + (r + 1) * qd);
+      rope(one.data(), &pos[r], 1, c.n_heads, c.head_dim, rp);
+      rep.add("rope", "token of a 64-token call", one.data(), all.data() + r * qd, qd);
+    }
+  }
+
+  // Matmuls: every weight of layer 0 and the output projection, row alone
+  // (m = 1) vs the same row at several positions of m-row calls.
+  struct Named {
+    const char* name;
+    const WeightView* w;
+    const std::vector<float>* in;
+  };
+  std::vector<float> out_in(h.size());
+  rms_norm(x.data(), e->model().output_norm(), n_rows, d, c.norm_eps, out_in.data());
+  const Named mats[] = {
+      {"matmul wq", &w.wq, &h},           {"matmul wk", &w.wk, &h},
+      {"matmul wv", &w.wv, &h},           {"matmul wo", &w.wo, &h},
+      {"matmul w_gate", &w.w_gate, &h},   {"matmul w_up", &w.w_up, &h},
+      {"matmul w_down", &w.w_down, &act}, {"matmul output", &e->model().output(), &out_in}};
+  for (const Named& mt : mats) {
+    const WeightView& wv = *mt.w;
+    ASSERT_EQ(wv.n_in * n_rows, static_cast<int64_t>(mt.in->size())) << mt.name;
+    const std::string ctx_base = std::string(ggml_type_name(wv.type)) + " " +
+                                 std::to_string(wv.n_out) + "x" + std::to_string(wv.n_in);
+    const int64_t kTargets[] = {0, 13};
+    for (int64_t target : kTargets) {
+      std::vector<float> one(static_cast<size_t>(wv.n_out));
+      matmul(wv, mt.in->data() + target * wv.n_in, 1, one.data(), tp);
+      for (int64_t m : kSizes) {
+        for (int64_t at : {int64_t{0}, m / 2, m - 1}) {
+          const auto in = rows_of(m, at, target, *mt.in, wv.n_in);
+          std::vector<float> y(static_cast<size_t>(m * wv.n_out));
+          matmul(wv, in.data(), m, y.data(), tp);
+          rep.add(mt.name, ctx_base + ", m=1 vs m in {2,3,8,17,64}", one.data(),
+                  y.data() + at * wv.n_out, wv.n_out);
+        }
+      }
+    }
+  }
+
+  // Attention on K/V the model wrote: a target sequence of 300 tokens and
+  // others of various lengths, random queries.
+  std::string long_text;
+  while (long_text.size() < 1400) long_text += std::string(kPrompts[4]) + " " + kPrompts[1] + " ";
+  auto target_tokens = tokens_of(*e, long_text);
+  target_tokens.resize(300);
+  std::vector<BlockTable> tables;
+  std::vector<int64_t> lengths = {300, 17, 120, 480, 64, 33, 250, 9};
+  for (int64_t len : lengths) {
+    tables.push_back(e->new_table());
+    std::vector<int32_t> t(target_tokens.begin(), target_tokens.end());
+    while (static_cast<int64_t>(t.size()) < len)
+      t.insert(t.end(), target_tokens.begin(), target_tokens.end());
+    t.resize(static_cast<size_t>(len));
+    if (&tables.back() != &tables.front()) std::rotate(t.begin(), t.begin() + 1, t.end());
+    ASSERT_TRUE(e->prefill(tables.back(), t, LogitsMode::kNone, nullptr).ok());
+  }
+  const int64_t qd = static_cast<int64_t>(c.n_heads) * c.head_dim;
+  const AttnParams ap{.n_q_heads = c.n_heads,
+                      .n_kv_heads = c.n_kv_heads,
+                      .head_dim = c.head_dim,
+                      .scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
+                      .window = c.sliding_window};
+  for (int layer : {0, c.n_layers - 1}) {
+    const PagedKvLayerView view = e->pool().layer_view(layer);
+    // q rows per sequence: up to 32 chunk rows, the last is the decode query.
+    std::vector<std::vector<float>> qs;
+    for (size_t i = 0; i < tables.size(); ++i) qs.push_back(random_rows(rng, 32 * qd));
+    auto entry = [&](size_t i, int32_t n_new, float* out) {
+      const auto len = static_cast<int32_t>(tables[i].length());
+      return AttnSeq{.block_table = tables[i].data(),
+                     .n_blocks = static_cast<int32_t>(tables[i].n_blocks()),
+                     .n_past = len - n_new,
+                     .n_new = n_new,
+                     .q = qs[i].data() + (32 - n_new) * qd,
+                     .out = out};
+    };
+    std::vector<float> alone(static_cast<size_t>(qd));
+    const AttnSeq a1 = entry(0, 1, alone.data());
+    ASSERT_TRUE(paged_attention(view, ap, std::span<const AttnSeq>(&a1, 1), tp).ok());
+    const std::string lname = "layer " + std::to_string(layer);
+    // Decode beside k other decodes.
+    for (size_t k = 1; k < tables.size(); ++k) {
+      std::vector<std::vector<float>> outs(k + 1, std::vector<float>(32 * qd));
+      std::vector<AttnSeq> seqs;
+      for (size_t i = 0; i <= k; ++i) seqs.push_back(entry(i, 1, outs[i].data()));
+      std::rotate(seqs.begin(), seqs.begin() + static_cast<long>(k / 2), seqs.end());
+      ASSERT_TRUE(paged_attention(view, ap, seqs, tp).ok());
+      rep.add("attention decode", lname + ", 1 seq vs beside 1..7 decodes", alone.data(),
+              outs[0].data(), qd);
+    }
+    // Decode beside another sequence's prefill chunk.
+    for (int32_t n_other : {2, 8, 32}) {
+      std::vector<float> o0(32 * qd), o1(32 * qd);
+      const AttnSeq seqs[2] = {entry(3, n_other, o1.data()), entry(0, 1, o0.data())};
+      ASSERT_TRUE(paged_attention(view, ap, seqs, tp).ok());
+      rep.add("attention decode", lname + ", 1 seq vs beside a prefill chunk", alone.data(),
+              o0.data(), qd);
+    }
+    // The same query row as the last row of a prefill chunk (chunking,
+    // recompute after preemption, a prefix hit that leaves one token).
+    for (int32_t n_new : {2, 5, 16, 32}) {
+      std::vector<float> o(32 * qd);
+      const AttnSeq s1 = entry(0, n_new, o.data());
+      ASSERT_TRUE(paged_attention(view, ap, std::span<const AttnSeq>(&s1, 1), tp).ok());
+      rep.add("attention chunk shape", lname + ", decode vs last row of n_new=2..32", alone.data(),
+              o.data() + (n_new - 1) * qd, qd);
+    }
+  }
+  tables.clear();
+
+  rep.print("Batch invariance, op by op (bit-exact comparison with the row alone)");
+  for (const char* op : {"rms_norm", "rope", "swiglu", "add"}) {
+    EXPECT_EQ(rep.n_differ(op), 0) << op << " must be row-local";
+  }
+  if (require_batch_invariance()) {
+    EXPECT_EQ(rep.n_differ("matmul"), 0);
+    EXPECT_EQ(rep.n_differ("attention"), 0);
+  }
+  expect_pool_idle(*e);
+}
+
+// End to end through Forward::step: the target sequence's logits alone vs in
+// the batch shapes the scheduler builds.
+TEST(BatchInvariance, ForwardLogitsAloneVsBatched) {
+  auto e = make_engine(4096);
+  REQUIRE_ENGINE(e);
+  const int64_t n_vocab = e->model().config().n_vocab;
+  Forward& fwd = e->forward();
+  const auto prompt = tokens_of(*e, kPrompts[1]);
+  const int32_t next = prompt[3];  // any token: the decode input
+  std::vector<std::vector<int32_t>> others;
+  for (int i : {0, 2, 4, 5}) others.push_back(tokens_of(*e, kPrompts[i]));
+  InvarianceReport rep;
+
+  // Reference: the prompt prefilled in one chunk, then one decode, alone.
+  auto lone = [&](std::vector<float>* prefill_logits, std::vector<float>* decode_logits) {
+    BlockTable t = e->new_table();
+    const StepSeq p{.table = &t, .tokens = prompt, .logits = LogitsMode::kLast};
+    ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&p, 1), prefill_logits).ok());
+    const StepSeq q{.table = &t, .tokens = std::span<const int32_t>(&next, 1)};
+    ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&q, 1), decode_logits).ok());
+  };
+  std::vector<float> ref_prefill, ref_decode;
+  lone(&ref_prefill, &ref_decode);
+
+  // Decode beside k other decodes (others prefilled first), target at every slot.
+  for (size_t k = 1; k <= others.size(); ++k) {
+    for (size_t at = 0; at <= k; at += k) {
+      BlockTable t = e->new_table();
+      std::vector<BlockTable> ot;
+      for (size_t i = 0; i < k; ++i) ot.push_back(e->new_table());
+      std::vector<float> lg;
+      const StepSeq p{.table = &t, .tokens = prompt, .logits = LogitsMode::kLast};
+      ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&p, 1), &lg).ok());
+      for (size_t i = 0; i < k; ++i) {
+        const StepSeq o{.table = &ot[i], .tokens = others[i], .logits = LogitsMode::kNone};
+        ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&o, 1), nullptr).ok());
+      }
+      std::vector<StepSeq> batch;
+      for (size_t i = 0; i < k; ++i) {
+        batch.push_back({.table = &ot[i], .tokens = std::span<const int32_t>(&others[i][0], 1)});
+      }
+      batch.insert(batch.begin() + static_cast<long>(at),
+                   StepSeq{.table = &t, .tokens = std::span<const int32_t>(&next, 1)});
+      ASSERT_TRUE(fwd.step(batch, &lg).ok());
+      rep.add("decode logits", "alone vs beside 1..4 decodes", ref_decode.data(),
+              lg.data() + at * n_vocab, n_vocab);
+    }
+  }
+  // Decode beside another sequence's prefill chunk (chunked prefill).
+  for (size_t i = 0; i < others.size(); ++i) {
+    BlockTable t = e->new_table(), o = e->new_table();
+    std::vector<float> lg;
+    const StepSeq p{.table = &t, .tokens = prompt, .logits = LogitsMode::kLast};
+    ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&p, 1), &lg).ok());
+    const StepSeq batch[2] = {{.table = &t, .tokens = std::span<const int32_t>(&next, 1)},
+                              {.table = &o, .tokens = others[i], .logits = LogitsMode::kNone}};
+    ASSERT_TRUE(fwd.step(batch, &lg).ok());
+    rep.add("decode logits", "alone vs beside a prefill chunk", ref_decode.data(), lg.data(),
+            n_vocab);
+  }
+  // The prompt prefilled beside other prompts in the same step.
+  for (size_t i = 0; i < others.size(); ++i) {
+    BlockTable t = e->new_table(), o = e->new_table();
+    std::vector<float> lg;
+    const StepSeq batch[2] = {{.table = &o, .tokens = others[i], .logits = LogitsMode::kLast},
+                              {.table = &t, .tokens = prompt, .logits = LogitsMode::kLast}};
+    ASSERT_TRUE(fwd.step(batch, &lg).ok());
+    rep.add("prefill logits", "alone vs beside another prompt", ref_prefill.data(),
+            lg.data() + n_vocab, n_vocab);
+  }
+  // The prompt in chunks (fixed boundaries) instead of one piece.
+  for (size_t chunk : {size_t{1}, size_t{2}, size_t{5}, size_t{8}}) {
+    BlockTable t = e->new_table();
+    std::vector<float> lg;
+    for (size_t b = 0; b < prompt.size(); b += chunk) {
+      const size_t n = std::min(chunk, prompt.size() - b);
+      const StepSeq p{.table = &t,
+                      .tokens = std::span<const int32_t>(prompt.data() + b, n),
+                      .logits = b + n == prompt.size() ? LogitsMode::kLast : LogitsMode::kNone};
+      ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&p, 1), &lg).ok());
+    }
+    rep.add("prefill logits", "one piece vs chunks of " + std::to_string(chunk), ref_prefill.data(),
+            lg.data(), n_vocab);
+  }
+  rep.print("Batch invariance through Forward::step (bit-exact logits of one sequence)");
+  if (require_batch_invariance()) {
+    EXPECT_EQ(rep.n_differ(""), 0);
+  }
+  // Whatever the kernels do, the results must stay close (rounding
+  // differences compound over 30 layers; a wrong position or a K/V mix-up
+  // between sequences moves logits by several units).
+  for (const auto& r : rep.rows) EXPECT_LT(r.max_abs, 1.0) << r.op << " " << r.context;
   expect_pool_idle(*e);
 }
 

@@ -1,6 +1,9 @@
 #include "engine/sequence.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 
 namespace kvstack {
 
@@ -37,7 +40,7 @@ void Sequence::on_committed(std::span<const int32_t> tokens) {
 void Sequence::publish() {
   PrefixIndex* index = kv_->index();
   if (index == nullptr || ns_ == kNoNamespace || publish_stopped_) return;
-  const int64_t n_full = table_.length() / table_.pool().block_size();
+  const int64_t n_full = table_.shareable_length() / table_.pool().block_size();
   if (n_published_ >= n_full) return;
   // Stops for good at the first block another sequence already published
   // (its duplicate stays private to this sequence).
@@ -81,6 +84,8 @@ KvManager::KvManager(BlockPool& pool, CacheIdentity identity, KvManagerConfig co
 }
 
 KvManager::~KvManager() {
+  // Teardown evicts every cached block; a sink's owner may already be gone.
+  if (index_) index_->set_event_sink({});
   pinned_.clear();
 }
 
@@ -88,13 +93,19 @@ NamespaceId KvManager::namespace_for(std::string_view cache_salt) {
   if (!index_) return kNoNamespace;
   const std::string name =
       cache_salt.empty() ? config_.default_namespace : "salt:" + std::string(cache_salt);
-  return index_->intern_namespace(identity_.with_namespace(name).digest());
+  const NamespaceId ns = index_->intern_namespace(identity_.with_namespace(name).digest());
+  if (static_cast<size_t>(ns) >= ns_names_.size()) ns_names_.resize(ns + 1);
+  ns_names_[ns] = name;
+  return ns;
 }
 
 NamespaceId KvManager::public_namespace() {
   if (!index_) return kNoNamespace;
-  return index_->intern_namespace(identity_.with_namespace(public_namespace_name()).digest(),
-                                  /*is_public=*/true);
+  const NamespaceId ns = index_->intern_namespace(
+      identity_.with_namespace(public_namespace_name()).digest(), /*is_public=*/true);
+  if (static_cast<size_t>(ns) >= ns_names_.size()) ns_names_.resize(ns + 1);
+  ns_names_[ns] = "public";
+  return ns;
 }
 
 Sequence KvManager::new_sequence(NamespaceId ns) {
@@ -113,6 +124,181 @@ int64_t KvManager::n_pinned_blocks() const {
   int64_t n = 0;
   for (const Sequence& s : pinned_) n += s.n_published_blocks();
   return n;
+}
+
+}  // namespace kvstack
+
+namespace kvstack {
+
+KvPrefixStats KvManager::prefix_stats() const {
+  KvPrefixStats s;
+  s.block_size = pool_.block_size();
+  if (!index_) return s;
+  s.enabled = true;
+  const PrefixIndexStats is = index_->stats();
+  const BlockPoolStats ps = pool_.stats();
+  s.n_queries = is.total.n_queries;
+  s.n_query_tokens = is.total.n_query_tokens;
+  s.n_hit_blocks = is.total.n_hit_blocks;
+  s.n_hit_tokens = is.total.n_hit_tokens;
+  s.hit_rate = is.total.hit_rate();
+  s.n_partial_hits = is.n_partial_hits;
+  s.n_published = is.total.n_published;
+  s.n_nodes = is.n_nodes;
+  s.n_cached_blocks = is.n_cached_blocks;
+  s.n_pinned_blocks = n_pinned_blocks();
+  s.n_evictions = is.n_evictions;
+  s.n_cow_copies = ps.n_cow_copies;
+  s.n_partial_copies = ps.n_partial_copies;
+  s.n_collisions = is.n_collisions;
+  s.n_duplicates = is.n_duplicates;
+  s.n_events_dropped = is.n_events_dropped;
+  for (const auto& [ns, counts] : is.per_namespace) {
+    const std::string name = static_cast<size_t>(ns) < ns_names_.size() ? ns_names_[ns] : "";
+    s.namespaces.push_back({.ns = ns, .name = name, .counts = counts});
+  }
+  return s;
+}
+
+Status KvManager::set_event_sink(KvEventSink sink, bool replay_existing) {
+  if (!index_) {
+    return make_error(Errc::kInvalidArgument, "KV events need the prefix cache (it is disabled)");
+  }
+  if (sink && replay_existing) index_->replay_stored(sink);
+  index_->set_event_sink(std::move(sink));
+  return Status{};
+}
+
+namespace {
+
+std::string json_string(const std::string& v) {
+  std::string out = "\"";
+  for (unsigned char c : v) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+
+std::string counts_json(const NamespaceStats& c) {
+  char buf[320];
+  std::snprintf(buf, sizeof(buf),
+                "\"queries\": %lld, \"query_tokens\": %lld, \"hit_blocks\": %lld, "
+                "\"hit_tokens\": %lld, \"hit_rate\": %.6f, \"published\": %lld, \"nodes\": %lld",
+                static_cast<long long>(c.n_queries), static_cast<long long>(c.n_query_tokens),
+                static_cast<long long>(c.n_hit_blocks), static_cast<long long>(c.n_hit_tokens),
+                c.hit_rate(), static_cast<long long>(c.n_published),
+                static_cast<long long>(c.n_nodes));
+  return buf;
+}
+
+}  // namespace
+
+std::string prefix_stats_json(const KvPrefixStats& s) {
+  std::string out = "{\"enabled\": ";
+  out += s.enabled ? "true" : "false";
+  auto field = [&](const char* k, int64_t v) {
+    out += ", \"";
+    out += k;
+    out += "\": " + std::to_string(v);
+  };
+  field("block_size", s.block_size);
+  field("queries", s.n_queries);
+  field("query_tokens", s.n_query_tokens);
+  field("hit_blocks", s.n_hit_blocks);
+  field("hit_tokens", s.n_hit_tokens);
+  char rate[48];
+  std::snprintf(rate, sizeof(rate), ", \"hit_rate\": %.6f", s.hit_rate);
+  out += rate;
+  field("partial_hits", s.n_partial_hits);
+  field("published", s.n_published);
+  field("nodes", s.n_nodes);
+  field("cached_blocks", s.n_cached_blocks);
+  field("pinned_blocks", s.n_pinned_blocks);
+  field("evictions", s.n_evictions);
+  field("cow_copies", s.n_cow_copies);
+  field("partial_copies", s.n_partial_copies);
+  field("collisions", s.n_collisions);
+  field("duplicates", s.n_duplicates);
+  field("events_dropped", s.n_events_dropped);
+  out += ", \"namespaces\": [";
+  for (size_t i = 0; i < s.namespaces.size(); ++i) {
+    const KvNamespaceStats& n = s.namespaces[i];
+    if (i > 0) out += ", ";
+    out += "{\"namespace\": " + std::to_string(n.ns) + ", \"name\": " + json_string(n.name) + ", " +
+           counts_json(n.counts) + "}";
+  }
+  return out + "]}";
+}
+
+std::string format_prefix_stats(const KvPrefixStats& s) {
+  if (!s.enabled) return "prefix cache: off\n";
+  const auto ll = [](int64_t v) { return static_cast<long long>(v); };
+  char buf[1600];
+  std::snprintf(
+      buf, sizeof(buf),
+      "prefix cache (blocks of %lld tokens):\n"
+      "  lookups          %lld queries, %lld tokens offered\n"
+      "  hits             %lld tokens (%lld full blocks, %lld partial-block hits), "
+      "hit rate %.1f%%\n"
+      "  blocks           %lld published now (%lld cached and evictable, %lld pinned public), "
+      "%lld published in total\n"
+      "  evictions        %lld blocks\n"
+      "  copies           %lld copy-on-write, %lld partial-block\n"
+      "  verification     %lld lookup collisions rejected, %lld duplicate publishes refused\n",
+      ll(s.block_size), ll(s.n_queries), ll(s.n_query_tokens), ll(s.n_hit_tokens),
+      ll(s.n_hit_blocks), ll(s.n_partial_hits), 100.0 * s.hit_rate, ll(s.n_nodes),
+      ll(s.n_cached_blocks), ll(s.n_pinned_blocks), ll(s.n_published), ll(s.n_evictions),
+      ll(s.n_cow_copies), ll(s.n_partial_copies), ll(s.n_collisions), ll(s.n_duplicates));
+  std::string out = buf;
+  out += "  namespace                 queries  query tokens  hit tokens  hit rate  blocks now\n";
+  for (const KvNamespaceStats& n : s.namespaces) {
+    std::snprintf(buf, sizeof(buf), "  %-24.24s %8lld %13lld %11lld %8.1f%% %11lld\n",
+                  n.name.c_str(), ll(n.counts.n_queries), ll(n.counts.n_query_tokens),
+                  ll(n.counts.n_hit_tokens), 100.0 * n.counts.hit_rate(), ll(n.counts.n_nodes));
+    out += buf;
+  }
+  return out;
+}
+
+KvEventFile::~KvEventFile() {
+  if (kv_ != nullptr) (void)kv_->set_event_sink({});
+  if (file_ != nullptr) std::fclose(file_);
+}
+
+Status KvEventFile::open(KvManager& kv, const std::string& path) {
+  KV_CHECK(file_ == nullptr, "KvEventFile::open: already open");
+  if (kv.index() == nullptr) {
+    return make_error(Errc::kInvalidArgument,
+                      "--kv-events needs the prefix cache (drop --no-prefix-cache)");
+  }
+  file_ = std::fopen(path.c_str(), "w");
+  if (file_ == nullptr) {
+    return make_error(Errc::kIo,
+                      "--kv-events " + path + ": cannot open for writing: " + std::strerror(errno));
+  }
+  kv_ = &kv;
+  return kv.set_event_sink([this](const KvEvent& e) {
+    const std::string line = kv_event_json(e);
+    std::fprintf(file_, "%s\n", line.c_str());
+    std::fflush(file_);
+    ++n_written_;
+  });
+}
+
+std::string kv_event_json(const KvEvent& e) {
+  return std::string("{\"event\":\"") + (e.kind == KvEvent::Kind::kStored ? "stored" : "removed") +
+         "\",\"hash\":\"" + e.hash.hex() + "\",\"parent\":\"" + e.parent_hash.hex() +
+         "\",\"n_tokens\":" + std::to_string(e.n_tokens) +
+         ",\"namespace\":" + std::to_string(e.ns) + "}";
 }
 
 }  // namespace kvstack

@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <span>
 #include <string>
@@ -47,7 +48,69 @@ struct KvManagerConfig {
   int64_t event_capacity = 0;                 // pending KV events kept (0 = events off)
 };
 
+// Prefix-cache statistics of one namespace (KvManager::prefix_stats).
+struct KvNamespaceStats {
+  NamespaceId ns = kNoNamespace;
+  // "default" (or the configured default), "public", or "salt:<cache salt>".
+  // Names a tenant's salt: do not show it to other tenants (spec section 6).
+  std::string name;
+  NamespaceStats counts;
+};
+
+// Everything a user or an operator needs to judge the prefix cache (the
+// /v1/kv/stats payload, `kvstack run --kv-stats`). Counters are lifetime
+// totals of this manager; block figures are current.
+struct KvPrefixStats {
+  bool enabled = false;          // prefix cache on (all else is 0 when off)
+  int64_t block_size = 0;        // tokens per block (P)
+  int64_t n_queries = 0;         // prefix lookups (one per new request or sequence)
+  int64_t n_query_tokens = 0;    // tokens offered to lookups (prompt minus its last token)
+  int64_t n_hit_blocks = 0;      // full blocks matched
+  int64_t n_hit_tokens = 0;      // tokens served from the cache (partial copies included)
+  double hit_rate = 0;           // n_hit_tokens / n_query_tokens
+  int64_t n_partial_hits = 0;    // lookups ending in a partial-block candidate
+  int64_t n_published = 0;       // blocks published (lifetime)
+  int64_t n_nodes = 0;           // published blocks now (in use + cached)
+  int64_t n_cached_blocks = 0;   // unreferenced, resident, evictable
+  int64_t n_pinned_blocks = 0;   // public prefix blocks (never evicted)
+  int64_t n_evictions = 0;       // cached blocks reclaimed for allocations
+  int64_t n_cow_copies = 0;      // shared partial tails copied before an append
+  int64_t n_partial_copies = 0;  // cached blocks copied for a partial-block hit
+  int64_t n_collisions = 0;      // lookup-hash hits rejected by token verification
+  int64_t n_duplicates = 0;      // publishes refused: an equal block was published
+  int64_t n_events_dropped = 0;  // queued events lost to the queue bound
+  std::vector<KvNamespaceStats> namespaces;  // by namespace id
+};
+
+// A human table (units spelled out, one line per namespace) and a JSON
+// object of the same figures (keys are the field names without n_).
+std::string format_prefix_stats(const KvPrefixStats& stats);
+std::string prefix_stats_json(const KvPrefixStats& stats);
+// One event as a JSON line (no newline), the format of --kv-events:
+//   {"event":"stored","hash":"<32 hex>","parent":"<32 hex>","n_tokens":16,"namespace":0}
+std::string kv_event_json(const KvEvent& event);
+
 class KvManager;
+
+// Appends a KvManager's block stored / removed events to a file as JSON
+// lines (kv_event_json), from open() (blocks already published are written
+// first, as stored events) until destruction, flushed after every line.
+// REQUIRES: destroyed before the manager.
+class KvEventFile {
+ public:
+  KvEventFile() = default;
+  ~KvEventFile();
+  KvEventFile(const KvEventFile&) = delete;
+  KvEventFile& operator=(const KvEventFile&) = delete;
+  // kInvalidArgument when the prefix cache is off, kIo naming the file.
+  Status open(KvManager& kv, const std::string& path);
+  int64_t n_written() const { return n_written_; }
+
+ private:
+  KvManager* kv_ = nullptr;
+  std::FILE* file_ = nullptr;
+  int64_t n_written_ = 0;
+};
 
 class Sequence {
  public:
@@ -130,13 +193,25 @@ class KvManager {
   int64_t pin_public(Sequence seq);
   int64_t n_pinned_blocks() const;
 
+  // Prefix-cache statistics (index counters, pool copy/eviction counters,
+  // per-namespace counts). O(namespaces).
+  KvPrefixStats prefix_stats() const;
+  // Delivers every block stored / removed event to `sink` as it happens
+  // (inside the pool operation: the sink must not call back into the
+  // manager). replay_existing first sends one stored event per block
+  // already published, parents first. kInvalidArgument when the prefix
+  // cache is disabled. An empty sink turns delivery off; the manager's
+  // destructor turns it off before tearing the cache down.
+  Status set_event_sink(KvEventSink sink, bool replay_existing = true);
+
  private:
   friend class Sequence;
   BlockPool& pool_;
   CacheIdentity identity_;
   KvManagerConfig config_;
   std::unique_ptr<PrefixIndex> index_;
-  std::vector<Sequence> pinned_;  // destroyed before index_ (declared after it)
+  std::vector<std::string> ns_names_;  // [namespace id] display name
+  std::vector<Sequence> pinned_;       // destroyed before index_ (declared after it)
 };
 
 }  // namespace kvstack

@@ -19,6 +19,7 @@
 #include <set>
 #include <tuple>
 
+#include "core/check.h"
 #include "engine/forward.h"
 #include "engine/sequence.h"
 #include "engine/testing/synthetic_model.h"
@@ -220,7 +221,9 @@ TEST_P(RandomOps, InvariantsAndContentsAgainstReference) {
     ASSERT_EQ(index.stats().n_nodes, static_cast<int64_t>(ref.entries.size()));
   };
 
-  const int kOps = 20000;
+  // With KV_DCHECK on, the pool also checks itself after every mutation
+  // (O(pool) each), so the sanitizer build runs a shorter sequence.
+  const int kOps = KV_DCHECK_IS_ON ? 5000 : 20000;
   for (int op = 0; op < kOps; ++op) {
     int kind = rnd(0, 99);
     // Keep the working set churning: past 8 live sequences, finish one
@@ -409,7 +412,7 @@ TEST(PrefixCache, EvictionIsLeafFirstLruAndNeverTouchesReferencedBlocks) {
   BlockPool& pool = **pool_r;
   KvManager kv(pool, test_identity(), {.event_capacity = 100});
   const NamespaceId ns = kv.namespace_for("");
-  auto run = [&](std::vector<int32_t> toks) {
+  auto run = [&](const std::vector<int32_t>& toks) {
     Sequence s = kv.new_sequence(ns);
     EXPECT_TRUE(sim_step(pool, s, toks));
     return s;

@@ -25,6 +25,28 @@
 // published block is never written in place. A prefix hit that ends inside
 // a cached block is adopted by copy (adopt_partial_copy).
 //
+// KIVI layouts (KvLayout::has_kivi(), kivi_codec.h). A key group is G
+// tokens of one channel, so a token cannot be quantized on arrival. Each
+// table keeps a residual: per layer, the K/V of positions
+// [converted(), length() + written) as f16 rows in a side buffer owned by the
+// table (not by the pool). write() appends there; commit() then converts every
+// group g whose tokens are all older than the newest R (R = kivi_residual()),
+// i.e. while converted + G + R <= length, encoding it into the blocks and
+// dropping it from the residual. Readers (attention) take positions
+// < converted() from the blocks and the rest from residual_view(), so within
+// one step every reader sees the same, never half-converted state, and the
+// reference "quantize the same groups at the same moments" is exact.
+// The blocks are reserved for all length() tokens as for other formats (the
+// slots of residual tokens wait for their codes), so converting in commit()
+// never allocates and cannot fail; the residual costs at most
+// (R + G - 1 + step tokens) x 2 H_kv d x 2 bytes per layer per sequence.
+// Only converted blocks are final: shareable_length() = converted() bounds
+// what share_block() / the prefix index may publish; reserve() copies
+// (copy-on-write) every shared block the coming conversions will write;
+// fork() and clone_private() copy the residual; adopt_prefix() takes fully
+// converted blocks; adopt_partial_copy() re-expands a partly adopted group
+// into the residual (its decoded values) so groups stay whole.
+//
 // Thread-safety: same as BlockPool (single owner). write() on distinct
 // positions may run concurrently while no table/pool is mutated.
 #pragma once
@@ -51,6 +73,18 @@ class BlockTable {
 
   BlockPool& pool() const { return *pool_; }
   int64_t length() const { return length_; }
+  // KIVI: positions < converted() are quantized in the blocks; the rest are in
+  // the residual. Equals length() for other layouts.
+  int64_t converted() const { return kivi_ ? converted_ : length_; }
+  // Committed positions whose blocks are final (may be shared/published):
+  // full blocks below this length. converted() for KIVI, else length().
+  int64_t shareable_length() const { return converted(); }
+  // Residual of layer l (KIVI layouts; an empty view otherwise). Covers the
+  // committed residual plus rows written for the step in progress. Valid
+  // until the next write/commit/rollback/release.
+  KvResidualView residual_view(int l) const;
+  // Bytes of f16 rows the residual holds (all layers, K and V).
+  int64_t residual_bytes() const;
   int64_t capacity() const { return n_blocks() * block_size_; }
   int64_t n_blocks() const { return static_cast<int64_t>(ids_.size()); }
   // Block ids for the attention kernel: [n_blocks] int32 indices into the
@@ -74,14 +108,17 @@ class BlockTable {
   Status reserve(int64_t n_new);
 
   // Writes layer l's K/V for tokens [pos, pos + n_tokens), converting from
-  // float32 to the layer's dtype.
+  // float32 to the layer's dtype (KIVI layouts: to f16 in the residual;
+  // REQUIRES pos == length() and each layer written once per step; values
+  // beyond the f16 range abort with a message naming them).
   // k_rows, v_rows: [n_tokens, n_kv_heads, head_dim] float32 (MLA: k_rows is
   // [n_tokens, latent_dim + rope_dim], v_rows must be null).
   // REQUIRES: length() <= pos and pos + n_tokens <= capacity() (only reserved,
   // uncommitted slots are writable; committed K/V are immutable).
   void write(int l, int64_t pos, const float* k_rows, const float* v_rows, int64_t n_tokens);
 
-  // Marks n_new more tokens as written for every layer.
+  // Marks n_new more tokens as written for every layer (KIVI: and converts
+  // the groups that left the residual window). Never allocates.
   // REQUIRES: n_new >= 0 and length() + n_new <= capacity().
   void commit(int64_t n_new);
 
@@ -94,7 +131,7 @@ class BlockTable {
   void release();
 
   // Another reference to entry i, which must be a full committed block
-  // (REQUIRES (i + 1) * P <= length()).
+  // (REQUIRES (i + 1) * P <= shareable_length()).
   BlockRef share_block(int64_t i) const;
 
   // Appends full, already-written blocks (e.g. a prefix-cache match) as
@@ -125,11 +162,25 @@ class BlockTable {
  private:
   friend class BlockPool;
   void unregister();
+  // KIVI: the converted length once length() reaches `len`.
+  int64_t kivi_target(int64_t len) const;
+  // First and one-past-last block index that the next reserve(n_new) and
+  // commit may write (shared ones among them need copy-on-write).
+  void write_range(int64_t n_new, int64_t* first, int64_t* end) const;
+  int64_t n_shared_in(int64_t first, int64_t end) const;
+  bool block_shared(int64_t j) const;
+  void convert_ready();
+  void copy_residual_from(const BlockTable& other);
+  int64_t row_elems(int l) const;  // f16 elements per residual token row of layer l
 
   BlockPool* pool_ = nullptr;
   int block_size_ = 0;
   std::vector<int32_t> ids_;  // [n_blocks]; each entry holds one reference
   int64_t length_ = 0;
+  // KIVI residual (empty unless the layout has_kivi()).
+  bool kivi_ = false;
+  int64_t converted_ = 0;
+  std::vector<std::vector<uint16_t>> res_k_, res_v_;  // per layer [n, row_elems_]
 };
 
 // Batch plan/commit for one engine step over distinct tables of one pool:

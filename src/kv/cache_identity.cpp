@@ -48,6 +48,7 @@ Hash128 CacheIdentity::digest() const {
   put_field(buf, std::to_string(adapters.size()));
   for (const auto& a : adapters) put_field(buf, a);
   put_field(buf, kv_format);
+  put_field(buf, kv_transform);
   put_field(buf, position);
   put_field(buf, attention);
   put_field(buf, ns);
@@ -66,14 +67,16 @@ std::string public_namespace_name() {
 
 std::string kv_format_key(const KvLayout& layout) {
   std::ostringstream o;
-  o << "P=" << layout.block_size() << ";bb=" << layout.block_bytes() << ";L=" << layout.n_layers();
+  o << "P=" << layout.block_size() << ";bb=" << layout.block_bytes() << ";L=" << layout.n_layers()
+    << ";kiviG=" << layout.kivi_group() << ";kiviR=" << layout.kivi_residual();
   for (int l = 0; l < layout.n_layers(); ++l) {
     const KvLayerSpec& s = layout.layer(l);
     const KvLayerPlacement& pl = layout.placement(l);
     o << ";[" << static_cast<int>(s.kind) << ',' << s.n_kv_heads << ',' << s.head_dim_k << ','
       << s.head_dim_v << ',' << s.latent_dim << ',' << s.rope_dim << ",dt"
-      << static_cast<int>(s.dtype) << ",w" << s.window << ",@" << pl.k_offset << ',' << pl.v_offset
-      << ',' << pl.head_stride << ',' << pl.slot_stride << ',' << pl.end_offset << ']';
+      << static_cast<int>(s.dtype) << '/' << static_cast<int>(s.value_dtype()) << ",w" << s.window
+      << ",@" << pl.k_offset << ',' << pl.v_offset << ',' << pl.head_stride << ',' << pl.slot_stride
+      << ',' << pl.end_offset << ']';
   }
   return o.str();
 }

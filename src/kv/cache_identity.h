@@ -20,6 +20,7 @@ struct CacheIdentity {
   std::string arch_revision;          // architecture + engine forward revision + shapes
   std::vector<std::string> adapters;  // adapter digests, in application order (none yet)
   std::string kv_format;              // kv_format_key(layout)
+  std::string kv_transform;           // kv_rotation_key() of --kv-rotate ("" = none)
   std::string position;               // RoPE / position rules
   std::string attention;              // attention visibility rules (window, sinks)
   std::string ns;                     // namespace: cache salt or deployment default

@@ -35,15 +35,22 @@ struct Stream {
   int64_t heads;
   int64_t width;
   GroupSpec group;
+  int bits = 16;
 };
+
+// Tokens per KIVI key group in a pool of P-token blocks (groups never span
+// blocks): min(g, P).
+int64_t token_group(const GroupSpec& g, int64_t block_size) {
+  return block_size > 0 ? std::min(g.group, block_size) : g.group;
+}
 
 int n_streams(const LayerSpec& l, const KvFormat& f, Stream out[2]) {
   if (l.kind == LayerKind::kMla) {
-    out[0] = {1, l.mla_latent + l.mla_rope_dim, f.key};
+    out[0] = {1, l.mla_latent + l.mla_rope_dim, f.key, f.bits};
     return 1;
   }
-  out[0] = {l.n_kv_heads, l.head_dim_k, f.key};
-  out[1] = {l.n_kv_heads, l.head_dim_v, f.value};
+  out[0] = {l.n_kv_heads, l.head_dim_k, f.key, f.bits};
+  out[1] = {l.n_kv_heads, l.head_dim_v, f.value, f.value_bits > 0 ? f.value_bits : f.bits};
   return 2;
 }
 
@@ -53,7 +60,7 @@ uint64_t stream_bytes(const Stream& s, const KvFormat& f, uint64_t quantized, ui
                       int64_t block_size) {
   const uint64_t heads = static_cast<uint64_t>(s.heads);
   const uint64_t width = static_cast<uint64_t>(s.width);
-  uint64_t bytes = ceil_div(heads * quantized * width * static_cast<uint64_t>(f.bits), 8);
+  uint64_t bytes = ceil_div(heads * quantized * width * static_cast<uint64_t>(s.bits), 8);
   const uint64_t meta = static_cast<uint64_t>(s.group.meta_bytes);
   switch (s.group.axis) {
     case GroupAxis::kNone:
@@ -64,7 +71,14 @@ uint64_t stream_bytes(const Stream& s, const KvFormat& f, uint64_t quantized, ui
       break;
     }
     case GroupAxis::kTokens:
-      bytes += heads * width * ceil_div(quantized, static_cast<uint64_t>(s.group.group)) * meta;
+      if (block_size > 0) {
+        // Per block: P / G groups per channel (the engine's per-block region).
+        const uint64_t p = static_cast<uint64_t>(block_size);
+        bytes += heads * width * ceil_div(quantized, p) *
+                 (p / static_cast<uint64_t>(token_group(s.group, block_size))) * meta;
+      } else {
+        bytes += heads * width * ceil_div(quantized, static_cast<uint64_t>(s.group.group)) * meta;
+      }
       break;
     case GroupAxis::kBlockHead: {
       const uint64_t p = block_size > 0 ? static_cast<uint64_t>(block_size) : 16;
@@ -141,14 +155,10 @@ PagingFigures paging_hist(const ModelArch& arch, const KvFormat& f, const SeqHis
   pg.block_bytes = block_bytes(arch, f, p);
   const uint64_t up = static_cast<uint64_t>(p);
   const int64_t r = f.residual_tokens;
-  // Tokens that live in blocks: all but the residual of each sequence.
-  auto in_blocks = [&](int64_t t) { return t - std::min(t, r); };
+  // Tokens that live in blocks: all of them (residual_tokens_at()).
+  auto in_blocks = [&](int64_t t) { return t; };
   int64_t min_in_blocks = std::numeric_limits<int64_t>::max();
-  uint64_t n_seq = 0;
-  for (const auto& [t, n] : seqs) {
-    min_in_blocks = std::min(min_in_blocks, in_blocks(t));
-    n_seq += static_cast<uint64_t>(n);
-  }
+  for (const auto& [t, n] : seqs) min_in_blocks = std::min(min_in_blocks, in_blocks(t));
   auto count = [&](int64_t shared_blocks, uint64_t* blocks, uint64_t* waste, uint64_t* ids) {
     *blocks = static_cast<uint64_t>(shared_blocks);
     *waste = 0;
@@ -167,15 +177,18 @@ PagingFigures paging_hist(const ModelArch& arch, const KvFormat& f, const SeqHis
   pg.slots = pg.block_count * up;
   pg.table_bytes = 4 * ids;
   if (r > 0) {
-    uint64_t per_seq = 0;
+    uint64_t per_token = 0;
     for (const auto& l : arch.layers) {
       Stream st[2];
       const int k = n_streams(l, f, st);
       for (int i = 0; i < k; ++i) {
-        per_seq += static_cast<uint64_t>(st[i].heads * st[i].width * r * f.residual_elem_bytes);
+        per_token += static_cast<uint64_t>(st[i].heads * st[i].width * f.residual_elem_bytes);
       }
     }
-    pg.residual_buffer_bytes = n_seq * per_seq;
+    for (const auto& [t, n] : seqs) {
+      pg.residual_buffer_bytes +=
+          static_cast<uint64_t>(n) * per_token * static_cast<uint64_t>(residual_tokens_at(f, t, p));
+    }
   }
   pg.kv_allocated_bytes = pg.block_count * pg.block_bytes + pg.residual_buffer_bytes;
   pg.allocator_total_bytes = pg.kv_allocated_bytes + pg.table_bytes;
@@ -354,11 +367,11 @@ Status validate_format(const KvFormat& f, const ModelArch& arch) {
     Stream st[2];
     const int k = n_streams(arch.layers[i], f, st);
     for (int j = 0; j < k; ++j) {
-      if ((st[j].width * f.bits) % 8 != 0) {
+      if ((st[j].width * st[j].bits) % 8 != 0) {
         return make_error(Errc::kInvalidArgument,
                           "kv format " + f.name + ": head width " + std::to_string(st[j].width) +
-                              " x " + std::to_string(f.bits) + " bits is not whole bytes (layer " +
-                              std::to_string(i) + ")");
+                              " x " + std::to_string(st[j].bits) +
+                              " bits is not whole bytes (layer " + std::to_string(i) + ")");
       }
     }
   }
@@ -535,7 +548,7 @@ double per_element(const GroupSpec& g, int bits, int64_t head_dim, int64_t block
       break;
     }
     case GroupAxis::kTokens:
-      b += s / static_cast<double>(g.group);
+      b += s / static_cast<double>(token_group(g, block_size));
       break;
     case GroupAxis::kBlockHead:
       b += s / static_cast<double>((block_size > 0 ? block_size : 16) * head_dim);
@@ -549,7 +562,28 @@ double key_bytes_per_element(const KvFormat& f, int64_t head_dim, int64_t block_
   return per_element(f.key, f.bits, head_dim, block_size);
 }
 double value_bytes_per_element(const KvFormat& f, int64_t head_dim, int64_t block_size) {
-  return per_element(f.value, f.bits, head_dim, block_size);
+  return per_element(f.value, f.value_bits > 0 ? f.value_bits : f.bits, head_dim, block_size);
+}
+
+KvFormat combine_kv_formats(const KvFormat& key, const KvFormat& value) {
+  if (key.name == value.name) return key;
+  KvFormat f = key;
+  f.name = key.name + "/" + value.name;
+  f.value = value.value;
+  f.value_bits = value.bits;
+  f.residual_tokens = std::max(key.residual_tokens, value.residual_tokens);
+  f.description = "K: " + key.description + "; V: " + value.description;
+  return f;
+}
+
+int64_t residual_tokens_at(const KvFormat& f, int64_t tokens, int64_t block_size) {
+  const int64_t r = f.residual_tokens;
+  if (r <= 0 || tokens <= 0) return 0;
+  if (tokens < r) return tokens;
+  GroupSpec g = f.key.axis == GroupAxis::kTokens ? f.key : f.value;
+  if (g.axis != GroupAxis::kTokens) g = GroupSpec{GroupAxis::kTokens, 32, 4};
+  const int64_t gs = std::max<int64_t>(1, token_group(g, block_size));
+  return r + (tokens - r) % gs;
 }
 
 const std::vector<WeightFormat>& weight_format_table() {
@@ -588,10 +622,12 @@ uint64_t layer_sequence_bytes(const LayerSpec& l, const KvFormat& f, int64_t tok
                               int64_t block_size) {
   if (tokens <= 0) return 0;
   const uint64_t t = static_cast<uint64_t>(tokens);
-  const uint64_t res = std::min<uint64_t>(t, static_cast<uint64_t>(f.residual_tokens));
+  const uint64_t res = static_cast<uint64_t>(residual_tokens_at(f, tokens, block_size));
   Stream st[2];
   const int k = n_streams(l, f, st);
   uint64_t total = 0;
+  // Payload: converted tokens quantized, the residual in f16 (the blocks also
+  // reserve the residual tokens' quantized slots: an allocator figure).
   for (int i = 0; i < k; ++i) total += stream_bytes(st[i], f, t - res, res, block_size);
   return total;
 }
@@ -604,7 +640,7 @@ double layer_bytes_per_token(const LayerSpec& l, const KvFormat& f, int64_t bloc
   bool is_exact = f.residual_tokens == 0;
   for (int i = 0; i < k; ++i) {
     total += static_cast<double>(st[i].heads * st[i].width) *
-             per_element(st[i].group, f.bits, st[i].width, block_size);
+             per_element(st[i].group, st[i].bits, st[i].width, block_size);
     if (st[i].group.axis == GroupAxis::kTokens && st[i].group.group != 1) is_exact = false;
     if (st[i].group.axis == GroupAxis::kBlockHead) is_exact = false;
   }
@@ -938,8 +974,9 @@ Result<PlanResult> plan(const PlanInput& in) {
   }
   if (f.residual_tokens > 0) {
     r.notes.push_back("residual: the newest " + std::to_string(f.residual_tokens) +
-                      " tokens of each sequence and layer are kept in f16 (2 H_kv d ((T - R) b_q "
-                      "+ R b))");
+                      " tokens (up to R + G - 1 until a key group fills) of each sequence and "
+                      "layer are kept in f16 outside the pool (payload 2 H_kv d ((T - res) b_q + "
+                      "res b)); the blocks also reserve their quantized slots");
   }
   return r;
 }
@@ -952,6 +989,9 @@ VerifyComparison compare_verify(const PlanResult& p, const VerifyReport& m) {
     c.rows.push_back(row);
   };
   exact("payload_bytes", p.kv_payload_bytes, m.payload_bytes);
+  if (p.paging && (p.paging->residual_buffer_bytes > 0 || m.residual_bytes > 0)) {
+    exact("residual_bytes", p.paging->residual_buffer_bytes, m.residual_bytes);
+  }
   if (p.paging) {
     exact("allocated_bytes", p.paging->kv_allocated_bytes, m.allocated_bytes);
     exact("block_count", p.paging->block_count, m.block_count);

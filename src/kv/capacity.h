@@ -101,12 +101,24 @@ struct KvFormat {
   int64_t residual_tokens = 0;  // R: newest tokens per sequence per layer kept unquantized
   int residual_elem_bytes = 2;  // bytes per residual element (f16)
   std::string description;
+  int value_bits = 0;  // V's w when it differs from K's (--kv-dtype-v); 0 = bits
 };
 
 // The formats the engine has (f32, f16, bf16) and the planned ones (fp8, int8,
 // int4, kivi2, kivi4), with their default group and metadata parameters.
 const std::vector<KvFormat>& kv_format_table();
 Result<KvFormat> find_kv_format(std::string_view name);
+// K in `key`'s format and V in `value`'s (--kv-dtype-k / --kv-dtype-v): K's
+// bits and grouping from `key`, V's from `value`, the larger residual (the
+// engine keeps K and V of a residual token together). Named "k/v".
+KvFormat combine_kv_formats(const KvFormat& key, const KvFormat& value);
+
+// KIVI residual model of the engine (block_table.h): blocks hold every token
+// (a residual token's slots wait for its codes), and a sequence of T tokens
+// keeps res(T) = T < R ? T : R + (T - R) % G tokens in f16 outside the pool,
+// G = min(key group, P) (kivi_codec.h). 0 when the format has no residual.
+int64_t residual_tokens_at(const KvFormat& f, int64_t tokens, int64_t block_size);
+
 // Overrides group size g, metadata bytes s and residual R of a quantized
 // format (any may be absent). Float formats reject overrides.
 Result<KvFormat> customize_kv_format(KvFormat format, std::optional<int64_t> group,
@@ -319,6 +331,9 @@ struct VerifyRequest {
   std::vector<int64_t> seq_tokens;  // T_i per sequence
   int64_t block_size = 16;
   std::string kv_dtype = "f16";  // a kv_format_table() name the engine supports
+  std::string kv_dtype_k;        // K's / V's format when they differ ("" = kv_dtype)
+  std::string kv_dtype_v;
+  int64_t kv_residual = 128;  // KIVI residual R
 };
 
 struct VerifyReport {
@@ -328,6 +343,9 @@ struct VerifyReport {
   uint64_t block_bytes = 0;
   int64_t rss_growth_bytes = 0;  // process RSS after filling the pool minus before
   uint64_t pool_bytes = 0;       // bytes the pool reserved (for context)
+  // KIVI: f16 residual rows the tables hold outside the pool; included in
+  // payload_bytes and allocated_bytes above.
+  uint64_t residual_bytes = 0;
 };
 
 // Implemented in the engine layer; not linked until it exists (cmd_plan.cpp

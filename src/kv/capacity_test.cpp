@@ -64,8 +64,16 @@ TEST(Capacity, BytesPerElementOfFormats) {
   // fp8: 1 + 4 / (16 x 128) (one f32 scale per block of 16 tokens per head).
   EXPECT_DOUBLE_EQ(key_bytes_per_element(fmt("fp8"), 128, 16), 1.0 + 4.0 / 2048);
   // kivi2: 2/8 + 4/32 = 0.375 for keys (per channel, 32 tokens) and values.
-  EXPECT_DOUBLE_EQ(key_bytes_per_element(fmt("kivi2"), 128, 16), 0.375);
+  EXPECT_DOUBLE_EQ(key_bytes_per_element(fmt("kivi2"), 128, 32), 0.375);
   EXPECT_DOUBLE_EQ(value_bytes_per_element(fmt("kivi2"), 128, 16), 0.375);
+  // A key group never spans blocks: with P = 16, G = 16 and keys take 2/8 + 4/16.
+  EXPECT_DOUBLE_EQ(key_bytes_per_element(fmt("kivi2"), 128, 16), 0.5);
+  // Split formats: K kivi2, V int8 (1 + 2/128).
+  const KvFormat split = combine_kv_formats(fmt("kivi2"), fmt("int8"));
+  EXPECT_EQ(split.name, "kivi2/int8");
+  EXPECT_DOUBLE_EQ(key_bytes_per_element(split, 128, 32), 0.375);
+  EXPECT_DOUBLE_EQ(value_bytes_per_element(split, 128, 32), 1.0 + 2.0 / 128);
+  EXPECT_EQ(split.residual_tokens, 128);
   EXPECT_DOUBLE_EQ(key_bytes_per_element(fmt("bf16"), 128, 16), 2.0);
 
   // int4 on Llama-3-8B: per head per token 128 x 0.5 + 4 groups x 4 B = 80 B;
@@ -86,12 +94,16 @@ TEST(Capacity, Grouped2BitWithResidual) {
   // Spec: 2 H_kv d ((T - R) b_q + R b) = 2 x 2 x 64 x (864 x 0.375 + 128 x 2)
   //      = 256 x (324 + 256) = 148480.
   EXPECT_EQ(run(input_for(a, {992}, "kivi2")).kv_payload_bytes, 148480u);
-  // T = 1000: 872 quantized, 128 residual.
-  // K: codes 2 x 872 x 64 x 2 / 8 = 27904; scales per channel 2 x 64 x ceil(872/32)=28 x 4
-  //    = 14336; residual 2 x 128 x 64 x 2 = 32768 -> 75008.
-  // V: codes 27904; per-token groups 2 x 872 x (64/32) x 4 = 13952; residual 32768 -> 74624.
+  // T = 1000: groups convert only when whole, so the residual holds
+  // R + (T - R) % G = 128 + 872 % 32 = 136 tokens and 864 are quantized.
+  // K: codes 2 x 864 x 64 x 2 / 8 = 27648; scales per channel 2 x 64 x 27 x 4
+  //    = 13824; residual 2 x 136 x 64 x 2 = 34816 -> 76288.
+  // V: codes 27648; per-token groups 2 x 864 x (64/32) x 4 = 13824; residual 34816 -> 76288.
   const PlanResult r = run(input_for(a, {1000}, "kivi2"));
-  EXPECT_EQ(r.kv_payload_bytes, 75008u + 74624u);
+  EXPECT_EQ(r.kv_payload_bytes, 76288u + 76288u);
+  EXPECT_EQ(residual_tokens_at(fmt("kivi2"), 1000, 0), 136);
+  EXPECT_EQ(residual_tokens_at(fmt("kivi2"), 1000, 16), 128 + 872 % 16);
+  EXPECT_EQ(residual_tokens_at(fmt("kivi2"), 90, 16), 90);
   EXPECT_FALSE(r.kv_bytes_per_token_exact);
   // Amortised: 2 x 64 x 0.375 x 2 streams = 96 B per token.
   EXPECT_DOUBLE_EQ(r.kv_bytes_per_token, 96.0);
@@ -184,6 +196,40 @@ TEST(Capacity, BlockBytesMatchEngineLayout) {
   // int4, H_kv 2, d 64, P 16: codes 2x16x64/2 = 1024, meta 2x16x2x4 = 256 per stream,
   // both already 64-aligned: (1024 + 256) x 2 = 2560.
   EXPECT_EQ(block_bytes(make_uniform_arch("x", 1, 2, 2, 64, 8, 1), fmt("int4"), 16), 2560u);
+}
+
+TEST(Capacity, KiviPlanMatchesEngineLayoutAndResidual) {
+  // Pool accounting = planner for KIVI and split formats: block bytes, and the
+  // payload of T tokens = layout payload of the converted tokens + f16 residual.
+  for (int p : {16, 32, 64}) {
+    for (const char* name : {"kivi2", "kivi4"}) {
+      const KvDtype t = *parse_kv_dtype(name);
+      auto layout = KvLayout::uniform(30, 3, 64, t, p);
+      ASSERT_TRUE(layout.ok()) << layout.error().message;
+      const ModelArch a = make_uniform_arch("x", 30, 9, 3, 64, 64, 1);
+      EXPECT_EQ(block_bytes(a, fmt(name), p), static_cast<uint64_t>(layout->block_bytes()))
+          << name << " P " << p;
+      for (int64_t tokens : {1, 100, 128, 129, 700, 1000}) {
+        PlanInput in = input_for(a, {tokens, tokens}, name);
+        in.workload.block_size = p;
+        const PlanResult r = run(in);
+        const int64_t res = residual_tokens_at(fmt(name), tokens, p);
+        const int64_t g = std::min(32, p);
+        EXPECT_EQ(res, tokens < 128 ? tokens : 128 + (tokens - 128) % g);
+        const uint64_t res_bytes = static_cast<uint64_t>(res) * 30 * 2 * 3 * 64 * 2;
+        EXPECT_EQ(r.kv_payload_bytes,
+                  2 * (static_cast<uint64_t>(layout->payload_bytes(tokens - res)) + res_bytes))
+            << name << " P " << p << " T " << tokens;
+        EXPECT_EQ(r.paging->block_count, 2 * static_cast<uint64_t>((tokens + p - 1) / p));
+        EXPECT_EQ(r.paging->residual_buffer_bytes, 2 * res_bytes);
+      }
+    }
+  }
+  auto split = KvLayout::uniform(30, 3, 64, *parse_kv_dtype("kivi2"), 32, KvDtype::kInt8);
+  ASSERT_TRUE(split.ok());
+  EXPECT_EQ(block_bytes(make_uniform_arch("x", 30, 9, 3, 64, 64, 1),
+                        combine_kv_formats(fmt("kivi2"), fmt("int8")), 32),
+            static_cast<uint64_t>(split->block_bytes()));
 }
 
 TEST(Capacity, PrefixSharingAcrossRequests) {

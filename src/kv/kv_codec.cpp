@@ -90,8 +90,36 @@ int64_t kv_head_bytes(const KvRowGeometry& g, int64_t n_tokens, int block_size) 
   return n_tokens * (g.row_bytes + g.meta_row_bytes) + n_blocks * g.meta_block_bytes;
 }
 
+namespace {
+
+// Float formats: the stored value must be finite (f16 overflows above 65519.99,
+// bf16 above its largest finite value plus half an ulp).
+Status validate_float_values(KvDtype dtype, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(x[i])) {
+      return make_error(Errc::kInvalidArgument, std::string("element ") + std::to_string(i) +
+                                                    " is " + (std::isnan(x[i]) ? "nan" : "inf") +
+                                                    "; the KV cache stores only finite values");
+    }
+    const float stored = dtype == KvDtype::kF16    ? f16_to_f32(f32_to_f16(x[i]))
+                         : dtype == KvDtype::kBF16 ? bf16_to_f32(f32_to_bf16(x[i]))
+                                                   : x[i];
+    if (!std::isfinite(stored)) {
+      return make_error(Errc::kInvalidArgument, "element " + std::to_string(i) + " = " +
+                                                    std::to_string(x[i]) + " overflows KV dtype " +
+                                                    kv_dtype_name(dtype));
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
 Status kv_validate_values(KvDtype dtype, const float* x, int64_t n) {
-  if (!kv_dtype_is_quantized(dtype)) return {};
+  // KIVI rows enter the cache as f16 (the residual) before their group is
+  // quantized: f16 range, checked like f16.
+  if (kv_dtype_is_kivi(dtype)) return validate_float_values(KvDtype::kF16, x, n);
+  if (!kv_dtype_is_quantized(dtype)) return validate_float_values(dtype, x, n);
   // int8: the f16 scale amax / 127 must be finite; int4: min and scale are f16.
   const float limit = dtype == KvDtype::kInt8   ? kF16Max * 127.0f
                       : dtype == KvDtype::kInt4 ? kF16Max
@@ -108,6 +136,28 @@ Status kv_validate_values(KvDtype dtype, const float* x, int64_t n) {
                         "element " + std::to_string(i) + " = " + std::to_string(x[i]) +
                             " exceeds the range of KV dtype " + kv_dtype_name(dtype) +
                             " (|x| <= " + std::to_string(limit) + ", its metadata is f16)");
+    }
+  }
+  return {};
+}
+
+Status kv_validate_rows(const PagedKvLayerView& view, int64_t pos, const float* k_rows,
+                        const float* v_rows, int64_t n_tokens) {
+  const int64_t d = view.head_dim;
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    for (int64_t h = 0; h < view.n_kv_heads; ++h) {
+      const int64_t row = (t * view.n_kv_heads + h) * d;
+      for (int which = 0; which < 2; ++which) {
+        if (which == 1 && view.v == nullptr) continue;
+        const Status st = kv_validate_values(which == 0 ? view.dtype : view.value_dtype(),
+                                             (which == 0 ? k_rows : v_rows) + row, d);
+        if (!st.ok()) {
+          return make_error(Errc::kInvalidArgument, std::string(which == 0 ? "K" : "V") +
+                                                        " of position " + std::to_string(pos + t) +
+                                                        ", head " + std::to_string(h) + ": " +
+                                                        st.error().message);
+        }
+      }
     }
   }
   return {};

@@ -40,10 +40,21 @@ Result<KvRowGeometry> kv_row_geometry(KvDtype dtype, int head_dim);
 int64_t kv_head_bytes(const KvRowGeometry& g, int64_t n_tokens, int block_size);
 
 // Checks that `n` values can be stored in `dtype`: every value finite, and
-// for int8/int4 within what their f16 metadata can represent. The message
-// names the first offending element ("element 5 is nan"); the caller adds
-// where it was (layer, position, head).
+// within what the format can represent (int8/int4: their f16 metadata;
+// f16/bf16: no value that would round to Inf; fp8 and f32: any finite
+// value). The message names the first offending element ("element 5 is
+// nan"); the caller adds where it was (layer, position, head).
 Status kv_validate_values(KvDtype dtype, const float* x, int64_t n);
+
+// Checks the K/V rows of tokens [pos, pos + n_tokens) that are about to be
+// written into `view` with kv_validate_values (every dtype, float formats
+// included: a NaN/Inf or overflowing row is never stored). Writes nothing.
+// k_rows, v_rows: [n_tokens, n_kv_heads, head_dim] float32; v_rows is not
+// read when view.v is null. Errors (kInvalidArgument) name the tensor,
+// position, head and element: "K of position 17, head 2: element 5 is nan;
+// ...". REQUIRES a standard (non-MLA) layer view.
+Status kv_validate_rows(const PagedKvLayerView& view, int64_t pos, const float* k_rows,
+                        const float* v_rows, int64_t n_tokens);
 
 // ---- fp8 E4M3 ----
 // Round to nearest even; |x| beyond 448 saturates to +-448. REQUIRES finite x.

@@ -80,6 +80,7 @@ TEST(Fp8, EveryCodeRoundTrips) {
 
 TEST(Fp8, RoundsToNearestEvenAndSaturates) {
   std::vector<float> finite;
+  finite.reserve(0x7f);
   for (int c = 0; c < 0x7f; ++c) finite.push_back(fp8_e4m3_to_f32(static_cast<uint8_t>(c)));
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> mag(-12.0f, 9.5f);
@@ -290,6 +291,81 @@ TEST(Fp8, BlockScaleGrowsAndRescalesEarlierSlots) {
   EXPECT_EQ(scale2, scale0);
 }
 
+// kv_validate_rows covers every dtype: float caches reject NaN/Inf and
+// values that would overflow to Inf, naming the tensor, position, head and
+// element; in-range rows pass.
+TEST(KvValidateRows, EveryDtypeRejectsNonFiniteRows) {
+  const int d = 32, h = 2;
+  for (KvDtype t : {KvDtype::kF32, KvDtype::kF16, KvDtype::kBF16, KvDtype::kFp8, KvDtype::kInt8,
+                    KvDtype::kInt4}) {
+    SCOPED_TRACE(kv_dtype_name(t));
+    const KvLayout layout = must(KvLayout::uniform(1, h, d, t, 8));
+    Arena arena(layout, 1);
+    const PagedKvLayerView v = layout.layer_view(0, arena.base.get());
+    std::vector<float> k(3 * h * d, 1.5f), vv(3 * h * d, -0.5f);
+    EXPECT_TRUE(kv_validate_rows(v, 10, k.data(), vv.data(), 3).ok());
+    for (const float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+      std::vector<float> vb = vv;
+      vb[(2 * h + 1) * d + 9] = bad;  // token 2, head 1, element 9
+      const Status st = kv_validate_rows(v, 10, k.data(), vb.data(), 3);
+      ASSERT_FALSE(st.ok());
+      EXPECT_EQ(st.error().code, Errc::kInvalidArgument);
+      const std::string want = std::string("V of position 12, head 1: element 9 is ") +
+                               (std::isnan(bad) ? "nan" : "inf");
+      EXPECT_NE(st.error().message.find(want), std::string::npos) << st.error().message;
+    }
+  }
+  // f16 stores 65504 but 1e5 would become Inf; f32/fp8 take any finite value.
+  const KvLayout f16 = must(KvLayout::uniform(1, 1, d, KvDtype::kF16, 8));
+  Arena arena(f16, 1);
+  const PagedKvLayerView v = f16.layer_view(0, arena.base.get());
+  std::vector<float> k(d, 65504.0f), vv(d, 0.0f);
+  EXPECT_TRUE(kv_validate_rows(v, 0, k.data(), vv.data(), 1).ok());
+  k[4] = -1e5f;
+  const Status st = kv_validate_rows(v, 0, k.data(), vv.data(), 1);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.error().message.find("K of position 0, head 0: element 4"), std::string::npos)
+      << st.error().message;
+  EXPECT_NE(st.error().message.find("overflows KV dtype f16"), std::string::npos)
+      << st.error().message;
+}
+
+// An fp8 block's bytes do not depend on how its tokens were split into
+// steps: written one token at a time, in uneven chunks or all at once, the
+// block scale (max over the block's rows so far) and every code are equal.
+TEST(Fp8, BlockBytesIndependentOfStepSplit) {
+  const int d = 64, h = 2, p = 16, n = 16;
+  const KvLayout layout = must(KvLayout::uniform(1, h, d, KvDtype::kFp8, p));
+  std::mt19937 rng(8);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> k(n * h * d), vv(n * h * d);
+  for (int t = 0; t < n; ++t) {
+    // Growing magnitudes force several scale increases inside the block,
+    // with values of early tokens pushed into E4M3 subnormals.
+    const float mag = std::ldexp(1.0f, t) * 1e-3f;
+    for (int i = 0; i < h * d; ++i) {
+      k[t * h * d + i] = nd(rng) * mag;
+      vv[t * h * d + i] = nd(rng) * (t % 3 == 0 ? 100.0f : 0.01f);
+    }
+  }
+  const std::vector<int32_t> table = {0};
+  std::vector<std::vector<uint8_t>> results;
+  for (const std::vector<int>& split :
+       {std::vector<int>{16}, std::vector<int>(16, 1), std::vector<int>{3, 1, 7, 5}}) {
+    Arena arena(layout, 1);
+    const PagedKvLayerView v = layout.layer_view(0, arena.base.get());
+    int pos = 0;
+    for (int c : split) {
+      ASSERT_TRUE(
+          try_write_kv(v, table, pos, k.data() + pos * h * d, vv.data() + pos * h * d, c).ok());
+      pos += c;
+    }
+    results.emplace_back(arena.base.get(), arena.base.get() + layout.block_bytes());
+  }
+  EXPECT_EQ(results[0], results[1]);
+  EXPECT_EQ(results[0], results[2]);
+}
+
 TEST(KvLayoutQuant, MixedKAndVDtypes) {
   const int d = 64, h = 3, p = 16;
   std::vector<KvLayerSpec> layers(2, KvLayerSpec{.n_kv_heads = h,
@@ -347,7 +423,7 @@ TEST(KvLayoutQuant, RejectsUnsupportedShapes) {
   ASSERT_FALSE(mla.ok());
   EXPECT_EQ(mla.error().code, Errc::kUnsupported);
   EXPECT_EQ(parse_kv_dtype("int8").value(), KvDtype::kInt8);
-  EXPECT_EQ(parse_kv_dtype("kivi2").error().code, Errc::kUnsupported);
+  EXPECT_EQ(parse_kv_dtype("int3").error().code, Errc::kInvalidArgument);
 }
 
 // The planner's per-format numbers are the layout's: block bytes (padding

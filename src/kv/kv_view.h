@@ -16,10 +16,29 @@ namespace kvstack {
 //   kInt8  symmetric int8; one f16 scale per (token, KV head) (1 + 2/d)
 //   kInt4  asymmetric 4-bit, groups of 32 along head_dim, f16 scale + f16
 //          min per group (0.5 + 4/32 = 0.625); REQUIRES head_dim % 32 == 0
+//   KIVI   kKvDtypeKivi2 / kKvDtypeKivi4 below (kivi_codec.h): asymmetric
+//          2/4-bit; as K, per channel over groups of G tokens, as V per token
+//          in groups of 32 along head_dim; f16 scale + f16 min per group.
 enum class KvDtype : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kFp8 = 3, kInt8 = 4, kInt4 = 5 };
 
+// KIVI formats. They are values of KvDtype outside its enumerator list on
+// purpose: the per-row formats' exhaustive switches (kv_codec.cpp, the
+// attention_quant kernels) stay complete and compile unchanged, and every
+// KIVI path is routed before such a switch (kv_dtype_is_kivi()). Move them
+// into the enum once those switches handle them.
+inline constexpr KvDtype kKvDtypeKivi2 = static_cast<KvDtype>(6);
+inline constexpr KvDtype kKvDtypeKivi4 = static_cast<KvDtype>(7);
+
+inline bool kv_dtype_is_kivi(KvDtype t) {
+  return t == kKvDtypeKivi2 || t == kKvDtypeKivi4;
+}
+// Code width in bits of a KIVI format (0 for others).
+inline int kv_dtype_kivi_bits(KvDtype t) {
+  return t == kKvDtypeKivi2 ? 2 : (t == kKvDtypeKivi4 ? 4 : 0);
+}
+
 inline bool kv_dtype_is_quantized(KvDtype t) {
-  return t == KvDtype::kFp8 || t == KvDtype::kInt8 || t == KvDtype::kInt4;
+  return t == KvDtype::kFp8 || t == KvDtype::kInt8 || t == KvDtype::kInt4 || kv_dtype_is_kivi(t);
 }
 // Bytes per element of a float format (the code width for fp8/int8: 1; int4
 // has no whole-byte width and returns 0). Metadata is not included.
@@ -76,11 +95,31 @@ struct PagedKvLayerView {
   int64_t k_meta_slot_stride = 0;
   int64_t v_meta_head_stride = 0;
   int64_t v_meta_slot_stride = 0;
+  // KIVI (kivi_codec.h): G, the tokens per key group (divides block_size);
+  // 0 when neither K nor V is a KIVI format. A KIVI K's metadata for the
+  // group of slot s is at k_meta + b * block_stride + h * k_meta_head_stride
+  // + (s / G) * head_dim * 4: head_dim (f16 scale, f16 min) pairs.
+  int kivi_group = 0;
 
   KvDtype value_dtype() const { return v_distinct ? v_dtype : dtype; }
   int64_t value_head_stride() const { return v_distinct ? v_head_stride : head_stride; }
   int64_t value_slot_stride() const { return v_distinct ? v_slot_stride : slot_stride; }
 };
+
+// One sequence's f16 residual of one layer (KIVI layouts, block_table.h):
+// positions [start, start + n_tokens) live here, not yet in the blocks;
+// positions < start are in the blocks in their final quantized form.
+struct KvResidualView {
+  const uint16_t* k = nullptr;  // [n_tokens, n_kv_heads, head_dim] f16
+  const uint16_t* v = nullptr;  // same shape (null for MLA)
+  int64_t start = 0;
+  int64_t n_tokens = 0;
+};
+
+// True when K or V is a KIVI format (attention/attention_kivi.h).
+inline bool kv_view_is_kivi(const PagedKvLayerView& v) {
+  return kv_dtype_is_kivi(v.dtype) || kv_dtype_is_kivi(v.value_dtype());
+}
 
 // True when the view needs the quantized/mixed attention path
 // (attention/attention_quant.h): a quantized K or V, or K and V stored in

@@ -10,6 +10,7 @@
 
 #include "core/check.h"
 #include "core/half.h"
+#include "kv/kivi_codec.h"
 #include "kv/kv_codec.h"
 
 namespace kvstack {
@@ -177,7 +178,7 @@ void write_stream_row(Isa isa, const Stream& st, int64_t block_stride, int32_t b
 
 Status validate_kv_rows(const PagedKvLayerView& view, int64_t pos, const float* k_rows,
                         const float* v_rows, int64_t n_tokens) {
-  const bool check_k = kv_dtype_is_quantized(view.dtype);
+  const bool check_k = kv_dtype_is_quantized(view.dtype) && view.k != nullptr;
   const bool check_v = view.v != nullptr && kv_dtype_is_quantized(view.value_dtype());
   if (!check_k && !check_v) return {};
   const int64_t d = view.head_dim;
@@ -186,8 +187,10 @@ Status validate_kv_rows(const PagedKvLayerView& view, int64_t pos, const float* 
       const int64_t row = (t * view.n_kv_heads + h) * d;
       for (int which = 0; which < 2; ++which) {
         if (which == 0 ? !check_k : !check_v) continue;
-        const Status st = kv_validate_values(which == 0 ? view.dtype : view.value_dtype(),
-                                             (which == 0 ? k_rows : v_rows) + row, d);
+        const KvDtype dt = which == 0 ? view.dtype : view.value_dtype();
+        const float* x = (which == 0 ? k_rows : v_rows) + row;
+        const Status st =
+            kv_dtype_is_kivi(dt) ? kivi_validate_values(x, d) : kv_validate_values(dt, x, d);
         if (!st.ok()) {
           return make_error(Errc::kInvalidArgument,
                             std::string("KV write: ") + (which == 0 ? "K" : "V") + " of position " +
@@ -215,15 +218,83 @@ void write_kv_isa(Isa isa, const PagedKvLayerView& view, std::span<const int32_t
   const int d = view.head_dim;
   const Stream ks = k_stream(view);
   const Stream vs = v_stream(view);
+  const bool kivi_k = kv_dtype_is_kivi(view.dtype);
+  const bool kivi_v = kv_dtype_is_kivi(view.value_dtype());
+  if (kivi_k) {
+    // Keys are quantized per channel over whole groups of G tokens.
+    const int64_t g = view.kivi_group;
+    KV_CHECK(g > 0 && pos % g == 0 && n_tokens % g == 0,
+             "write_kv: KIVI keys are written in whole, aligned groups of G tokens");
+    const int bits = kv_dtype_kivi_bits(view.dtype);
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += g) {
+      const int64_t lp = pos + t0;
+      const int32_t b = block_table[lp / p];
+      KV_CHECK(b >= 0, "write_kv: null block table entry");
+      const int64_t slot = lp % p;
+      for (int64_t h = 0; h < h_kv; ++h) {
+        uint8_t* codes =
+            view.k + b * view.block_stride + h * view.head_stride + slot * view.slot_stride;
+        uint8_t* meta =
+            view.k_meta + b * view.block_stride + h * view.k_meta_head_stride + (slot / g) * d * 4;
+        kivi_encode_key_group(bits, k_rows + (t0 * h_kv + h) * d, h_kv * d, static_cast<int>(g), d,
+                              codes, view.slot_stride, meta);
+      }
+    }
+  }
   for (int64_t t = 0; t < n_tokens; ++t) {
     const int64_t lp = pos + t;
     const int32_t b = block_table[lp / p];
     KV_CHECK(b >= 0, "write_kv: null block table entry");
     for (int64_t h = 0; h < h_kv; ++h) {
       const int64_t row = (t * h_kv + h) * d;
-      write_stream_row(isa, ks, view.block_stride, b, h, lp % p, k_rows + row, d);
-      if (view.v != nullptr) {
+      if (!kivi_k) write_stream_row(isa, ks, view.block_stride, b, h, lp % p, k_rows + row, d);
+      if (view.v == nullptr) continue;
+      if (kivi_v) {
+        const int64_t base = b * view.block_stride + h * vs.head_stride;
+        kivi_encode_value_row(kv_dtype_kivi_bits(vs.dtype), v_rows + row, d,
+                              vs.data + base + (lp % p) * vs.slot_stride,
+                              vs.meta + b * view.block_stride + h * vs.meta_head_stride +
+                                  (lp % p) * vs.meta_slot_stride);
+      } else {
         write_stream_row(isa, vs, view.block_stride, b, h, lp % p, v_rows + row, d);
+      }
+    }
+  }
+}
+
+void read_kv(const PagedKvLayerView& view, std::span<const int32_t> block_table, int64_t pos,
+             int64_t n_tokens, float* k_rows, float* v_rows) {
+  const int64_t p = view.block_size;
+  KV_CHECK(
+      pos >= 0 && n_tokens >= 0 && pos + n_tokens <= static_cast<int64_t>(block_table.size()) * p,
+      "read_kv: positions beyond the block table");
+  const int64_t h_kv = view.n_kv_heads;
+  const int d = view.head_dim;
+  for (int which = 0; which < 2; ++which) {
+    if (which == 1 && view.v == nullptr) break;
+    const Stream st = which == 0 ? k_stream(view) : v_stream(view);
+    float* out = which == 0 ? k_rows : v_rows;
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      const int64_t lp = pos + t;
+      const int32_t b = block_table[lp / p];
+      KV_CHECK(b >= 0, "read_kv: null block table entry");
+      const int64_t slot = lp % p;
+      for (int64_t h = 0; h < h_kv; ++h) {
+        const uint8_t* row =
+            st.data + b * view.block_stride + h * st.head_stride + slot * st.slot_stride;
+        const uint8_t* meta = st.meta == nullptr
+                                  ? nullptr
+                                  : st.meta + b * view.block_stride + h * st.meta_head_stride +
+                                        slot * st.meta_slot_stride;
+        float* o = out + (t * h_kv + h) * d;
+        if (kv_dtype_is_kivi(st.dtype) && which == 0) {
+          kivi_decode_key_row(kv_dtype_kivi_bits(st.dtype), row,
+                              meta + (slot / view.kivi_group) * d * 4, d, o);
+        } else if (kv_dtype_is_kivi(st.dtype)) {
+          kivi_decode_value_row(kv_dtype_kivi_bits(st.dtype), row, meta, d, o);
+        } else {
+          kv_decode_row(st.dtype, row, meta, d, o);
+        }
       }
     }
   }

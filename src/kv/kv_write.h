@@ -39,6 +39,18 @@ Status try_write_kv(const PagedKvLayerView& view, std::span<const int32_t> block
 Status validate_kv_rows(const PagedKvLayerView& view, int64_t pos, const float* k_rows,
                         const float* v_rows, int64_t n_tokens);
 
+// KIVI (kivi_codec.h): a KIVI K is quantized per channel over groups of G =
+// view.kivi_group tokens, so it is written in whole groups only: REQUIRES
+// pos % G == 0 and n_tokens % G == 0 (BlockTable converts its residual one
+// group at a time). A KIVI V is per token like int4.
+
+// Decodes tokens [pos, pos + n_tokens) of one layer back to float32 with the
+// scalar reference decoders (tests, and re-expanding a partly adopted KIVI
+// group into a residual). k_rows, v_rows: [n_tokens, n_kv_heads, head_dim];
+// v_rows unused when view.v is null.
+void read_kv(const PagedKvLayerView& view, std::span<const int32_t> block_table, int64_t pos,
+             int64_t n_tokens, float* k_rows, float* v_rows);
+
 // Same, forcing an ISA level (tests and benchmarks compare paths); `isa` is
 // clamped to what the CPU supports.
 void write_kv_isa(Isa isa, const PagedKvLayerView& view, std::span<const int32_t> block_table,

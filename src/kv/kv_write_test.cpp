@@ -142,8 +142,10 @@ TEST(WriteKv, LandsAtViewAddressesWithShuffledBlocks) {
         std::memset(pool.block_data(BlockId{0}), 0x5a, n_blocks * pool.block_bytes());
         // Take every block, then use them in shuffled order as a table.
         std::vector<BlockRef> refs;
+        refs.reserve(static_cast<size_t>(n_blocks));
         for (int64_t b = 0; b < n_blocks; ++b) refs.push_back(std::move(pool.allocate()).value());
         std::vector<int32_t> table;
+        table.reserve(refs.size());
         for (const BlockRef& r : refs) table.push_back(r.id().value);
         std::shuffle(table.begin(), table.end(), std::mt19937(p * 31 + static_cast<int>(dtype)));
         table.resize(n_blocks / 2);

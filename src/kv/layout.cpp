@@ -2,11 +2,14 @@
 
 #include <string>
 
+#include "kv/kivi_codec.h"
 #include "kv/kv_codec.h"
 
 namespace kvstack {
 
 const char* kv_dtype_name(KvDtype t) {
+  if (t == kKvDtypeKivi2) return "kivi2";
+  if (t == kKvDtypeKivi4) return "kivi4";
   switch (t) {
     case KvDtype::kF32:
       return "f32";
@@ -31,12 +34,11 @@ Result<KvDtype> parse_kv_dtype(std::string_view name) {
   if (name == "fp8") return KvDtype::kFp8;
   if (name == "int8") return KvDtype::kInt8;
   if (name == "int4") return KvDtype::kInt4;
-  if (name == "kivi2" || name == "kivi4") {
-    return make_error(Errc::kUnsupported,
-                      "KV dtype '" + std::string(name) + "' is not implemented by the engine yet");
-  }
-  return make_error(Errc::kInvalidArgument, "unknown KV dtype '" + std::string(name) +
-                                                "' (expected f32, f16, bf16, fp8, int8 or int4)");
+  if (name == "kivi2") return kKvDtypeKivi2;
+  if (name == "kivi4") return kKvDtypeKivi4;
+  return make_error(Errc::kInvalidArgument,
+                    "unknown KV dtype '" + std::string(name) +
+                        "' (expected f32, f16, bf16, fp8, int8, int4, kivi2 or kivi4)");
 }
 
 namespace {
@@ -50,7 +52,7 @@ int64_t align_up(int64_t x, int64_t a) {
 }
 
 bool valid_dtype(KvDtype t) {
-  return static_cast<uint8_t>(t) <= static_cast<uint8_t>(KvDtype::kInt4);
+  return static_cast<uint8_t>(t) <= static_cast<uint8_t>(KvDtype::kInt4) || kv_dtype_is_kivi(t);
 }
 
 Error layer_error(Errc code, int l, const std::string& what) {
@@ -59,7 +61,8 @@ Error layer_error(Errc code, int l, const std::string& what) {
 
 }  // namespace
 
-Result<KvLayout> KvLayout::create(std::vector<KvLayerSpec> layers, int block_size) {
+Result<KvLayout> KvLayout::create(std::vector<KvLayerSpec> layers, int block_size,
+                                  KvLayoutOptions options) {
   if (block_size < 1 || block_size > kMaxBlockSize || (block_size & (block_size - 1)) != 0) {
     return make_error(Errc::kInvalidArgument, "KV layout: block size " +
                                                   std::to_string(block_size) +
@@ -72,6 +75,21 @@ Result<KvLayout> KvLayout::create(std::vector<KvLayerSpec> layers, int block_siz
   }
   KvLayout out;
   out.block_size_ = block_size;
+  for (const KvLayerSpec& s : layers) {
+    if (kv_dtype_is_kivi(s.dtype) || kv_dtype_is_kivi(s.value_dtype())) {
+      out.kivi_group_ = kivi_group_size(block_size);
+    }
+  }
+  if (out.kivi_group_ > 0) {
+    if (options.kivi_residual < 0 || options.kivi_residual % out.kivi_group_ != 0 ||
+        options.kivi_residual > (1 << 20)) {
+      return make_error(Errc::kInvalidArgument,
+                        "KV layout: KIVI residual " + std::to_string(options.kivi_residual) +
+                            " must be a multiple of the key group size G = " +
+                            std::to_string(out.kivi_group_) + " in [0, 1048576]");
+    }
+    out.kivi_residual_ = options.kivi_residual;
+  }
   int64_t offset = 0;
   for (int l = 0; l < static_cast<int>(layers.size()); ++l) {
     const KvLayerSpec& s = layers[l];
@@ -105,9 +123,12 @@ Result<KvLayout> KvLayout::create(std::vector<KvLayerSpec> layers, int block_siz
         return layer_error(Errc::kInvalidArgument, l,
                            "latent_dim/rope_dim are only for MLA layers");
       }
-      auto gk = kv_row_geometry(s.dtype, s.head_dim_k);
+      auto gk = kv_dtype_is_kivi(s.dtype) ? kivi_key_geometry(s.dtype, s.head_dim_k, block_size)
+                                          : kv_row_geometry(s.dtype, s.head_dim_k);
       if (!gk) return layer_error(Errc::kUnsupported, l, "K: " + gk.error().message);
-      auto gv = kv_row_geometry(s.value_dtype(), s.head_dim_v);
+      auto gv = kv_dtype_is_kivi(s.value_dtype())
+                    ? kivi_value_geometry(s.value_dtype(), s.head_dim_v)
+                    : kv_row_geometry(s.value_dtype(), s.head_dim_v);
       if (!gv) return layer_error(Errc::kUnsupported, l, "V: " + gv.error().message);
       const int64_t h = s.n_kv_heads;
       p.slot_stride = gk->row_bytes;
@@ -171,7 +192,8 @@ Result<KvLayout> KvLayout::create(std::vector<KvLayerSpec> layers, int block_siz
 }
 
 Result<KvLayout> KvLayout::uniform(int n_layers, int n_kv_heads, int head_dim, KvDtype dtype,
-                                   int block_size) {
+                                   int block_size, std::optional<KvDtype> dtype_v,
+                                   KvLayoutOptions options) {
   if (n_layers < 1 || n_layers > kMaxLayers) {
     return make_error(Errc::kInvalidArgument, "KV layout: layer count " + std::to_string(n_layers) +
                                                   " must be in [1, 4096]");
@@ -180,8 +202,9 @@ Result<KvLayout> KvLayout::uniform(int n_layers, int n_kv_heads, int head_dim, K
                                                         .n_kv_heads = n_kv_heads,
                                                         .head_dim_k = head_dim,
                                                         .head_dim_v = head_dim,
-                                                        .dtype = dtype});
-  return create(std::move(layers), block_size);
+                                                        .dtype = dtype,
+                                                        .dtype_v = dtype_v});
+  return create(std::move(layers), block_size, options);
 }
 
 int64_t KvLayout::layer_payload_bytes_per_token(int l) const {
@@ -211,6 +234,7 @@ PagedKvLayerView KvLayout::layer_view(int l, uint8_t* pool_base) const {
   v.slot_stride = p.slot_stride;
   v.dtype = s.dtype;
   v.block_size = block_size_;
+  v.kivi_group = kivi_group_;
   v.v_distinct = s.value_dtype() != s.dtype;
   v.v_dtype = s.value_dtype();
   v.v_head_stride = p.v_head_stride;
@@ -237,6 +261,7 @@ PagedKvLayerView KvLayout::layer_view(int l, uint8_t* pool_base) const {
 
 bool KvLayout::same_format(const KvLayout& o) const {
   if (block_size_ != o.block_size_ || block_bytes_ != o.block_bytes_ ||
+      kivi_group_ != o.kivi_group_ || kivi_residual_ != o.kivi_residual_ ||
       layers_.size() != o.layers_.size()) {
     return false;
   }

@@ -29,13 +29,14 @@
 // geometry in kv_codec.h); K and V may use different dtypes (dtype_v). KvLayerPlacement gains
 // k_meta_offset / v_meta_offset and the view gains the matching pointers/strides; the block is
 // still one opaque run of block_bytes, so the pool, tables and prefix index are unchanged, and a
-// shared block carries its own scales. Blocks that must stay in full precision (a KIVI residual of
-// R recent tokens) are a second layout (a second pool or a second block class): the sequence's tail
-// lives there until a group fills, then is converted in one step and the table entry is swapped, so
-// a reader never sees a half-converted group. Per-token payload for such layers is w/8 + s/g bytes
-// per element (spec section 3); since that can be fractional per token, the layout will compute it
-// per block (bytes of one block's data + metadata for P tokens) and report payload for T tokens
-// from that, keeping the figures exact.
+// shared block carries its own scales.
+// KIVI (kivi2/kivi4, kivi_codec.h): a KIVI K's metadata is per block ([P/G][head_dim] f16
+// scale/min pairs per head: one group of G tokens per channel), a KIVI V's per token. The
+// not-yet-quantized newest tokens (the residual, R = KvLayoutOptions::kivi_residual) do not
+// live in the pool: each BlockTable keeps them as f16 rows in a side buffer and converts whole
+// key groups at commit (block_table.h). The blocks still reserve every token's quantized slot,
+// so conversion never allocates; pool, tables and prefix index are unchanged, and only
+// converted blocks are shareable.
 //
 // Sliding windows. `KvLayerSpec::window` (w > 0) is recorded and exposed so
 // the kernel masks positions < pos - w + 1; storing the full history is
@@ -76,7 +77,8 @@ enum class KvLayerKind : uint8_t {
   kMlaLatent = 1,  // one latent row c_t (latent_dim) + decoupled RoPE key (rope_dim)
 };
 
-// Parses "f32", "f16", "bf16", "fp8", "int8", "int4" (as used by --kv-dtype).
+// Parses "f32", "f16", "bf16", "fp8", "int8", "int4", "kivi2", "kivi4" (as
+// used by --kv-dtype).
 Result<KvDtype> parse_kv_dtype(std::string_view name);
 
 struct KvLayerSpec {
@@ -123,6 +125,14 @@ struct KvLayerPlacement {
   int64_t v_meta_block_bytes = 0;
 };
 
+// Layout-wide options.
+struct KvLayoutOptions {
+  // KIVI layouts: R, the newest tokens of each sequence kept in f16 in the
+  // sequence's residual (block_table.h) before their key group is quantized;
+  // a multiple of the key group size G (kivi_codec.h). Ignored otherwise.
+  int kivi_residual = 128;
+};
+
 class KvLayout {
  public:
   static constexpr int kMaxBlockSize = 256;
@@ -131,14 +141,23 @@ class KvLayout {
   // Validates and lays out `layers` (in model order) with `block_size` tokens
   // per block (a power of two in [1, 256]). Errors name the offending layer
   // and field (kInvalidArgument) or an unsupported combination (kUnsupported).
-  static Result<KvLayout> create(std::vector<KvLayerSpec> layers, int block_size);
+  static Result<KvLayout> create(std::vector<KvLayerSpec> layers, int block_size,
+                                 KvLayoutOptions options = {});
 
-  // Convenience: n_layers identical standard layers (d_k = d_v = head_dim).
+  // Convenience: n_layers identical standard layers (d_k = d_v = head_dim),
+  // V in dtype_v when given.
   static Result<KvLayout> uniform(int n_layers, int n_kv_heads, int head_dim, KvDtype dtype,
-                                  int block_size);
+                                  int block_size, std::optional<KvDtype> dtype_v = std::nullopt,
+                                  KvLayoutOptions options = {});
 
   int n_layers() const { return static_cast<int>(layers_.size()); }
   int block_size() const { return block_size_; }
+  // KIVI: key group size G (0 when no layer has a KIVI K or V) and residual R.
+  // When G > 0 every layer's new K/V go through the table's f16 residual and
+  // reach the blocks only when their group is converted (block_table.h).
+  bool has_kivi() const { return kivi_group_ > 0; }
+  int kivi_group() const { return kivi_group_; }
+  int kivi_residual() const { return kivi_residual_; }
   const KvLayerSpec& layer(int l) const { return layers_[l]; }
   const KvLayerPlacement& placement(int l) const { return placements_[l]; }
 
@@ -174,6 +193,8 @@ class KvLayout {
   int64_t block_bytes_ = 0;
   int64_t payload_per_token_ = 0;
   int64_t block_meta_bytes_ = 0;
+  int kivi_group_ = 0;
+  int kivi_residual_ = 0;
 };
 
 }  // namespace kvstack

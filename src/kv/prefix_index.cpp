@@ -1,5 +1,7 @@
 #include "kv/prefix_index.h"
 
+// Inlined: the lookup hashes short, fixed-size token rows on the match path.
+#define XXH_INLINE_ALL
 #include <xxhash.h>
 
 #include <algorithm>
@@ -25,13 +27,22 @@ void PrefixMatch::reset() {
   n_partial_tokens = 0;
 }
 
-PrefixIndex::PrefixIndex(BlockPool& pool)
+PrefixIndex::PrefixIndex(BlockPool& pool, PrefixIndexConfig config)
     : pool_(pool),
       block_size_(pool.block_size()),
       nodes_(static_cast<size_t>(pool.n_blocks())),
       tokens_(static_cast<size_t>(pool.n_blocks()) * pool.block_size()) {
   KV_CHECK(pool.index_ == nullptr, "PrefixIndex: the pool already has an index");
-  by_hash_.reserve(nodes_.size());
+  KV_CHECK(config.lookup_hash_bits >= 0 && config.lookup_hash_bits <= 64,
+           "PrefixIndex: lookup_hash_bits must be in [0, 64]");
+  key_mask_ =
+      config.lookup_hash_bits == 64 ? ~uint64_t{0} : (uint64_t{1} << config.lookup_hash_bits) - 1;
+  // Load factor <= 1/2 at most n_blocks nodes: probes stay short and the
+  // table never grows.
+  size_t n_slots = 16;
+  while (n_slots < 2 * nodes_.size()) n_slots *= 2;
+  slots_.resize(n_slots);
+  slot_mask_ = n_slots - 1;
   pool.index_ = this;
 }
 
@@ -87,36 +98,73 @@ Hash128 PrefixIndex::child_key(const Hash128& parent_hash, NamespaceId ns, const
   return hash128(buf, n);
 }
 
+uint64_t PrefixIndex::lookup_key(int32_t parent, NamespaceId ns, const int32_t* tokens,
+                                 BlockExtraKeys extra) const {
+  const uint64_t seed =
+      ((static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) | static_cast<uint32_t>(ns)) *
+      0x9E3779B97F4A7C15ull;
+  uint64_t h = XXH3_64bits_withSeed(tokens, 4 * static_cast<size_t>(block_size_), seed);
+  if (!extra.empty()) h = XXH3_64bits_withSeed(extra.data(), 8 * extra.size(), h ^ 0x5bd1e995);
+  return h & key_mask_;
+}
+
+bool PrefixIndex::extra_equal(int32_t block, BlockExtraKeys extra) const {
+  if (!nodes_[block].has_extra) return extra.empty();
+  if (extra.empty()) return false;
+  const std::vector<uint64_t>& stored = extra_.at(block);
+  return stored.size() == extra.size() && std::equal(extra.begin(), extra.end(), stored.begin());
+}
+
+void PrefixIndex::slot_insert(uint64_t key, int32_t block) {
+  size_t i = key & slot_mask_;
+  while (slots_[i].block != kNullBlock) i = (i + 1) & slot_mask_;
+  const Node& n = nodes_[block];
+  slots_[i] =
+      Slot{.tag = static_cast<uint32_t>(key >> 32), .block = block, .parent = n.parent, .ns = n.ns};
+}
+
+void PrefixIndex::slot_erase(uint64_t key, int32_t block) {
+  size_t i = key & slot_mask_;
+  while (slots_[i].block != block) {
+    KV_DCHECK(slots_[i].block != kNullBlock, "slot_erase: block not in the child table");
+    i = (i + 1) & slot_mask_;
+  }
+  // Backward-shift deletion: move later entries of the probe run into the
+  // hole when the hole lies between their home slot and where they sit.
+  size_t j = i;
+  for (;;) {
+    j = (j + 1) & slot_mask_;
+    if (slots_[j].block == kNullBlock) break;
+    const size_t home = nodes_[slots_[j].block].key & slot_mask_;
+    if (((j - home) & slot_mask_) >= ((j - i) & slot_mask_)) {
+      slots_[i] = slots_[j];
+      i = j;
+    }
+  }
+  slots_[i] = Slot{};
+}
+
 int32_t& PrefixIndex::child_head(int32_t parent, NamespaceId ns) {
   return parent == kNullBlock ? roots_[ns].first_child : nodes_[parent].first_child;
 }
 
 int32_t PrefixIndex::find_child(int32_t parent, NamespaceId ns, const int32_t* tokens,
                                 BlockExtraKeys extra) {
-  const Hash128 parent_hash = parent == kNullBlock ? Hash128{} : nodes_[parent].hash;
-  const Hash128 key = child_key(parent_hash, ns, tokens, extra);
-  auto it = by_hash_.find(key);
-  if (it == by_hash_.end()) return kNullBlock;
-  const int32_t b = it->second;
-  const Node& n = nodes_[b];
-  bool ok = n.published && n.parent == parent && n.ns == ns &&
-            std::memcmp(tokens_.data() + static_cast<size_t>(b) * block_size_, tokens,
-                        4 * static_cast<size_t>(block_size_)) == 0;
-  if (ok) {
-    auto e = extra_.find(b);
-    const bool stored = e != extra_.end();
-    if (stored != !extra.empty()) {
-      ok = false;
-    } else if (stored) {
-      ok = e->second.size() == extra.size() &&
-           std::equal(extra.begin(), extra.end(), e->second.begin());
+  const uint64_t key = lookup_key(parent, ns, tokens, extra);
+  const auto tag = static_cast<uint32_t>(key >> 32);
+  const size_t row_bytes = 4 * static_cast<size_t>(block_size_);
+  for (size_t i = key & slot_mask_;; i = (i + 1) & slot_mask_) {
+    const Slot& s = slots_[i];
+    if (s.block == kNullBlock) return kNullBlock;
+    if (s.tag != tag || s.parent != parent || s.ns != ns) continue;
+    const int32_t b = s.block;
+    if (std::memcmp(tokens_.data() + static_cast<size_t>(b) * block_size_, tokens, row_bytes) ==
+            0 &&
+        ((n_extra_nodes_ == 0 && extra.empty()) || extra_equal(b, extra))) {
+      return b;
     }
+    ++n_collisions_;  // same key, different block: keep probing
   }
-  if (!ok) {
-    ++n_collisions_;
-    return kNullBlock;
-  }
-  return b;
 }
 
 PrefixMatch PrefixIndex::match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
@@ -130,7 +178,8 @@ PrefixMatch PrefixIndex::match(NamespaceId ns, std::span<const int32_t> tokens, 
   bool path_public = true;  // every matched block so far is public
   const bool try_public = public_ns_ != kNoNamespace && public_ns_ != ns;
   int64_t j = 0;
-  for (; (j + 1) * p <= max_tokens; ++j) {
+  const int64_t n_max_blocks = max_tokens / p;
+  for (; j < n_max_blocks; ++j) {
     const int32_t* t = tokens.data() + j * p;
     const BlockExtraKeys ex = j < static_cast<int64_t>(extra.size()) ? extra[j] : BlockExtraKeys{};
     int32_t b = find_child(cur, ns, t, ex);
@@ -138,7 +187,8 @@ PrefixMatch PrefixIndex::match(NamespaceId ns, std::span<const int32_t> tokens, 
       b = find_child(cur, public_ns_, t, ex);
     }
     if (b == kNullBlock) break;
-    if (nodes_[b].ns != public_ns_) path_public = false;
+    if (path_public && nodes_[b].ns != public_ns_) path_public = false;
+    if (m.blocks.empty()) m.blocks.reserve(static_cast<size_t>(n_max_blocks - j));
     m.blocks.push_back(pool_.ref_block(BlockId{b}));
     cur = b;
   }
@@ -201,7 +251,8 @@ int64_t PrefixIndex::publish(NamespaceId ns, const BlockTable& table,
   KV_CHECK(static_cast<int64_t>(tokens.size()) >= table.length(),
            "publish: fewer tokens than the table's committed length");
   const int64_t p = block_size_;
-  const int64_t n_full = table.length() / p;
+  // Only final blocks (converted, for KIVI) may be shared.
+  const int64_t n_full = table.shareable_length() / p;
   const auto ids = table.ids();
   int64_t j = n_published;
   for (; j < n_full; ++j) {
@@ -217,22 +268,26 @@ int64_t PrefixIndex::publish(NamespaceId ns, const BlockTable& table,
     // shared by forks is still identical, but keep the rule simple and local.
     const int32_t* t = tokens.data() + j * p;
     const BlockExtraKeys ex = j < static_cast<int64_t>(extra.size()) ? extra[j] : BlockExtraKeys{};
-    const Hash128 parent_hash = parent == kNullBlock ? Hash128{} : nodes_[parent].hash;
-    const Hash128 key = child_key(parent_hash, ns, t, ex);
-    if (by_hash_.count(key) != 0) {
+    if (find_child(parent, ns, t, ex) != kNullBlock) {
       ++n_duplicates_;
       break;
     }
+    const Hash128 parent_hash = parent == kNullBlock ? Hash128{} : nodes_[parent].hash;
+    const Hash128 key = child_key(parent_hash, ns, t, ex);
     Node& n = nodes_[b];
     n = Node{};
     n.hash = key;
+    n.key = lookup_key(parent, ns, t, ex);
     n.parent = parent;
     n.ns = ns;
     n.published = true;
     n.has_extra = !ex.empty();
-    if (n.has_extra) extra_[b].assign(ex.begin(), ex.end());
+    if (n.has_extra) {
+      extra_[b].assign(ex.begin(), ex.end());
+      ++n_extra_nodes_;
+    }
     std::memcpy(tokens_.data() + static_cast<size_t>(b) * p, t, 4 * static_cast<size_t>(p));
-    by_hash_.emplace(key, b);
+    slot_insert(n.key, b);
     link_child(parent, ns, b);
     ++n_nodes_;
     ++roots_[ns].stats.n_published;
@@ -332,8 +387,11 @@ void PrefixIndex::remove_node(int32_t block) {
   const int32_t parent = n.parent;
   const NamespaceId ns = n.ns;
   unlink_child(block);
-  by_hash_.erase(n.hash);
-  if (n.has_extra) extra_.erase(block);
+  slot_erase(n.key, block);
+  if (n.has_extra) {
+    extra_.erase(block);
+    --n_extra_nodes_;
+  }
   emit({.kind = KvEvent::Kind::kRemoved,
         .hash = n.hash,
         .parent_hash = parent == kNullBlock ? Hash128{} : nodes_[parent].hash,
@@ -370,6 +428,7 @@ int64_t PrefixIndex::evict(int64_t n) {
 }
 
 void PrefixIndex::emit(KvEvent e) {
+  if (sink_) sink_(e);
   if (max_events_ <= 0) return;
   if (static_cast<int64_t>(events_.size()) >= max_events_) {
     events_.pop_front();
@@ -382,6 +441,25 @@ std::vector<KvEvent> PrefixIndex::drain_events() {
   std::vector<KvEvent> out(events_.begin(), events_.end());
   events_.clear();
   return out;
+}
+
+void PrefixIndex::replay_stored(const KvEventSink& sink) const {
+  std::vector<int32_t> stack;
+  auto push_children = [&](int32_t head) {
+    for (int32_t c = head; c != kNullBlock; c = nodes_[c].next_sibling) stack.push_back(c);
+  };
+  for (const Root& r : roots_) push_children(r.first_child);
+  while (!stack.empty()) {
+    const int32_t b = stack.back();
+    stack.pop_back();
+    const Node& n = nodes_[b];
+    sink({.kind = KvEvent::Kind::kStored,
+          .hash = n.hash,
+          .parent_hash = n.parent == kNullBlock ? Hash128{} : nodes_[n.parent].hash,
+          .n_tokens = block_size_,
+          .ns = n.ns});
+    push_children(n.first_child);
+  }
 }
 
 PrefixIndexStats PrefixIndex::stats() const {
@@ -421,14 +499,26 @@ void PrefixIndex::check_invariants() const {
     ++n_published;
     KV_CHECK(n.ns >= 0 && n.ns < n_namespaces(), "node with an unknown namespace");
     ++per_ns[n.ns];
-    auto it = by_hash_.find(n.hash);
-    KV_CHECK(it != by_hash_.end() && it->second == b, "node missing from the hash map");
     const Hash128 parent_hash = n.parent == kNullBlock ? Hash128{} : nodes_[n.parent].hash;
     std::vector<uint64_t> ex;
     if (n.has_extra) ex = extra_.at(b);
-    KV_CHECK(child_key(parent_hash, n.ns, tokens_.data() + static_cast<size_t>(b) * block_size_,
-                       ex) == n.hash,
+    const int32_t* row = tokens_.data() + static_cast<size_t>(b) * block_size_;
+    KV_CHECK(child_key(parent_hash, n.ns, row, ex) == n.hash,
              "node hash differs from hash(parent, namespace, tokens, extra)");
+    KV_CHECK(lookup_key(n.parent, n.ns, row, ex) == n.key,
+             "node lookup key differs from key(parent, namespace, tokens, extra)");
+    // Reachable in the child table: every slot from its home to it is taken.
+    bool found = false;
+    for (size_t i = n.key & slot_mask_; slots_[i].block != kNullBlock; i = (i + 1) & slot_mask_) {
+      if (slots_[i].block == b) {
+        KV_CHECK(slots_[i].tag == static_cast<uint32_t>(n.key >> 32) &&
+                     slots_[i].parent == n.parent && slots_[i].ns == n.ns,
+                 "child-table slot differs from its node");
+        found = true;
+        break;
+      }
+    }
+    KV_CHECK(found, "node not reachable in the child table");
     if (n.parent != kNullBlock) {
       KV_CHECK(nodes_[n.parent].published, "node's parent is not published");
       const NamespaceId pns = nodes_[n.parent].ns;
@@ -453,7 +543,18 @@ void PrefixIndex::check_invariants() const {
     if (n.deferred) KV_CHECK(n.n_children > 0, "deferred node without children");
   }
   KV_CHECK(n_published == n_nodes_, "node count out of sync");
-  KV_CHECK(static_cast<int64_t>(by_hash_.size()) == n_nodes_, "hash map size != node count");
+  int64_t n_slots_used = 0;
+  int64_t n_with_extra = 0;
+  for (const Slot& sl : slots_) {
+    if (sl.block == kNullBlock) continue;
+    ++n_slots_used;
+    KV_CHECK(sl.block >= 0 && sl.block < n_blocks && nodes_[sl.block].published,
+             "child-table slot names an unpublished block");
+  }
+  for (int32_t b = 0; b < n_blocks; ++b) n_with_extra += nodes_[b].published && nodes_[b].has_extra;
+  KV_CHECK(n_slots_used == n_nodes_, "child-table size != node count");
+  KV_CHECK(n_with_extra == n_extra_nodes_ && static_cast<int64_t>(extra_.size()) == n_extra_nodes_,
+           "extra-key node count out of sync");
   for (size_t i = 0; i < roots_.size(); ++i) {
     KV_CHECK(per_ns[i] == roots_[i].stats.n_nodes, "per-namespace node count out of sync");
   }

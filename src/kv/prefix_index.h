@@ -9,13 +9,19 @@
 //
 // Keys. Each node carries a chained 128-bit block hash (XXH3-128 of the
 // parent node's hash (0 at the top), the node's namespace digest, its P
-// token ids and its extra keys). The hash is the child-lookup key (one hash
-// map from hash to block, no per-node maps) and the block's name in events
-// and (later) in the cluster directory and tier keys. A hash hit is verified
-// against the stored parent, namespace, token ids and extra keys, so a
-// collision can never return wrong K/V: it reads as a miss and the colliding
-// block is simply not published.
-//
+// token ids and its extra keys): the block's name in events and (later) in
+// the cluster directory and tier keys. It is computed once, at publish.
+// Lookups use a separate child table: one open-addressing (linear probing,
+// load <= 1/2, backward-shift deletion) array of 16-byte slots keyed by a
+// cheap 64-bit hash of (parent node, namespace, tokens, extra keys), each
+// slot holding a 32-bit tag, the parent, the namespace and the block. A
+// probe that matches tag, parent and namespace is verified against the
+// stored token ids (memcmp) and extra keys, so a collision can never return
+// wrong K/V: it reads as a miss (counted in n_collisions). Equal blocks
+// under one parent are published once (a second publish is a duplicate).
+// The match path does no hashing beyond that one XXH3-64 per block and no
+// allocation beyond the result's block vector.
+
 // Namespaces and public prefixes. A block published from namespace N is a
 // node of N, whose parent may be a node of N or of the public namespace
 // (a private continuation of a public system prompt). A lookup from N at a
@@ -40,10 +46,13 @@
 // last child is evicted. Every step is O(1) amortized per block; match and
 // publish are O(blocks) with one XXH3 + one hash-map probe per block; the
 // partial-block search scans at most kMaxPartialScan children of one node.
+// Node metadata, token ids and LRU links are arrays indexed by block id.
 //
 // Observability: stats() (global and per namespace) and an event stream of
-// block stored / removed (hash, parent hash, token count) for routing and
-// tiers (drain_events).
+// block stored / removed (hash, parent hash, token count, namespace) for
+// routing and tiers: a bounded queue (set_event_capacity / drain_events)
+// and/or a synchronous sink (set_event_sink); replay_stored() describes the
+// current tree as stored events for a consumer that starts late.
 //
 // Thread-safety: not thread-safe; single owner, like BlockPool.
 // Lifetime: attaches to the pool on construction and detaches on
@@ -53,6 +62,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -109,6 +119,16 @@ struct KvEvent {
   NamespaceId ns = kNoNamespace;
 };
 
+// Receives each event synchronously, inside the pool operation that caused
+// it (publish, evict): it must not call back into the pool or the index.
+using KvEventSink = std::function<void(const KvEvent&)>;
+
+struct PrefixIndexConfig {
+  // Bits of the child-table lookup hash that are kept (64 = all). Tests set
+  // fewer to force lookup-hash collisions through the verification path.
+  int lookup_hash_bits = 64;
+};
+
 struct NamespaceStats {
   int64_t n_queries = 0;
   int64_t n_query_tokens = 0;  // tokens offered to lookups (after the last-token rule)
@@ -128,7 +148,7 @@ struct PrefixIndexStats {
   int64_t n_cached_blocks = 0;   // unreferenced, resident, evictable
   int64_t n_nodes = 0;           // published blocks (cached + in use)
   int64_t n_evictions = 0;
-  int64_t n_collisions = 0;  // hash hits rejected by token/parent verification
+  int64_t n_collisions = 0;  // lookup-hash hits rejected by token / extra-key verification
   int64_t n_duplicates = 0;  // publishes refused: an equal block is already published
   int64_t n_events_dropped = 0;
   std::vector<std::pair<NamespaceId, NamespaceStats>> per_namespace;
@@ -141,7 +161,7 @@ class PrefixIndex {
   static constexpr int kMaxPartialScan = 64;
 
   // Attaches to `pool` (at most one index per pool).
-  explicit PrefixIndex(BlockPool& pool);
+  explicit PrefixIndex(BlockPool& pool, PrefixIndexConfig config = {});
   ~PrefixIndex();
   PrefixIndex(const PrefixIndex&) = delete;
   PrefixIndex& operator=(const PrefixIndex&) = delete;
@@ -191,6 +211,13 @@ class PrefixIndex {
   // are dropped and counted when more than `max_events` are pending).
   void set_event_capacity(int64_t max_events) { max_events_ = max_events; }
   std::vector<KvEvent> drain_events();
+  // Also (or instead: capacity 0) delivers every event to `sink` as it
+  // happens; an empty sink turns delivery off.
+  void set_event_sink(KvEventSink sink) { sink_ = std::move(sink); }
+  // Calls `sink` with one kStored event per published block, every parent
+  // before its children (the current tree, for a consumer that starts
+  // after blocks were published). O(nodes).
+  void replay_stored(const KvEventSink& sink) const;
 
   // Tree, hash map, LRU list and state consistency; KV_CHECK on violation.
   // O(nodes). Called by BlockPool::check_invariants.
@@ -200,7 +227,8 @@ class PrefixIndex {
   friend class BlockPool;
 
   struct Node {
-    Hash128 hash;
+    Hash128 hash;                 // chained 128-bit block hash (events, directory)
+    uint64_t key = 0;             // child-table lookup hash (lookup_key)
     int32_t parent = kNullBlock;  // parent block, or kNullBlock (top level)
     NamespaceId ns = kNoNamespace;
     int32_t first_child = kNullBlock;  // children list (most recent first)
@@ -213,6 +241,13 @@ class PrefixIndex {
     bool in_lru = false;
     bool deferred = false;  // cached but left the LRU list while it had children
     bool has_extra = false;
+  };
+  // One child-table entry; block == kNullBlock marks an empty slot.
+  struct Slot {
+    uint32_t tag = 0;  // high 32 bits of the lookup key
+    int32_t block = kNullBlock;
+    int32_t parent = kNullBlock;
+    NamespaceId ns = kNoNamespace;
   };
   struct Root {
     Hash128 digest;
@@ -230,9 +265,14 @@ class PrefixIndex {
 
   Hash128 child_key(const Hash128& parent_hash, NamespaceId ns, const int32_t* tokens,
                     BlockExtraKeys extra) const;
+  uint64_t lookup_key(int32_t parent, NamespaceId ns, const int32_t* tokens,
+                      BlockExtraKeys extra) const;
   // The verified child of `parent` (kNullBlock: top level of ns) for these
   // tokens in namespace ns, or kNullBlock.
   int32_t find_child(int32_t parent, NamespaceId ns, const int32_t* tokens, BlockExtraKeys extra);
+  bool extra_equal(int32_t block, BlockExtraKeys extra) const;
+  void slot_insert(uint64_t key, int32_t block);
+  void slot_erase(uint64_t key, int32_t block);
   int32_t& child_head(int32_t parent, NamespaceId ns);
   void link_child(int32_t parent, NamespaceId ns, int32_t block);
   void unlink_child(int32_t block);
@@ -251,7 +291,10 @@ class PrefixIndex {
   std::vector<Node> nodes_;      // [n_blocks]
   std::vector<int32_t> tokens_;  // [n_blocks, P] token ids of published blocks
   std::unordered_map<int32_t, std::vector<uint64_t>> extra_;  // blocks with extra keys
-  std::unordered_map<Hash128, int32_t, HashOf> by_hash_;
+  std::vector<Slot> slots_;  // child table, power-of-two size >= 2 * n_blocks
+  uint64_t slot_mask_ = 0;
+  uint64_t key_mask_ = ~uint64_t{0};  // PrefixIndexConfig::lookup_hash_bits
+  int64_t n_extra_nodes_ = 0;         // published blocks with extra keys
   std::vector<Root> roots_;
   std::unordered_map<Hash128, NamespaceId, HashOf> ns_by_digest_;
   NamespaceId public_ns_ = kNoNamespace;
@@ -266,7 +309,7 @@ class PrefixIndex {
   std::deque<KvEvent> events_;
   int64_t max_events_ = 0;  // 0 = events off
   int64_t n_events_dropped_ = 0;
-  std::vector<uint8_t> key_buf_;  // scratch for child_key
+  KvEventSink sink_;
 };
 
 }  // namespace kvstack

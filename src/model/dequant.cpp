@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "core/half.h"
 #include "model/gguf.h"
@@ -32,47 +33,53 @@ void convert_plain(const uint8_t* src, float* dst, int64_t n) {
   }
 }
 
-void dequant_f16(const uint8_t* src, float* dst, int64_t n) {
+template <float (*kToF32)(uint16_t)>
+void convert_half(const uint8_t* src, float* dst, int64_t n) {
   for (int64_t k = 0; k < n; ++k) {
     uint16_t h;
     std::memcpy(&h, src + 2 * k, 2);
-    dst[k] = f16_to_f32(h);
+    dst[k] = kToF32(h);
   }
 }
 
-void dequant_bf16(const uint8_t* src, float* dst, int64_t n) {
-  for (int64_t k = 0; k < n; ++k) {
-    uint16_t h;
-    std::memcpy(&h, src + 2 * k, 2);
-    dst[k] = bf16_to_f32(h);
-  }
+// Every quantized format below is "unpack the block's integer quants in
+// element order, then scale them"; the scaling helpers keep the reference's
+// rounding: each product is a float before the min/offset is applied.
+
+// Calls kDecode(block, y) for each of n_blocks blocks; y: [kElems] floats.
+// (A template argument, not a parameter, so each format's loop is compiled
+// with its decoder inlined.)
+template <class Block, int kElems, void (*kDecode)(const Block&, float*)>
+void for_each_block(const uint8_t* src, float* dst, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b) kDecode(load_block<Block>(src, b), dst + b * kElems);
 }
 
-// y = d * (q - 8); q is a nibble: low nibbles are elements 0..15, high 16..31.
-void dequant_q4_0(const uint8_t* src, float* dst, int64_t n_blocks) {
-  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK) {
-    const auto blk = load_block<BlockQ4_0>(src, b);
-    const float d = f16_to_f32(blk.d);
-    for (int j = 0; j < kQK / 2; ++j) {
-      const int lo = (blk.qs[j] & 0x0f) - 8;
-      const int hi = (blk.qs[j] >> 4) - 8;
-      dst[j] = d * static_cast<float>(lo);
-      dst[j + kQK / 2] = d * static_cast<float>(hi);
+// y = d * q.
+template <int kN, class Q>
+void scale(const Q* q, float d, float* y) {
+  for (int j = 0; j < kN; ++j) y[j] = d * static_cast<float>(q[j]);
+}
+
+// y = d * q + m.
+template <int kN, class Q>
+void scale_add(const Q* q, float d, float m, float* y) {
+  for (int j = 0; j < kN; ++j) y[j] = d * static_cast<float>(q[j]) + m;
+}
+
+// y = dl[sub] * q - ml[sub] over sub-blocks of kSub elements.
+template <int kN, int kSub>
+void scale_sub_min(const int8_t* q, const float* dl, const float* ml, float* y) {
+  for (int sub = 0; sub < kN / kSub; ++sub) {
+    for (int l = 0; l < kSub; ++l) {
+      y[kSub * sub + l] = dl[sub] * static_cast<float>(q[kSub * sub + l]) - ml[sub];
     }
   }
 }
 
-// y = d * q + m, q an unsigned nibble.
-void dequant_q4_1(const uint8_t* src, float* dst, int64_t n_blocks) {
-  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK) {
-    const auto blk = load_block<BlockQ4_1>(src, b);
-    const float d = f16_to_f32(blk.d);
-    const float m = f16_to_f32(blk.m);
-    for (int j = 0; j < kQK / 2; ++j) {
-      dst[j] = d * static_cast<float>(blk.qs[j] & 0x0f) + m;
-      dst[j + kQK / 2] = d * static_cast<float>(blk.qs[j] >> 4) + m;
-    }
-  }
+// y = dl[sub] * q over sub-blocks of kSub elements.
+template <int kN, int kSub>
+void scale_sub(const int8_t* q, const float* dl, float* y) {
+  for (int sub = 0; sub < kN / kSub; ++sub) scale<kSub>(q + kSub * sub, dl[sub], y + kSub * sub);
 }
 
 uint32_t load_u32(const uint8_t* p) {
@@ -81,98 +88,100 @@ uint32_t load_u32(const uint8_t* p) {
   return v;
 }
 
-// 5-bit quants: nibble plus bit j of qh for element j. Q5_0: y = d * (q - 16).
-void dequant_q5_0(const uint8_t* src, float* dst, int64_t n_blocks) {
-  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK) {
-    const auto blk = load_block<BlockQ5_0>(src, b);
-    const float d = f16_to_f32(blk.d);
-    const uint32_t qh = load_u32(blk.qh);
-    for (int j = 0; j < kQK / 2; ++j) {
-      const int lo = static_cast<int>((blk.qs[j] & 0x0f) | (((qh >> j) & 1u) << 4)) - 16;
-      const int hi = static_cast<int>((blk.qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4)) - 16;
-      dst[j] = d * static_cast<float>(lo);
-      dst[j + kQK / 2] = d * static_cast<float>(hi);
+// Q4_0..Q5_1 quants, minus `offset`: the low nibble of qs[j] is element j,
+// the high nibble element j + 16; bit j of qh (0 for the 4-bit formats) is
+// element j's fifth bit.
+void unpack_nibbles_32(const uint8_t* qs, uint32_t qh, int offset, int8_t* q) {
+  for (int j = 0; j < kQK / 2; ++j) {
+    q[j] = static_cast<int8_t>(((qs[j] & 0x0f) | (((qh >> j) & 1u) << 4)) - offset);
+    q[j + kQK / 2] = static_cast<int8_t>(((qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4)) - offset);
+  }
+}
+
+// Q4_0: y = d * (q - 8); Q5_0: y = d * (q - 16).
+void dequant_q4_0(const BlockQ4_0& blk, float* y) {
+  int8_t q[kQK];
+  unpack_nibbles_32(blk.qs, 0, 8, q);
+  scale<kQK>(q, f16_to_f32(blk.d), y);
+}
+
+void dequant_q5_0(const BlockQ5_0& blk, float* y) {
+  int8_t q[kQK];
+  unpack_nibbles_32(blk.qs, load_u32(blk.qh), 16, q);
+  scale<kQK>(q, f16_to_f32(blk.d), y);
+}
+
+// Q4_1, Q5_1: y = d * q + m.
+void dequant_q4_1(const BlockQ4_1& blk, float* y) {
+  int8_t q[kQK];
+  unpack_nibbles_32(blk.qs, 0, 0, q);
+  scale_add<kQK>(q, f16_to_f32(blk.d), f16_to_f32(blk.m), y);
+}
+
+void dequant_q5_1(const BlockQ5_1& blk, float* y) {
+  int8_t q[kQK];
+  unpack_nibbles_32(blk.qs, load_u32(blk.qh), 0, q);
+  scale_add<kQK>(q, f16_to_f32(blk.d), f16_to_f32(blk.m), y);
+}
+
+// Q8_0, Q8_1 (its s field, d * sum, only serves dot products), Q8_K.
+template <class Block>
+void dequant_q8(const Block& blk, float* y) {
+  constexpr int kN = sizeof(Block::qs);
+  if constexpr (std::is_same_v<decltype(Block::d), float>) {
+    scale<kN>(blk.qs, blk.d, y);
+  } else {
+    scale<kN>(blk.qs, f16_to_f32(blk.d), y);
+  }
+}
+
+// Q2_K and Q3_K low bits: element e = 128 * h + 32 * s + l is bits 2s..2s+1
+// of qs[32 * h + l].
+void unpack_2bit_256(const uint8_t* qs, int8_t* q) {
+  for (int h = 0; h < 2; ++h) {
+    for (int s = 0; s < 4; ++s) {
+      for (int l = 0; l < 32; ++l) {
+        q[128 * h + 32 * s + l] = static_cast<int8_t>((qs[32 * h + l] >> (2 * s)) & 3);
+      }
     }
   }
 }
 
-// Q5_1: y = d * q + m.
-void dequant_q5_1(const uint8_t* src, float* dst, int64_t n_blocks) {
-  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK) {
-    const auto blk = load_block<BlockQ5_1>(src, b);
-    const float d = f16_to_f32(blk.d);
-    const float m = f16_to_f32(blk.m);
-    const uint32_t qh = load_u32(blk.qh);
-    for (int j = 0; j < kQK / 2; ++j) {
-      const uint32_t lo = (blk.qs[j] & 0x0fu) | (((qh >> j) & 1u) << 4);
-      const uint32_t hi = (blk.qs[j] >> 4u) | (((qh >> (j + 16)) & 1u) << 4);
-      dst[j] = d * static_cast<float>(lo) + m;
-      dst[j + kQK / 2] = d * static_cast<float>(hi) + m;
-    }
-  }
-}
-
-void dequant_q8_0(const uint8_t* src, float* dst, int64_t n_blocks) {
-  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK) {
-    const auto blk = load_block<BlockQ8_0>(src, b);
-    const float d = f16_to_f32(blk.d);
-    for (int j = 0; j < kQK; ++j) dst[j] = d * static_cast<float>(blk.qs[j]);
-  }
-}
-
-// Q8_1's s field (d * sum) is only used by dot products.
-void dequant_q8_1(const uint8_t* src, float* dst, int64_t n_blocks) {
-  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK) {
-    const auto blk = load_block<BlockQ8_1>(src, b);
-    const float d = f16_to_f32(blk.d);
-    for (int j = 0; j < kQK; ++j) dst[j] = d * static_cast<float>(blk.qs[j]);
-  }
-}
-
-// Q2_K: 16 sub-blocks of 16; scales[i] = scale (low nibble) | min (high).
-// Element e = 128 * h + 32 * s + l takes bits 2s..2s+1 of qs[32 * h + l];
+// Q2_K: 16 sub-blocks of 16; scales[i] = scale (low nibble) | min (high);
 // y = (d * scale) * q - (dmin * min).
-void dequant_q2_k(const uint8_t* src, float* dst, int64_t n_blocks) {
-  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK_K) {
-    const auto blk = load_block<BlockQ2_K>(src, b);
-    const float d = f16_to_f32(blk.d);
-    const float dmin = f16_to_f32(blk.dmin);
-    for (int e = 0; e < kQK_K; ++e) {
-      const int h = e / 128;
-      const int s = (e / 32) % 4;
-      const int l = e % 32;
-      const int sub = e / 16;
-      const float dl = d * static_cast<float>(blk.scales[sub] & 0x0f);
-      const float ml = dmin * static_cast<float>(blk.scales[sub] >> 4);
-      const int q = (blk.qs[32 * h + l] >> (2 * s)) & 3;
-      dst[e] = dl * static_cast<float>(q) - ml;
-    }
+void dequant_q2_k(const BlockQ2_K& blk, float* y) {
+  const float d = f16_to_f32(blk.d);
+  const float dmin = f16_to_f32(blk.dmin);
+  float dl[16];
+  float ml[16];
+  for (int j = 0; j < 16; ++j) {
+    dl[j] = d * static_cast<float>(blk.scales[j] & 0x0f);
+    ml[j] = dmin * static_cast<float>(blk.scales[j] >> 4);
   }
+  int8_t q[kQK_K];
+  unpack_2bit_256(blk.qs, q);
+  scale_sub_min<kQK_K, 16>(q, dl, ml, y);
 }
 
 // Q3_K: 16 signed 6-bit scales (offset 32): low 4 bits from scales[0..7]
 // (low nibbles for sub-blocks 0..7, high for 8..15), high 2 bits from
-// scales[8 + j % 4] at bit 2 * (j / 4). q = low2 - (hmask bit ? 0 : 4).
-void dequant_q3_k(const uint8_t* src, float* dst, int64_t n_blocks) {
-  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK_K) {
-    const auto blk = load_block<BlockQ3_K>(src, b);
-    const float d = f16_to_f32(blk.d);
-    float dl[16];
-    for (int j = 0; j < 16; ++j) {
-      const int low = j < 8 ? (blk.scales[j] & 0x0f) : (blk.scales[j - 8] >> 4);
-      const int high = (blk.scales[8 + j % 4] >> (2 * (j / 4))) & 3;
-      dl[j] = d * static_cast<float>((low | (high << 4)) - 32);
-    }
-    for (int e = 0; e < kQK_K; ++e) {
-      const int h = e / 128;
-      const int s = (e / 32) % 4;
-      const int l = e % 32;
-      const int low2 = (blk.qs[32 * h + l] >> (2 * s)) & 3;
-      const int hbit = (blk.hmask[l] >> (e / 32)) & 1;
-      const int q = low2 - (hbit != 0 ? 0 : 4);
-      dst[e] = dl[e / 16] * static_cast<float>(q);
-    }
+// scales[8 + j % 4] at bit 2 * (j / 4). q = low2 - (hmask bit ? 0 : 4), the
+// hmask bit of element e being bit e / 32 of hmask[e % 32].
+void dequant_q3_k(const BlockQ3_K& blk, float* y) {
+  const float d = f16_to_f32(blk.d);
+  float dl[16];
+  for (int j = 0; j < 16; ++j) {
+    const int low = j < 8 ? (blk.scales[j] & 0x0f) : (blk.scales[j - 8] >> 4);
+    const int high = (blk.scales[8 + j % 4] >> (2 * (j / 4))) & 3;
+    dl[j] = d * static_cast<float>((low | (high << 4)) - 32);
   }
+  int8_t q[kQK_K];
+  unpack_2bit_256(blk.qs, q);
+  for (int e = 0; e < kQK_K; ++e) {
+    const int hbit = (blk.hmask[e % 32] >> (e / 32)) & 1;
+    q[e] = static_cast<int8_t>(q[e] - (hbit != 0 ? 0 : 4));
+  }
+  scale_sub<kQK_K, 16>(q, dl, y);
 }
 
 // Q4_K / Q5_K: 8 sub-blocks of 32 with 6-bit scale and min packed in 12 bytes.
@@ -186,79 +195,53 @@ void unpack_scale_min_k4(const uint8_t* scales, int j, int* sc, int* m) {
   }
 }
 
-// Sub-block 2g uses low nibbles of qs[32g .. 32g+31], 2g+1 the high nibbles;
+// Sub-block 2g uses the low nibbles of qs[32g .. 32g+31], 2g+1 the high
+// nibbles; Q5_K adds bit `sub` of qh[l] as element l's fifth bit.
 // y = (d * sc) * q - (dmin * m).
-void dequant_q4_k(const uint8_t* src, float* dst, int64_t n_blocks) {
-  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK_K) {
-    const auto blk = load_block<BlockQ4_K>(src, b);
-    const float d = f16_to_f32(blk.d);
-    const float dmin = f16_to_f32(blk.dmin);
-    for (int sub = 0; sub < 8; ++sub) {
-      int sc = 0;
-      int m = 0;
-      unpack_scale_min_k4(blk.scales, sub, &sc, &m);
-      const float dl = d * static_cast<float>(sc);
-      const float ml = dmin * static_cast<float>(m);
-      const uint8_t* qs = blk.qs + 32 * (sub / 2);
-      const int shift = 4 * (sub % 2);
-      for (int l = 0; l < 32; ++l) {
-        dst[32 * sub + l] = dl * static_cast<float>((qs[l] >> shift) & 0x0f) - ml;
-      }
+template <class Block>
+void dequant_q4_q5_k(const Block& blk, float* y) {
+  const float d = f16_to_f32(blk.d);
+  const float dmin = f16_to_f32(blk.dmin);
+  float dl[8];
+  float ml[8];
+  int8_t q[kQK_K];
+  for (int sub = 0; sub < 8; ++sub) {
+    int sc = 0;
+    int m = 0;
+    unpack_scale_min_k4(blk.scales, sub, &sc, &m);
+    dl[sub] = d * static_cast<float>(sc);
+    ml[sub] = dmin * static_cast<float>(m);
+    const uint8_t* qs = blk.qs + 32 * (sub / 2);
+    const int shift = 4 * (sub % 2);
+    for (int l = 0; l < 32; ++l) {
+      int v = (qs[l] >> shift) & 0x0f;
+      if constexpr (std::is_same_v<Block, BlockQ5_K>) v |= ((blk.qh[l] >> sub) & 1) << 4;
+      q[32 * sub + l] = static_cast<int8_t>(v);
     }
   }
-}
-
-// As Q4_K with a 5th bit: bit `sub` of qh[l] for element l of sub-block sub.
-void dequant_q5_k(const uint8_t* src, float* dst, int64_t n_blocks) {
-  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK_K) {
-    const auto blk = load_block<BlockQ5_K>(src, b);
-    const float d = f16_to_f32(blk.d);
-    const float dmin = f16_to_f32(blk.dmin);
-    for (int sub = 0; sub < 8; ++sub) {
-      int sc = 0;
-      int m = 0;
-      unpack_scale_min_k4(blk.scales, sub, &sc, &m);
-      const float dl = d * static_cast<float>(sc);
-      const float ml = dmin * static_cast<float>(m);
-      const uint8_t* qs = blk.qs + 32 * (sub / 2);
-      const int shift = 4 * (sub % 2);
-      for (int l = 0; l < 32; ++l) {
-        const int q = ((qs[l] >> shift) & 0x0f) | (((blk.qh[l] >> sub) & 1) << 4);
-        dst[32 * sub + l] = dl * static_cast<float>(q) - ml;
-      }
-    }
-  }
+  scale_sub_min<kQK_K, 32>(q, dl, ml, y);
 }
 
 // Q6_K: group g (0..7) of 32 elements in half h = g / 4: low 4 bits from
 // ql[64h + 32(g % 2) + l] (high nibble when (g / 2) % 2), high 2 bits from
 // qh[32h + l] at bit 2 * (g % 4); y = (d * scales[e / 16]) * (q - 32).
-void dequant_q6_k(const uint8_t* src, float* dst, int64_t n_blocks) {
-  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK_K) {
-    const auto blk = load_block<BlockQ6_K>(src, b);
-    const float d = f16_to_f32(blk.d);
-    float dl[16];
-    for (int j = 0; j < 16; ++j) dl[j] = d * static_cast<float>(blk.scales[j]);
-    for (int g = 0; g < 8; ++g) {
-      const int h = g / 4;
-      const uint8_t* ql = blk.ql + 64 * h + 32 * (g % 2);
-      const uint8_t* qh = blk.qh + 32 * h;
-      const int lshift = 4 * ((g / 2) % 2);
-      const int hshift = 2 * (g % 4);
-      for (int l = 0; l < 32; ++l) {
-        const int q = (((ql[l] >> lshift) & 0x0f) | (((qh[l] >> hshift) & 3) << 4)) - 32;
-        const int e = 32 * g + l;
-        dst[e] = dl[e / 16] * static_cast<float>(q);
-      }
+void dequant_q6_k(const BlockQ6_K& blk, float* y) {
+  const float d = f16_to_f32(blk.d);
+  float dl[16];
+  for (int j = 0; j < 16; ++j) dl[j] = d * static_cast<float>(blk.scales[j]);
+  int8_t q[kQK_K];
+  for (int g = 0; g < 8; ++g) {
+    const int h = g / 4;
+    const uint8_t* ql = blk.ql + 64 * h + 32 * (g % 2);
+    const uint8_t* qh = blk.qh + 32 * h;
+    const int lshift = 4 * ((g / 2) % 2);
+    const int hshift = 2 * (g % 4);
+    for (int l = 0; l < 32; ++l) {
+      const int v = ((ql[l] >> lshift) & 0x0f) | (((qh[l] >> hshift) & 3) << 4);
+      q[32 * g + l] = static_cast<int8_t>(v - 32);
     }
   }
-}
-
-void dequant_q8_k(const uint8_t* src, float* dst, int64_t n_blocks) {
-  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK_K) {
-    const auto blk = load_block<BlockQ8_K>(src, b);
-    for (int j = 0; j < kQK_K; ++j) dst[j] = blk.d * static_cast<float>(blk.qs[j]);
-  }
+  scale_sub<kQK_K, 16>(q, dl, y);
 }
 
 }  // namespace
@@ -274,10 +257,10 @@ void dequantize_row(GgmlType type, const void* src_v, float* dst, int64_t n) {
       std::memcpy(dst, src, static_cast<size_t>(n) * 4);
       return;
     case GgmlType::kF16:
-      dequant_f16(src, dst, n);
+      convert_half<f16_to_f32>(src, dst, n);
       return;
     case GgmlType::kBF16:
-      dequant_bf16(src, dst, n);
+      convert_half<bf16_to_f32>(src, dst, n);
       return;
     case GgmlType::kF64:
       convert_plain<double>(src, dst, n);
@@ -295,40 +278,40 @@ void dequantize_row(GgmlType type, const void* src_v, float* dst, int64_t n) {
       convert_plain<int64_t>(src, dst, n);
       return;
     case GgmlType::kQ4_0:
-      dequant_q4_0(src, dst, n_blocks);
+      for_each_block<BlockQ4_0, kQK, dequant_q4_0>(src, dst, n_blocks);
       return;
     case GgmlType::kQ4_1:
-      dequant_q4_1(src, dst, n_blocks);
+      for_each_block<BlockQ4_1, kQK, dequant_q4_1>(src, dst, n_blocks);
       return;
     case GgmlType::kQ5_0:
-      dequant_q5_0(src, dst, n_blocks);
+      for_each_block<BlockQ5_0, kQK, dequant_q5_0>(src, dst, n_blocks);
       return;
     case GgmlType::kQ5_1:
-      dequant_q5_1(src, dst, n_blocks);
+      for_each_block<BlockQ5_1, kQK, dequant_q5_1>(src, dst, n_blocks);
       return;
     case GgmlType::kQ8_0:
-      dequant_q8_0(src, dst, n_blocks);
+      for_each_block<BlockQ8_0, kQK, dequant_q8<BlockQ8_0>>(src, dst, n_blocks);
       return;
     case GgmlType::kQ8_1:
-      dequant_q8_1(src, dst, n_blocks);
+      for_each_block<BlockQ8_1, kQK, dequant_q8<BlockQ8_1>>(src, dst, n_blocks);
       return;
     case GgmlType::kQ2_K:
-      dequant_q2_k(src, dst, n_blocks);
+      for_each_block<BlockQ2_K, kQK_K, dequant_q2_k>(src, dst, n_blocks);
       return;
     case GgmlType::kQ3_K:
-      dequant_q3_k(src, dst, n_blocks);
+      for_each_block<BlockQ3_K, kQK_K, dequant_q3_k>(src, dst, n_blocks);
       return;
     case GgmlType::kQ4_K:
-      dequant_q4_k(src, dst, n_blocks);
+      for_each_block<BlockQ4_K, kQK_K, dequant_q4_q5_k<BlockQ4_K>>(src, dst, n_blocks);
       return;
     case GgmlType::kQ5_K:
-      dequant_q5_k(src, dst, n_blocks);
+      for_each_block<BlockQ5_K, kQK_K, dequant_q4_q5_k<BlockQ5_K>>(src, dst, n_blocks);
       return;
     case GgmlType::kQ6_K:
-      dequant_q6_k(src, dst, n_blocks);
+      for_each_block<BlockQ6_K, kQK_K, dequant_q6_k>(src, dst, n_blocks);
       return;
     case GgmlType::kQ8_K:
-      dequant_q8_k(src, dst, n_blocks);
+      for_each_block<BlockQ8_K, kQK_K, dequant_q8<BlockQ8_K>>(src, dst, n_blocks);
       return;
   }
   KV_CHECK(false, "dequantize_row: type marked supported but not implemented");

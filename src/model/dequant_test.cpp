@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -22,6 +23,14 @@ constexpr uint16_t kHalf0_5 = 0x3800;     // 0.5
 constexpr uint16_t kHalf0_25 = 0x3400;    // 0.25
 constexpr uint16_t kHalf0_125 = 0x3000;   // 0.125
 constexpr uint16_t kHalfMinus1 = 0xbc00;  // -1.0
+
+// Bit patterns of n floats: compares -0.0 and NaN payloads exactly, which
+// == on floats would not.
+std::vector<uint32_t> float_bits(const float* p, size_t n) {
+  std::vector<uint32_t> out(n);
+  for (size_t k = 0; k < n; ++k) out[k] = std::bit_cast<uint32_t>(p[k]);
+  return out;
+}
 
 template <class Block>
 std::vector<float> dequant_block(GgmlType type, const Block& blk) {
@@ -50,7 +59,7 @@ TEST(Dequant, PlainFloatTypes) {
   const float f32[3] = {1.5f, -0.0f, 3e38f};
   float out[3];
   dequantize_row(GgmlType::kF32, f32, out, 3);
-  EXPECT_EQ(std::memcmp(out, f32, sizeof(f32)), 0);
+  EXPECT_EQ(float_bits(out, 3), float_bits(f32, 3));
 
   const uint16_t f16[6] = {0x3c00, 0xc000, 0x0001, 0x7c00, 0x7bff, 0x8000};
   float o16[6];
@@ -264,12 +273,12 @@ TEST(Dequant, UnalignedSourceAndManyBlocks) {
   std::vector<float> b(768);
   dequantize_row(GgmlType::kQ4_K, raw.data(), a.data(), 768);
   dequantize_row(GgmlType::kQ4_K, shifted.data() + 1, b.data(), 768);
-  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0);
+  EXPECT_EQ(float_bits(a.data(), a.size()), float_bits(b.data(), b.size()));
   // Row of three blocks == three single-block rows.
   for (int blk = 0; blk < 3; ++blk) {
     std::vector<float> one(256);
     dequantize_row(GgmlType::kQ4_K, raw.data() + blk * sizeof(BlockQ4_K), one.data(), 256);
-    EXPECT_EQ(std::memcmp(one.data(), a.data() + blk * 256, 256 * 4), 0);
+    EXPECT_EQ(float_bits(one.data(), 256), float_bits(a.data() + blk * 256, 256));
   }
 }
 

@@ -22,7 +22,6 @@ using testing::array_value;
 using testing::Bytes;
 using testing::GgufBuilder;
 using testing::put;
-using testing::put_str;
 using testing::scalar_array_value;
 using testing::string_array_value;
 using namespace testing;  // NOLINT: VType enumerators

@@ -2,12 +2,25 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
 namespace kvstack {
 namespace {
+
+// Index of the first element whose bit pattern differs, or -1 when all n
+// floats are bit-identical (exact bits, like memcmp: -0 != +0, a NaN equals
+// the same NaN).
+int64_t first_bit_mismatch(const float* a, const float* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::bit_cast<uint32_t>(a[i]) != std::bit_cast<uint32_t>(b[i])) return i;
+  }
+  return -1;
+}
 
 std::vector<float> randn(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -120,6 +133,58 @@ TEST(Elementwise, SwigluAddMulScale) {
   const float big[1] = {-1000.f}, one[1] = {1.f};
   swiglu(big, one, out.data(), 1);
   EXPECT_EQ(out[0], -0.f);
+}
+
+// The AVX2 path's own exp: relative error against double over the whole
+// range silu meets (including overflow of exp(-g) for very negative g and the
+// k = 128 corner just below it), and the same bits at any position (the tail
+// is computed 8-wide too).
+TEST(Elementwise, SwigluWideRangeAndPositionIndependent) {
+  std::vector<float> g;
+  for (float v = -100.f; v <= 100.f; v += 0.0137f) g.push_back(v);
+  for (float v : {-88.72f, -88.71f, -88.5f, -88.38f, -88.3f, 87.3f, 87.4f, 0.f, -0.f, 1e-20f}) {
+    g.push_back(v);
+  }
+  const auto n = static_cast<int64_t>(g.size());
+  const auto u = randn(g.size(), 9);
+  std::vector<float> out(g.size());
+  swiglu(g.data(), u.data(), out.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    const double ref = g[i] / (1.0 + std::exp(-double(g[i]))) * u[i];
+    ASSERT_NEAR(out[i], ref, 1e-6 * std::fabs(ref) + 1e-30) << "g " << g[i];
+  }
+  for (int64_t off : {1, 3, 7}) {
+    std::vector<float> o2(g.size() - off);
+    swiglu(g.data() + off, u.data() + off, o2.data(), n - off);
+    ASSERT_EQ(first_bit_mismatch(o2.data(), out.data() + off, std::ssize(o2)), -1) << off;
+  }
+}
+
+// Batch invariance: a token's row gives the same bits alone or inside a batch
+// of any size at any position (rms_norm, rope and the element-wise ops have no
+// reduction across rows).
+TEST(Elementwise, RowBitsIndependentOfBatch) {
+  const int64_t n = 576, n_heads = 9, head_dim = 64;
+  const auto w = randn(n, 5);
+  const auto target = randn(n, 6);
+  std::vector<float> alone(n), rot_alone(target);
+  rms_norm(target.data(), w.data(), 1, n, 1e-5f, alone.data());
+  const RopeParams rp{.style = RopeStyle::kNormal, .n_rot = 64, .freq_base = 10000.f};
+  const int32_t pos1 = 77;
+  rope(rot_alone.data(), &pos1, 1, n_heads, head_dim, rp);
+  for (int64_t m : {2, 7, 64}) {
+    for (int64_t at : {int64_t{0}, m / 2, m - 1}) {
+      auto x = randn(m * n, static_cast<uint32_t>(m + at));
+      std::copy(target.begin(), target.end(), x.begin() + at * n);
+      std::vector<float> out(m * n);
+      rms_norm(x.data(), w.data(), m, n, 1e-5f, out.data());
+      ASSERT_EQ(first_bit_mismatch(out.data() + at * n, alone.data(), n), -1);
+      std::vector<int32_t> pos(m, 3);
+      pos[at] = pos1;
+      rope(x.data(), pos.data(), m, n_heads, head_dim, rp);
+      ASSERT_EQ(first_bit_mismatch(x.data() + at * n, rot_alone.data(), n), -1);
+    }
+  }
 }
 
 }  // namespace

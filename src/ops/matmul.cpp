@@ -37,21 +37,27 @@ T* grow(std::vector<T>& v, size_t n) {
   return v.data();
 }
 
-// Runs fn(r0, r1) over activation rows [0, m), split across the pool.
+// Runs fn(r0, r1) over activation rows [0, m) on the pool, in chunks that
+// threads claim from a shared counter (each row is converted independently,
+// so the result does not depend on who converts which row).
 template <class Fn>
 void for_rows(int64_t m, ThreadPool* pool, const Fn& fn) {
   const int n_threads = pool ? pool->n_threads() : 1;
   if (n_threads <= 1 || m < 4) return fn(0, m);
+  const int64_t chunk = std::max<int64_t>(1, m / (4 * n_threads));
   // The job captures one pointer, so std::function stores it without allocating.
   struct Ctx {
     const Fn* fn;
     int64_t m;
-    int n_threads;
-  } ctx{&fn, m, n_threads};
-  const Ctx* c = &ctx;
-  pool->run([c](int t) {
-    const int64_t r0 = c->m * t / c->n_threads, r1 = c->m * (t + 1) / c->n_threads;
-    if (r0 < r1) (*c->fn)(r0, r1);
+    int64_t chunk;
+    std::atomic<int64_t> next{0};
+  } ctx{&fn, m, chunk};
+  Ctx* c = &ctx;
+  pool->run_shared([c](int) {
+    for (int64_t r0 = c->next.fetch_add(c->chunk, std::memory_order_relaxed); r0 < c->m;
+         r0 = c->next.fetch_add(c->chunk, std::memory_order_relaxed)) {
+      (*c->fn)(r0, std::min(c->m, r0 + c->chunk));
+    }
   });
 }
 
@@ -178,7 +184,9 @@ void run_parts(const Part* parts, int n_parts, const PreparedAct& act, ThreadPoo
     Share* shares;
   } ctx{parts, n_parts, n_threads, grain, &act, shares.data()};
   const Ctx* c = &ctx;  // one captured pointer: std::function stores it without allocating
-  pool->run([c](int t) {
+  // run_shared: a worker that other load keeps off the CPU simply takes no
+  // part; its share is stolen and the call does not wait for it.
+  pool->run_shared([c](int t) {
     if (t >= c->n_threads) return;
     for (int k = 0; k < c->n_threads; ++k) {
       Share& sh = c->shares[(t + k) % c->n_threads];

@@ -111,8 +111,16 @@ KV_AVX2 inline __m256 block_dot(__m256i wq, __m256i wa, __m256i yv) {
 // Decode (one activation row) x NR weight rows over all n_in. Per block and
 // weight row: one f16 conversion gives d (and m); for Q4_1/Q5_1 the product
 // [d, m] * [dy, s] yields both d * dy and the min term m * s, which goes to a
-// separate accumulator (its odd lanes; each holds a quarter of the sum) so the
-// main accumulator sees one FMA per block.
+// separate accumulator (its odd lanes) so the main accumulator sees one FMA per
+// block.
+//
+// Batch invariance: every kernel shape (this one and legacy_tile for any MR,
+// NR) computes an output element with the same operations in the same order:
+//   acc (8 lanes) = fma(int_dot_lanes(b), d_b * dy_b, acc)  for b = 0, 1, ...
+//   M = M + m_b * s_b                                        (Q4_1/Q5_1 only)
+//   y = hsum(acc) + M
+// so a row's result does not depend on how many rows share the call, where
+// it sits, or how columns were split across threads.
 template <class T, int NR>
 KV_AVX2 void legacy_row(const typename T::Block* const* w, const PreparedAct& a, int64_t r0,
                         float* y) {
@@ -147,13 +155,13 @@ KV_AVX2 void legacy_row(const typename T::Block* const* w, const PreparedAct& a,
       }
     }
   }
-  const __m256 odd = _mm256_castsi256_ps(_mm256_setr_epi32(0, -1, 0, -1, 0, -1, 0, -1));
   for (int c = 0; c < NR; ++c) {
     if constexpr (T::kSigned) {
       y[c] = hsum(acc[c]);
     } else {
-      // Odd lanes of accm: four copies of sum(m * s); the 0.25 is exact.
-      y[c] = hsum(_mm256_fmadd_ps(_mm256_and_ps(accm[c], odd), _mm256_set1_ps(0.25f), acc[c]));
+      // Lane 1 of accm: sum over blocks of m * s, in block order (see
+      // legacy_tile, which must produce the same bits).
+      y[c] = hsum(acc[c]) + _mm_cvtss_f32(_mm_movehdup_ps(_mm256_castps256_ps128(accm[c])));
     }
   }
 }
@@ -176,14 +184,18 @@ KV_AVX2 void legacy_tile(const typename T::Block* const* w, const PreparedAct& a
     yd[r] = a.d + (r0 + r) * nb;
     ys[r] = T::kSigned ? nullptr : a.s + (r0 + r) * nb;
   }
-  const __m256 eighth = _mm256_set1_ps(0.125f);
+  static_assert(T::kSigned || MR * NR <= 8, "min-term lanes: one per (row, column)");
   __m256 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps();
+  // Min terms of unsigned formats: lane r * NR + c accumulates m * s of
+  // (row r, column c), the same sequence of float ops as legacy_row's accm.
+  __m256 macc = _mm256_setzero_ps();
 
   for (int64_t b = 0; b < nb; ++b) {
     __m256i wq[NR], wa[NR];
-    __m256 wd[NR], wm[NR];
+    __m256 wd[NR];
+    float wm[NR];
     for (int c = 0; c < NR; ++c) {
       const auto& blk = w[c][b];
       wq[c] = T::q(blk);
@@ -193,24 +205,34 @@ KV_AVX2 void legacy_tile(const typename T::Block* const* w, const PreparedAct& a
         wd[c] = sc;
       } else {
         wd[c] = _mm256_moveldup_ps(sc);
-        wm[c] = _mm256_movehdup_ps(sc);
+        wm[c] = _mm_cvtss_f32(_mm_movehdup_ps(_mm256_castps256_ps128(sc)));
       }
+    }
+    if constexpr (!T::kSigned) {
+      auto m_lane = [&](int l) { return l < MR * NR ? wm[l % NR] : 0.f; };
+      auto s_lane = [&](int l) { return l < MR * NR ? ys[l / NR][b] : 0.f; };
+      const __m256 mv = _mm256_setr_ps(m_lane(0), m_lane(1), m_lane(2), m_lane(3), m_lane(4),
+                                       m_lane(5), m_lane(6), m_lane(7));
+      const __m256 sv = _mm256_setr_ps(s_lane(0), s_lane(1), s_lane(2), s_lane(3), s_lane(4),
+                                       s_lane(5), s_lane(6), s_lane(7));
+      macc = _mm256_add_ps(macc, _mm256_mul_ps(mv, sv));
     }
     for (int r = 0; r < MR; ++r) {
       const __m256i yv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(yq[r] + b * kQK));
       const __m256 dy = _mm256_broadcast_ss(yd[r] + b);
-      __m256 sy8 = _mm256_setzero_ps();
-      // The min term m * s is spread over the 8 lanes as m * (s / 8) (exact scaling).
-      if constexpr (!T::kSigned) sy8 = _mm256_mul_ps(_mm256_broadcast_ss(ys[r] + b), eighth);
       for (int c = 0; c < NR; ++c) {
         const __m256 pf = block_dot<T::kSigned>(wq[c], wa[c], yv);
         acc[r][c] = _mm256_fmadd_ps(pf, _mm256_mul_ps(wd[c], dy), acc[r][c]);
-        if constexpr (!T::kSigned) acc[r][c] = _mm256_fmadd_ps(wm[c], sy8, acc[r][c]);
       }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) y[r * ldy + c] = hsum(acc[r][c]);
+  alignas(32) float mins[8];
+  _mm256_store_ps(mins, macc);
+  for (int r = 0; r < MR; ++r) {
+    for (int c = 0; c < NR; ++c) {
+      y[r * ldy + c] = T::kSigned ? hsum(acc[r][c]) : hsum(acc[r][c]) + mins[r * NR + c];
+    }
+  }
 }
 
 // Float weights (F32, or F16 converted on load) against f32 activations.

@@ -1,5 +1,6 @@
 // Scalar reference kernels: one dot product per (activation row, weight row),
 // integer sums per block exactly as ggml's reference vec_dot functions.
+#include <algorithm>
 #include <cstring>
 
 #include "core/half.h"
@@ -74,7 +75,7 @@ void unpack_legacy(const BlockQ5_1& b, int* q, float* d, float* m) {
 }
 template <>
 void unpack_legacy(const BlockQ8_0& b, int* q, float* d, float* m) {
-  for (int j = 0; j < 32; ++j) q[j] = b.qs[j];
+  std::copy_n(b.qs, 32, q);  // int8 quants, sign-extended to int
   *d = f16_to_f32(b.d);
   *m = 0.f;
 }

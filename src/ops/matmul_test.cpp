@@ -2,6 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -14,6 +18,16 @@
 
 namespace kvstack {
 namespace {
+
+// Index of the first element whose bit pattern differs, or -1 when all n
+// floats are bit-identical (exact bits, like memcmp: -0 != +0, a NaN equals
+// the same NaN).
+int64_t first_bit_mismatch(const float* a, const float* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::bit_cast<uint32_t>(a[i]) != std::bit_cast<uint32_t>(b[i])) return i;
+  }
+  return -1;
+}
 
 // ---- Test weights: random valid blocks and an independent dequantizer. ----
 
@@ -185,7 +199,8 @@ std::vector<double> dequant(GgmlType type, const uint8_t* p, int64_t n) {
           const uint8_t lbyte = k.ql[half * 64 + (quarter % 2) * 32 + l];
           const int low = quarter < 2 ? (lbyte & 15) : (lbyte >> 4);
           const int high = (k.qh[half * 32 + l] >> (2 * quarter)) & 3;
-          out[b * 256 + e] = f16_to_f32(k.d) * k.scales[e / 16] * ((low | (high << 4)) - 32);
+          const int sub = e / 16;  // 16-element sub-block, one scale each
+          out[b * 256 + e] = f16_to_f32(k.d) * k.scales[sub] * ((low | (high << 4)) - 32);
         }
       }
       break;
@@ -356,13 +371,17 @@ TEST(Matmul, QuantizedMatchesFloat64Reference) {
         } else if (type == GgmlType::kQ4_K || type == GgmlType::kQ5_K || type == GgmlType::kQ6_K) {
           std::vector<BlockQ8_K> q(n_in / 256);
           quantize_row_q8_K(xr, q.data(), n_in);
-          for (int64_t i = 0; i < n_in; ++i)
-            xa[i] = static_cast<double>(q[i / 256].d) * q[i / 256].qs[i % 256];
+          for (int64_t i = 0; i < n_in; ++i) {
+            const BlockQ8_K& qb = q[i / 256];
+            xa[i] = static_cast<double>(qb.d) * qb.qs[i % 256];
+          }
         } else {
           std::vector<BlockQ8_1> q(n_in / 32);
           quantize_row_q8_1(xr, q.data(), n_in);
-          for (int64_t i = 0; i < n_in; ++i)
-            xa[i] = f16_to_f32(q[i / 32].d) * static_cast<double>(q[i / 32].qs[i % 32]);
+          for (int64_t i = 0; i < n_in; ++i) {
+            const BlockQ8_1& qb = q[i / 32];
+            xa[i] = f16_to_f32(qb.d) * static_cast<double>(qb.qs[i % 32]);
+          }
           for (int64_t b = 0; b < n_in / 32; ++b) {
             double sum_q = 0;
             for (int j = 0; j < 32; ++j) sum_q += q[b].qs[j];
@@ -385,7 +404,8 @@ TEST(Matmul, QuantizedMatchesFloat64Reference) {
             }
             mag *= 4;  // m * s is a separate, possibly cancelling, term
           }
-          const double tol = 2 * ((n_in / 32 + 3) * std::ldexp(mag, -24) + extra) + 1e-30;
+          const int64_t n_blocks = n_in / 32;
+          const double tol = 2 * ((n_blocks + 3) * std::ldexp(mag, -24) + extra) + 1e-30;
           EXPECT_NEAR(y[r * n_out + c], ref, tol)
               << "isa " << isa_name(isa) << " r " << r << " c " << c;
         }
@@ -422,7 +442,8 @@ TEST(Matmul, Avx2MatchesScalarAndThreadsAreDeterministic) {
           // Same integer block sums; only the float summation order differs.
           double mag = 0;
           for (int64_t i = 0; i < n_in; ++i) mag += std::fabs(wd[i] * x[r * n_in + i]);
-          const double tol = 8 * (n_in / block + 8) * std::ldexp(mag, -24);
+          const int64_t n_blocks = n_in / block;
+          const double tol = 8 * (n_blocks + 8) * std::ldexp(mag, -24);
           ASSERT_NEAR(simd[r * n_out + c], ref[r * n_out + c], tol) << "r " << r << " c " << c;
         }
       }
@@ -431,7 +452,7 @@ TEST(Matmul, Avx2MatchesScalarAndThreadsAreDeterministic) {
         const Isa isa = threads % 2 ? Isa::kAvx2 : Isa::kScalar;
         const auto y = run_matmul(type, w, n_in, n_out, x, m, isa, threads);
         const auto& single = isa == Isa::kAvx2 ? simd : ref;
-        ASSERT_EQ(0, std::memcmp(y.data(), single.data(), y.size() * sizeof(float)))
+        ASSERT_EQ(first_bit_mismatch(y.data(), single.data(), std::ssize(y)), -1)
             << "threads " << threads << " isa " << isa_name(isa);
       }
     }
@@ -447,7 +468,7 @@ TEST(Matmul, LargeShapesThreadedMatchSingleThread) {
     const auto one = run_matmul(type, w, n_in, n_out, x, m, Isa::kAvx2, 0);
     for (int threads = 2; threads <= 8; ++threads) {
       const auto y = run_matmul(type, w, n_in, n_out, x, m, Isa::kAvx2, threads);
-      ASSERT_EQ(0, std::memcmp(y.data(), one.data(), y.size() * sizeof(float))) << threads;
+      ASSERT_EQ(first_bit_mismatch(y.data(), one.data(), std::ssize(y)), -1) << threads;
     }
   }
 }
@@ -483,14 +504,115 @@ TEST(Matmul, MultiMatchesSeparateCalls) {
         std::vector<std::vector<float>> got;
         std::vector<float*> ys;
         for (const auto& p : parts) got.emplace_back(m * p.n_out, std::nanf(""));
+        ys.reserve(got.size());
         for (auto& g : got) ys.push_back(g.data());
         matmul_multi(views, x.data(), m, ys, pool.get());
         for (size_t i = 0; i < std::size(parts); ++i) {
-          ASSERT_EQ(0, std::memcmp(got[i].data(), want[i].data(), want[i].size() * sizeof(float)))
+          ASSERT_EQ(first_bit_mismatch(got[i].data(), want[i].data(), std::ssize(want[i])), -1)
               << "part " << i << " m " << m << " threads " << threads << " isa " << isa_name(isa);
         }
       }
     }
+  }
+}
+
+// ---- Batch invariance: a row's output bits do not depend on the batch. ----
+
+// The server batches tokens of unrelated sequences into one call, so each
+// output row must be bit-identical to computing that row alone (m = 1, the
+// decode kernel), wherever it sits in a batch of any size (single-row,
+// multi-row tiles and row blocks of the prefill kernel) and however the
+// columns are split across threads.
+TEST(Matmul, RowBitsIndependentOfBatchAndThreads) {
+  std::mt19937 rng(21);
+  for (GgmlType type : kAllTypes) {
+    const int block = ggml_type_traits(static_cast<uint32_t>(type))->block_elems;
+    const int64_t n_in = block == 256 ? 512 : (block == 1 ? 8 * 37 + 5 : 576);
+    const int64_t n_out = 203;  // not a multiple of any column tile or grain
+    const auto w = random_weights(type, n_in, n_out, 60 + static_cast<uint32_t>(type));
+    const auto target = random_acts(n_in, 61);
+    for (Isa isa : {Isa::kScalar, Isa::kAvx2}) {
+      if (isa == Isa::kAvx2 && !cpu_features().avx2) continue;
+      SCOPED_TRACE(std::string(ggml_type_traits(static_cast<uint32_t>(type))->name) + " isa " +
+                   isa_name(isa));
+      const auto alone = run_matmul(type, w, n_in, n_out, target, 1, isa, 0);
+      for (int64_t m : {2, 7, 64, 70}) {
+        auto x = random_acts(m * n_in, static_cast<uint32_t>(rng()));
+        for (int64_t pos : {int64_t{0}, m / 2, m - 1}) {
+          std::copy(target.begin(), target.end(), x.begin() + pos * n_in);
+          // Thread sweeps at one position (the column split is the same for all rows).
+          for (int threads : {0, 2, 3}) {
+            if ((threads == 0) == (pos == m / 2 && pos != 0)) continue;
+            const auto y = run_matmul(type, w, n_in, n_out, x, m, isa, threads);
+            ASSERT_EQ(first_bit_mismatch(y.data() + pos * n_out, alone.data(), n_out), -1)
+                << "m " << m << " pos " << pos << " threads " << threads;
+          }
+        }
+      }
+    }
+  }
+}
+
+// matmul_multi's outputs are batch invariant too (each equals a matmul()).
+TEST(Matmul, MultiRowBitsIndependentOfBatch) {
+  const int64_t n_in = 576;
+  const auto wq = random_weights(GgmlType::kQ4_1, n_in, 64, 70);
+  const auto wk = random_weights(GgmlType::kQ4_1, n_in, 24, 71);
+  const WeightView views[2] = {{GgmlType::kQ4_1, wq.data(), n_in, 64},
+                               {GgmlType::kQ4_1, wk.data(), n_in, 24}};
+  const auto target = random_acts(n_in, 72);
+  ThreadPool pool(2);
+  std::vector<float> q1(64), k1(24);
+  float* const ys1[2] = {q1.data(), k1.data()};
+  matmul_multi(views, target.data(), 1, ys1, &pool);
+  const int64_t m = 9, pos = 5;
+  auto x = random_acts(m * n_in, 73);
+  std::copy(target.begin(), target.end(), x.begin() + pos * n_in);
+  std::vector<float> q(m * 64), k(m * 24);
+  float* const ys[2] = {q.data(), k.data()};
+  matmul_multi(views, x.data(), m, ys, &pool);
+  EXPECT_EQ(first_bit_mismatch(q.data() + pos * 64, q1.data(), 64), -1);
+  EXPECT_EQ(first_bit_mismatch(k.data() + pos * 24, k1.data(), 24), -1);
+}
+
+// ---- ThreadPool::run_shared, the dispatch matmul uses. ----
+
+// Every unit of a shared job runs exactly once, whichever threads take part,
+// with run() and run_shared() jobs interleaved (the pool tells them apart by
+// generation) and more threads than cores (workers often miss jobs).
+TEST(ThreadPoolRunShared, EachUnitOnceInterleavedWithRun) {
+  for (int threads : {1, 2, 3, 8}) {
+    ThreadPool pool(threads);
+    std::vector<int> hits(257);
+    const int n_jobs = threads > 2 ? 300 : 3000;  // oversubscribed pools spin slowly
+    for (int job = 0; job < n_jobs; ++job) {
+      std::fill(hits.begin(), hits.end(), 0);
+      const int n = 1 + job % 257;
+      std::atomic<int> next{0};
+      pool.run_shared([&](int t) {
+        ASSERT_TRUE(t >= 0 && t < threads);
+        for (int i = next.fetch_add(1); i < n; i = next.fetch_add(1)) ++hits[i];
+      });
+      // Returned: every claimed unit is finished and visible here.
+      for (int i = 0; i < n; ++i) ASSERT_EQ(hits[i], 1) << "job " << job << " unit " << i;
+      if (job % 7 == 0) {
+        std::atomic<int> calls{0};
+        pool.run([&](int) { calls.fetch_add(1); });
+        ASSERT_EQ(calls.load(), threads);
+      }
+    }
+  }
+}
+
+// Each worker enters a shared job at most once, and only the caller is
+// guaranteed to.
+TEST(ThreadPoolRunShared, CallerAlwaysRunsWorkersAtMostOnce) {
+  ThreadPool pool(4);
+  for (int job = 0; job < 500; ++job) {
+    std::array<std::atomic<int>, 4> entered{};
+    pool.run_shared([&](int t) { entered[t].fetch_add(1); });
+    ASSERT_EQ(entered[0].load(), 1);
+    for (int t = 1; t < 4; ++t) ASSERT_LE(entered[t].load(), 1);
   }
 }
 

@@ -23,6 +23,9 @@ std::string dump(const json& j) {
 
 void send_error(httplib::Response& res, const ApiError& e) {
   res.status = e.status;
+  // Overload (queue full, pool full, shutting down): a well-behaved client
+  // backs off and retries.
+  if (e.status == 429 || e.status == 503) res.set_header("Retry-After", "1");
   res.set_content(dump(e.to_json()), "application/json");
 }
 
@@ -252,15 +255,26 @@ void HttpServer::routes() {
         const PrefixIndexStats is = idx->stats();
         pc["nodes"] = is.n_nodes;
         pc["cached_blocks"] = is.n_cached_blocks;
+        pc["pinned_blocks"] = e.kv().n_pinned_blocks();
         pc["evictions"] = is.n_evictions;
+        pc["queries"] = is.total.n_queries;
         pc["query_tokens"] = is.total.n_query_tokens;
+        pc["hit_blocks"] = is.total.n_hit_blocks;
         pc["hit_tokens"] = is.total.n_hit_tokens;
         pc["hit_rate"] = is.total.hit_rate();
+        pc["partial_hits"] = is.n_partial_hits;
+        pc["partial_tokens"] = is.n_partial_tokens;
+        pc["published_blocks"] = is.total.n_published;
+        pc["cow_copies"] = p.n_cow_copies;
+        pc["collisions"] = is.n_collisions;
+        pc["duplicates"] = is.n_duplicates;
+        pc["events_dropped"] = is.n_events_dropped;
         json ns = json::array();
         for (const auto& [id, n] : is.per_namespace) {
           ns.push_back({{"namespace", id},
                         {"queries", n.n_queries},
                         {"query_tokens", n.n_query_tokens},
+                        {"hit_blocks", n.n_hit_blocks},
                         {"hit_tokens", n.n_hit_tokens},
                         {"hit_rate", n.hit_rate()},
                         {"published_blocks", n.n_published},
@@ -423,7 +437,7 @@ void HttpServer::routes() {
               const bool first = !c.role_sent;
               if (ev.kind == SeqEvent::Kind::kToken) {
                 std::string text = ev.text;
-                if (first && p->echo && !chat) text = p->prompt_text + text;
+                if (first && p->echo && !chat) text.insert(0, p->prompt_text);
                 std::vector<SampledToken> lps;
                 if (ev.logprob) lps.push_back(*ev.logprob);
                 if (!text.empty() || !lps.empty() || first) {

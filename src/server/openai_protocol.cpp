@@ -202,7 +202,8 @@ ApiError api_error_from(const Error& e) {
       // Scheduler messages start with the field name: "max_tokens: ...".
       const auto colon = e.message.find(':');
       std::string param;
-      if (colon != std::string::npos && colon < 24 && e.message.find(' ') > colon) {
+      // colon < 24 also rules out npos (no colon).
+      if (colon < 24 && e.message.find(' ') > colon) {
         param = e.message.substr(0, colon);
       }
       ApiError a = bad(param, e.message);
@@ -211,9 +212,11 @@ ApiError api_error_from(const Error& e) {
       }
       return a;
     }
-    case Errc::kOutOfBlocks:
-      return api_error(429, "rate_limit_error", e.message);
-    case Errc::kCancelled:
+    case Errc::kBusy:  // queue full: the client should retry later
+      return api_error(429, "rate_limit_error", e.message, "", "queue_full");
+    case Errc::kOutOfBlocks:  // the pool could not hold an admitted request
+      return api_error(503, "service_unavailable", e.message, "", "kv_cache_full");
+    case Errc::kCancelled:  // shutting down (a cancelled client sees nothing)
       return api_error(503, "service_unavailable", e.message);
     default:
       return api_error(500, "server_error", e.message);

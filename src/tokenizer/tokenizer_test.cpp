@@ -60,6 +60,51 @@ TEST(Unicode, LenientDecodeMatchesLlamaRules) {
   EXPECT_EQ(cp, (std::vector<uint32_t>{0, 0xD800}));
 }
 
+TEST(Unicode, StrictDecodeRoundTripsEveryScalarValue) {
+  for (uint32_t cp = 0; cp <= unicode::kMaxCodepoint; ++cp) {
+    if (cp >= 0xD800 && cp <= 0xDFFF) continue;
+    std::string utf8;
+    unicode::append_utf8(cp, utf8);
+    const unicode::Utf8Char c = unicode::decode_utf8_char(utf8 + "x");
+    ASSERT_TRUE(c.valid) << std::hex << cp;
+    ASSERT_EQ(c.cp, cp);
+    ASSERT_EQ(c.len, utf8.size());
+  }
+}
+
+TEST(Unicode, StrictDecodeRejectsIllFormedSequences) {
+  struct Case {
+    std::string_view bytes;
+    size_t len;  // maximal well-formed prefix
+    bool truncated;
+  };
+  const Case cases[] = {
+      {"\x80", 1, false},              // lone continuation byte
+      {"\xC0\x80", 1, false},          // overlong NUL
+      {"\xC1\xBF", 1, false},          // overlong
+      {"\xE0\x80\x80", 1, false},      // overlong 3-byte form
+      {"\xED\xA0\x80", 1, false},      // surrogate U+D800
+      {"\xF0\x80\x80\x80", 1, false},  // overlong 4-byte form
+      {"\xF4\x90\x80\x80", 1, false},  // above U+10FFFF
+      {"\xF5\x80\x80\x80", 1, false},  // never a lead byte
+      {"\xFF", 1, false},
+      {"\xE4\xB8", 2, true},  // cut short at the end of input
+      {"\xF0\x9F\x98", 3, true},
+      {"\xE4\xB8"
+       "A",
+       2, false},  // cut short by a non-continuation byte
+      {"\xF0\x9F\x98"
+       "A",
+       3, false},
+  };
+  for (const Case& k : cases) {
+    const unicode::Utf8Char c = unicode::decode_utf8_char(k.bytes);
+    EXPECT_FALSE(c.valid) << testing::PrintToString(std::string(k.bytes));
+    EXPECT_EQ(c.len, k.len) << testing::PrintToString(std::string(k.bytes));
+    EXPECT_EQ(c.truncated, k.truncated) << testing::PrintToString(std::string(k.bytes));
+  }
+}
+
 // ---------------------------------------------------------- pre-tokenizers
 
 TEST(PreTokenize, Gpt2) {
@@ -163,6 +208,7 @@ struct BpeFixture {
 
 std::vector<std::string> texts(const Tokenizer& t, const std::vector<TokenId>& ids) {
   std::vector<std::string> out;
+  out.reserve(ids.size());
   for (TokenId id : ids) out.push_back(t.token_text(id));
   return out;
 }

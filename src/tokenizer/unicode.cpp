@@ -92,6 +92,48 @@ void decode_utf8_lenient(std::string_view text, std::vector<uint32_t>& out) {
   }
 }
 
+Utf8Char decode_utf8_char(std::string_view bytes) {
+  const auto* s = reinterpret_cast<const uint8_t*>(bytes.data());
+  const uint8_t lead = s[0];
+  if (lead < 0x80) return {.cp = lead, .len = 1, .valid = true};
+  // Sequence length and the allowed range of the second byte by lead byte
+  // (the range is what excludes overlongs, surrogates and > U+10FFFF).
+  size_t len = 0;
+  uint8_t lo = 0x80;
+  uint8_t hi = 0xBF;
+  if (lead >= 0xC2 && lead <= 0xDF) {
+    len = 2;
+  } else if (lead == 0xE0) {
+    len = 3;
+    lo = 0xA0;
+  } else if (lead == 0xED) {
+    len = 3;
+    hi = 0x9F;
+  } else if (lead >= 0xE1 && lead <= 0xEF) {
+    len = 3;
+  } else if (lead == 0xF0) {
+    len = 4;
+    lo = 0x90;
+  } else if (lead >= 0xF1 && lead <= 0xF3) {
+    len = 4;
+  } else if (lead == 0xF4) {
+    len = 4;
+    hi = 0x8F;
+  } else {
+    return {.len = 1};  // continuation byte, C0/C1 or F5..FF
+  }
+  uint32_t cp = lead & (0x7F >> len);
+  size_t k = 1;
+  for (; k < len && k < bytes.size(); ++k) {
+    const uint8_t c = s[k];
+    const bool ok = k == 1 ? (c >= lo && c <= hi) : (c & 0xC0) == 0x80;
+    if (!ok) return {.len = k};
+    cp = (cp << 6) | (c & 0x3F);
+  }
+  if (k < len) return {.len = k, .truncated = true};
+  return {.cp = cp, .len = len, .valid = true};
+}
+
 void append_utf8(uint32_t cp, std::string& out) {
   if (cp < 0x80) {
     out.push_back(static_cast<char>(cp));

@@ -55,6 +55,24 @@ inline size_t utf8_len_from_lead(uint8_t lead) {
 // above U+10FFFF are treated as invalid too (llama.cpp would throw).
 void decode_utf8_lenient(std::string_view text, std::vector<uint32_t>& out);
 
+// One character of strict UTF-8 at the start of a byte string: well-formed
+// sequences only (Unicode Table 3-7: no overlong forms, no surrogates,
+// nothing above U+10FFFF).
+struct Utf8Char {
+  uint32_t cp = 0;  // the codepoint; meaningful only if `valid`
+  // valid: the sequence's length (1-4). Invalid: the length (>= 1) of the
+  // maximal well-formed prefix, i.e. the bytes one U+FFFD stands for under
+  // the "maximal subpart" replacement practice.
+  size_t len = 0;
+  bool valid = false;
+  // Invalid only because the bytes end inside a sequence that is
+  // well-formed so far (more input could complete it).
+  bool truncated = false;
+};
+
+// Decodes the character at the start of `bytes`. REQUIRES: !bytes.empty().
+Utf8Char decode_utf8_char(std::string_view bytes);
+
 // Appends the UTF-8 encoding of `cp`. REQUIRES: cp <= U+10FFFF.
 void append_utf8(uint32_t cp, std::string& out);
 

@@ -45,10 +45,10 @@ def test_verify_matches(shape, dtype):
 
 
 def test_verify_rejects_format_the_engine_lacks():
-    proc = run_kvstack("plan", "-m", MODEL, "--verify", "--kv-dtype", "kivi2", "--batch", 1,
+    proc = run_kvstack("plan", "-m", MODEL, "--verify", "--kv-dtype", "int3", "--batch", 1,
                        "--ctx", 64, "--block-size", 16, check=False)
     assert proc.returncode != 0
-    assert "kivi2" in proc.stderr
+    assert "int3" in proc.stderr
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
@@ -56,3 +56,33 @@ def test_verify_rejects_format_the_engine_lacks():
 def test_verify_matches_quantized(shape, dtype):
     """Quantized formats count their metadata (fp8: per-block scales) exactly as the planner."""
     test_verify_matches(shape, dtype)
+
+
+def check_exact(proc, keys=("payload_bytes", "allocated_bytes", "block_count", "block_bytes")):
+    rows = parse_rows(proc.stdout)
+    for key in keys:
+        assert key in rows, proc.stdout
+        predicted, measured, verdict = rows[key]
+        assert predicted == measured and verdict == "match", (key, rows[key])
+    return rows
+
+
+@pytest.mark.parametrize("dtype", ["kivi2", "kivi4"])
+@pytest.mark.parametrize("extra", [(), ("--kv-residual", 32)], ids=["R128", "R32"])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4], SHAPES[5]],
+                         ids=lambda s: "_".join(map(str, s)))
+def test_verify_matches_kivi(shape, dtype, extra):
+    """KIVI: blocks reserve every token's quantized slot; the newest R + (T - R) % G
+    tokens are f16 rows outside the pool, counted in payload and allocation and
+    checked on their own (residual_bytes)."""
+    proc = run_kvstack("plan", "-m", MODEL, "--verify", "--kv-dtype", dtype, *extra, *shape)
+    rows = check_exact(proc, ("payload_bytes", "allocated_bytes", "block_count", "block_bytes",
+                              "residual_bytes"))
+    assert rows["residual_bytes"][1] > 0
+
+
+@pytest.mark.parametrize("k,v", [("kivi2", "int8"), ("int8", "f16"), ("f16", "kivi4")])
+def test_verify_matches_split_k_v(k, v):
+    proc = run_kvstack("plan", "-m", MODEL, "--verify", "--kv-dtype-k", k, "--kv-dtype-v", v,
+                       *SHAPES[4])
+    check_exact(proc)

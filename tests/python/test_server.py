@@ -238,6 +238,16 @@ def test_cached_tokens_and_cache_salt(server):
     metrics = server.get("/metrics").text
     hits = float(re.search(r"^kvstack:prefix_cache_hits_total\{[^}]*\} (\S+)", metrics, re.M)[1])
     assert hits >= 64
+    # /v1/kv/stats: the prefix index's own counters agree.
+    pc = server.kv_stats()["prefix_cache"]
+    assert pc["queries"] >= 3 and pc["hit_blocks"] >= 4 and pc["hit_tokens"] >= 64
+    assert 0 < pc["hit_rate"] <= 1 and pc["published_blocks"] >= 4
+    for key in ("cached_blocks", "evictions", "cow_copies", "partial_hits", "pinned_blocks",
+                "nodes", "events_dropped"):
+        assert isinstance(pc[key], int) and pc[key] >= 0, key
+    by_ns = {n["namespace"]: n for n in pc["namespaces"]}
+    assert len(by_ns) >= 2  # the default namespace and tenant-b's
+    assert sum(n["hit_blocks"] for n in by_ns.values()) == pc["hit_blocks"]
 
 
 def _bad_table():
@@ -394,6 +404,38 @@ def test_api_key_and_queue_full():
         for f in futs:
             if f.result().status_code == 429:
                 assert f.result().json()["error"]["type"] == "rate_limit_error"
+                assert f.result().json()["error"]["code"] == "queue_full"
+                assert f.result().headers["Retry-After"] == "1"
         assert c.models.list().data
     finally:
         assert s.stop() == 0
+
+
+def test_kv_events_file(tmp_path):
+    path = tmp_path / "events.jsonl"
+    s = ServerProcess("--kv-cache-tokens", "2048", "--max-seqs", "4", "--kv-events", str(path))
+    try:
+        c = s.client()
+        prefix = "Shared system prompt for every tenant of this deployment. " * 4
+        for q in ("one?", "two?"):
+            c.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=prefix + q,
+                                 max_tokens=2, temperature=0)
+    finally:
+        assert s.stop() == 0, "".join(s.stderr_lines[-20:])
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    stored = [e for e in events if e["event"] == "stored"]
+    assert len(stored) >= 2, events  # the prefix's full blocks
+    for e in events:
+        assert e["event"] in ("stored", "removed")
+        assert re.fullmatch(r"[0-9a-f]{32}", e["hash"]) and re.fullmatch(r"[0-9a-f]{32}",
+                                                                          e["parent"])
+        assert e["n_tokens"] > 0 and isinstance(e["namespace"], int)
+    # A chain: every stored block's parent is zero or a block stored before it.
+    seen = {"0" * 32}
+    for e in stored:
+        assert e["parent"] in seen, e
+        seen.add(e["hash"])
+    proc = subprocess.run([KVSTACK_BIN, "serve", "-m", MODEL, "--port", "0", "--kv-events",
+                           str(tmp_path / "no" / "such" / "dir.jsonl")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "--kv-events" in proc.stderr

@@ -8,6 +8,7 @@
 //
 // Exit status: 0 ok, 1 error (message on stderr), 2 usage.
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -219,7 +220,7 @@ int cmd_write_samples(const std::string& dir) {
   files.emplace_back("empty.gguf", GgufBuilder{}.build());
 
   for (const auto& [name, bytes] : files) {
-    const std::string path = dir + "/" + name;
+    const std::string path = (std::filesystem::path(dir) / name).string();
     std::ofstream out(path, std::ios::binary);
     out.write(reinterpret_cast<const char*>(bytes.data()),
               static_cast<std::streamsize>(bytes.size()));

@@ -1,0 +1,333 @@
+#include "attention/attention_kivi.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attention/attention_kivi_kernels.h"
+#include "core/half.h"
+#include "kv/kivi_codec.h"
+#include "kv/kv_codec.h"
+
+namespace kvstack {
+namespace {
+
+using kivi_detail::KiviOps;
+
+constexpr int kRowsPerItem = 16;   // query rows per work item
+constexpr int kResidualTile = 32;  // residual rows per tile
+
+Status bad(const std::string& m) {
+  return make_error(Errc::kInvalidArgument, "KIVI attention: " + m);
+}
+
+int64_t first_visible(int64_t pos, int window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
+// Positions below this come from the blocks.
+int64_t blocks_end(const AttnSeq& s, std::span<const KvResidualView> res, size_t i) {
+  return res.empty() ? int64_t{s.n_past} + s.n_new : res[i].start;
+}
+
+// Decodes positions [t0, t0 + n) of K (value == false) or V of KV head h into
+// out [n, d]. REQUIRES the tile lies in one key group of one block, or wholly
+// in the residual.
+void decode_tile(const KiviOps& ops, const PagedKvLayerView& kv, const AttnSeq& s,
+                 const KvResidualView* res, int64_t q_start, int h, bool value, int64_t t0, int n,
+                 float* out) {
+  const int d = kv.head_dim;
+  if (t0 >= q_start) {
+    const uint16_t* src = (value ? res->v : res->k) + ((t0 - res->start) * kv.n_kv_heads + h) * d;
+    ops.f16_rows(src, int64_t{kv.n_kv_heads} * d, n, d, out);
+    return;
+  }
+  const int64_t b = s.block_table[t0 / kv.block_size];
+  const int64_t slot = t0 % kv.block_size;
+  const KvDtype dt = value ? kv.value_dtype() : kv.dtype;
+  const int64_t head_stride = value ? kv.value_head_stride() : kv.head_stride;
+  const int64_t slot_stride = value ? kv.value_slot_stride() : kv.slot_stride;
+  const uint8_t* meta_base = value ? kv.v_meta : kv.k_meta;
+  const int64_t meta_head = value ? kv.v_meta_head_stride : kv.k_meta_head_stride;
+  const int64_t meta_slot = value ? kv.v_meta_slot_stride : kv.k_meta_slot_stride;
+  const uint8_t* codes =
+      (value ? kv.v : kv.k) + b * kv.block_stride + h * head_stride + slot * slot_stride;
+  const uint8_t* meta =
+      meta_base == nullptr ? nullptr : meta_base + b * kv.block_stride + h * meta_head;
+  if (kv_dtype_is_kivi(dt) && !value) {
+    ops.key_rows(kv_dtype_kivi_bits(dt), codes, slot_stride, meta + (slot / kv.kivi_group) * d * 4,
+                 n, d, out);
+  } else if (kv_dtype_is_kivi(dt)) {
+    ops.value_rows(kv_dtype_kivi_bits(dt), codes, slot_stride, meta + slot * meta_slot, meta_slot,
+                   n, d, out);
+  } else {
+    for (int t = 0; t < n; ++t) {
+      kv_decode_row(dt, codes + t * slot_stride,
+                    meta == nullptr ? nullptr : meta + (slot + t) * meta_slot, d, out + t * d);
+    }
+  }
+}
+
+struct Scratch {
+  std::vector<float> k, v, m, l, acc, sc;
+};
+
+struct Item {
+  int32_t seq;
+  int32_t head;
+  int32_t r0;
+  int32_t r1;
+};
+
+void run_item(const KiviOps& ops, const PagedKvLayerView& kv, const AttnParams& p, const AttnSeq& s,
+              const KvResidualView* res, int64_t q_start, const Item& it, Scratch& w) {
+  const int d = p.head_dim;
+  const int n_rep = p.n_q_heads / p.n_kv_heads;
+  const int rows = it.r1 - it.r0;
+  const int64_t g = kv.kivi_group;
+  w.k.resize(static_cast<size_t>(kKiviMaxKeyGroup) * d);
+  w.v.resize(static_cast<size_t>(kKiviMaxKeyGroup) * d);
+  w.m.assign(static_cast<size_t>(rows) * n_rep, -std::numeric_limits<float>::infinity());
+  w.l.assign(static_cast<size_t>(rows) * n_rep, 0.0f);
+  w.acc.assign(static_cast<size_t>(rows) * n_rep * d, 0.0f);
+  w.sc.resize(kKiviMaxKeyGroup);
+  const int64_t lo = first_visible(int64_t{s.n_past} + it.r0, p.window);
+  const int64_t hi = int64_t{s.n_past} + it.r1;
+  for (int64_t t0 = lo; t0 < hi;) {
+    const int64_t te = t0 < q_start ? std::min({q_start, (t0 / g + 1) * g, hi})
+                                    : std::min<int64_t>(hi, t0 + kResidualTile);
+    const int n = static_cast<int>(te - t0);
+    decode_tile(ops, kv, s, res, q_start, it.head, false, t0, n, w.k.data());
+    decode_tile(ops, kv, s, res, q_start, it.head, true, t0, n, w.v.data());
+    for (int r = 0; r < rows; ++r) {
+      const int64_t pos = int64_t{s.n_past} + it.r0 + r;
+      const int64_t rlo = std::max(t0, first_visible(pos, p.window));
+      const int64_t rhi = std::min(te, pos + 1);
+      if (rlo >= rhi) continue;
+      for (int j = 0; j < n_rep; ++j) {
+        const int64_t qh = int64_t{it.head} * n_rep + j;
+        const float* q = s.q + (int64_t{it.r0 + r} * p.n_q_heads + qh) * d;
+        const size_t st = static_cast<size_t>(r) * n_rep + j;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = rlo; t < rhi; ++t) {
+          const float x = p.scale * ops.dot(q, w.k.data() + (t - t0) * d, d);
+          w.sc[t - rlo] = x;
+          mx = std::max(mx, x);
+        }
+        const float m_new = std::max(w.m[st], mx);
+        // exp(-inf) = 0: the first tile of a row starts from empty state.
+        const float c0 = std::exp(w.m[st] - m_new);
+        float c = c0;
+        float sum = 0.0f;
+        float* acc = w.acc.data() + st * d;
+        for (int64_t t = rlo; t < rhi; ++t) {
+          const float e = std::exp(w.sc[t - rlo] - m_new);
+          sum += e;
+          ops.scale_axpy(acc, c, e, w.v.data() + (t - t0) * d, d);
+          c = 1.0f;
+        }
+        w.l[st] = w.l[st] * c0 + sum;
+        w.m[st] = m_new;
+      }
+    }
+    t0 = te;
+  }
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < n_rep; ++j) {
+      const size_t st = static_cast<size_t>(r) * n_rep + j;
+      const int64_t qh = int64_t{it.head} * n_rep + j;
+      float* out = s.out + (int64_t{it.r0 + r} * p.n_q_heads + qh) * d;
+      const float inv = 1.0f / w.l[st];
+      for (int i = 0; i < d; ++i) out[i] = w.acc[st * d + i] * inv;
+    }
+  }
+}
+
+}  // namespace
+
+Status validate_kivi_attention_args(const PagedKvLayerView& kv, const AttnParams& p,
+                                    std::span<const AttnSeq> seqs,
+                                    std::span<const KvResidualView> residuals) {
+  if (!kv_view_is_kivi(kv)) return bad("the KV view has no KIVI K or V");
+  if (p.n_q_heads <= 0 || p.n_kv_heads <= 0 || p.n_q_heads % p.n_kv_heads != 0) {
+    return bad("n_q_heads " + std::to_string(p.n_q_heads) + " must be a positive multiple of " +
+               "n_kv_heads " + std::to_string(p.n_kv_heads));
+  }
+  if (p.n_kv_heads != kv.n_kv_heads) {
+    return bad("n_kv_heads " + std::to_string(p.n_kv_heads) + " != KV view's " +
+               std::to_string(kv.n_kv_heads));
+  }
+  if (p.head_dim != kv.head_dim || p.head_dim <= 0 || p.head_dim % 32 != 0) {
+    return bad("head_dim " + std::to_string(p.head_dim) + " must equal the view's " +
+               std::to_string(kv.head_dim) + " and be a multiple of 32");
+  }
+  if (!std::isfinite(p.scale)) return bad("scale is not finite");
+  if (p.window < 0) return bad("window " + std::to_string(p.window) + " is negative");
+  if (kv.block_size <= 0 || kv.kivi_group <= 0 || kv.kivi_group > kKiviMaxKeyGroup ||
+      kv.block_size % kv.kivi_group != 0) {
+    return bad("key group " + std::to_string(kv.kivi_group) + " must be in [1, 32] and divide " +
+               "the block size " + std::to_string(kv.block_size));
+  }
+  if (kv.k == nullptr || kv.v == nullptr) return bad("KV view has null k or v");
+  if (!residuals.empty() && residuals.size() != seqs.size()) {
+    return bad(std::to_string(residuals.size()) + " residuals for " + std::to_string(seqs.size()) +
+               " sequences");
+  }
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const AttnSeq& s = seqs[i];
+    auto who = [i] { return "sequence " + std::to_string(i) + ": "; };
+    if (s.n_past < 0 || s.n_new < 0) return bad(who() + "n_past / n_new negative");
+    if (s.n_new == 0) continue;
+    if (s.q == nullptr || s.out == nullptr) return bad(who() + "q or out is null");
+    const int64_t n_tokens = int64_t{s.n_past} + s.n_new;
+    if (!residuals.empty()) {
+      const KvResidualView& r = residuals[i];
+      if (r.start < 0 || r.n_tokens < 0 || r.start % kv.kivi_group != 0 ||
+          r.start + r.n_tokens != n_tokens) {
+        return bad(who() + "residual [" + std::to_string(r.start) + ", " +
+                   std::to_string(r.start + r.n_tokens) + ") must start at a multiple of " +
+                   std::to_string(kv.kivi_group) + " and end at " + std::to_string(n_tokens));
+      }
+      if (r.n_tokens > 0 && (r.k == nullptr || r.v == nullptr)) {
+        return bad(who() + "residual has null k or v");
+      }
+    }
+    const int64_t in_blocks = blocks_end(s, residuals, i);
+    const int64_t need = (in_blocks + kv.block_size - 1) / kv.block_size;
+    if (s.n_blocks < need || (need > 0 && s.block_table == nullptr)) {
+      return bad(who() + std::to_string(in_blocks) + " quantized tokens need " +
+                 std::to_string(need) + " blocks, block table has " + std::to_string(s.n_blocks));
+    }
+    for (int64_t b = first_visible(s.n_past, p.window) / kv.block_size; b < need; ++b) {
+      if (s.block_table[b] < 0) {
+        return bad(who() + "block table entry " + std::to_string(b) + " is " +
+                   std::to_string(s.block_table[b]));
+      }
+    }
+  }
+  return {};
+}
+
+Status paged_attention_kivi_isa(Isa isa, const PagedKvLayerView& kv, const AttnParams& p,
+                                std::span<const AttnSeq> seqs,
+                                std::span<const KvResidualView> residuals, ThreadPool* pool) {
+  KV_TRY_STATUS(validate_kivi_attention_args(kv, p, seqs, residuals));
+  const bool avx2 = isa >= Isa::kAvx2 && best_isa() >= Isa::kAvx2 && cpu_features().f16c;
+  const KiviOps& ops = avx2 ? kivi_detail::avx2_ops() : kivi_detail::scalar_ops();
+  std::vector<Item> items;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    for (int h = 0; h < p.n_kv_heads; ++h) {
+      for (int r = 0; r < seqs[i].n_new; r += kRowsPerItem) {
+        items.push_back(
+            Item{static_cast<int32_t>(i), h, r, std::min(seqs[i].n_new, r + kRowsPerItem)});
+      }
+    }
+  }
+  auto body = [&](int64_t begin, int64_t end) {
+    thread_local Scratch scratch;
+    for (int64_t k = begin; k < end; ++k) {
+      const Item& it = items[static_cast<size_t>(k)];
+      const AttnSeq& s = seqs[static_cast<size_t>(it.seq)];
+      const KvResidualView* res = residuals.empty() ? nullptr : &residuals[it.seq];
+      run_item(ops, kv, p, s, res, blocks_end(s, residuals, static_cast<size_t>(it.seq)), it,
+               scratch);
+    }
+  };
+  const auto n = static_cast<int64_t>(items.size());
+  if (pool != nullptr && n > 1) {
+    pool->parallel_for(n, 1, body);
+  } else {
+    body(0, n);
+  }
+  return {};
+}
+
+Status paged_attention_kivi(const PagedKvLayerView& kv, const AttnParams& p,
+                            std::span<const AttnSeq> seqs,
+                            std::span<const KvResidualView> residuals, ThreadPool* pool) {
+  return paged_attention_kivi_isa(best_isa(), kv, p, seqs, residuals, pool);
+}
+
+Status paged_attention_kivi_reference(const PagedKvLayerView& kv, const AttnParams& p,
+                                      std::span<const AttnSeq> seqs,
+                                      std::span<const KvResidualView> residuals) {
+  KV_TRY_STATUS(validate_kivi_attention_args(kv, p, seqs, residuals));
+  const KiviOps& ops = kivi_detail::scalar_ops();
+  const int d = p.head_dim;
+  const int n_rep = p.n_q_heads / p.n_kv_heads;
+  std::vector<float> kt(static_cast<size_t>(d)), vt(static_cast<size_t>(d));
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const AttnSeq& s = seqs[i];
+    const KvResidualView* res = residuals.empty() ? nullptr : &residuals[i];
+    const int64_t q_start = blocks_end(s, residuals, i);
+    for (int r = 0; r < s.n_new; ++r) {
+      const int64_t pos = int64_t{s.n_past} + r;
+      const int64_t lo = first_visible(pos, p.window);
+      for (int qh = 0; qh < p.n_q_heads; ++qh) {
+        const int h = qh / n_rep;
+        const float* q = s.q + (int64_t{r} * p.n_q_heads + qh) * d;
+        std::vector<double> sc(static_cast<size_t>(pos + 1 - lo));
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int64_t t = lo; t <= pos; ++t) {
+          decode_tile(ops, kv, s, res, q_start, h, false, t, 1, kt.data());
+          double dot = 0;
+          for (int c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * kt[c];
+          sc[t - lo] = dot * p.scale;
+          mx = std::max(mx, sc[t - lo]);
+        }
+        std::vector<double> acc(static_cast<size_t>(d), 0.0);
+        double sum = 0;
+        for (int64_t t = lo; t <= pos; ++t) {
+          const double e = std::exp(sc[t - lo] - mx);
+          sum += e;
+          decode_tile(ops, kv, s, res, q_start, h, true, t, 1, vt.data());
+          for (int c = 0; c < d; ++c) acc[c] += e * vt[c];
+        }
+        float* out = s.out + (int64_t{r} * p.n_q_heads + qh) * d;
+        for (int c = 0; c < d; ++c) out[c] = static_cast<float>(acc[c] / sum);
+      }
+    }
+  }
+  return {};
+}
+
+namespace kivi_detail {
+namespace {
+
+void key_rows_scalar(int bits, const uint8_t* codes, int64_t code_stride, const uint8_t* meta,
+                     int n, int d, float* out) {
+  for (int t = 0; t < n; ++t)
+    kivi_decode_key_row(bits, codes + t * code_stride, meta, d, out + t * d);
+}
+void value_rows_scalar(int bits, const uint8_t* codes, int64_t code_stride, const uint8_t* meta,
+                       int64_t meta_stride, int n, int d, float* out) {
+  for (int t = 0; t < n; ++t) {
+    kivi_decode_value_row(bits, codes + t * code_stride, meta + t * meta_stride, d, out + t * d);
+  }
+}
+void f16_rows_scalar(const uint16_t* src, int64_t stride, int n, int d, float* out) {
+  for (int t = 0; t < n; ++t) {
+    for (int i = 0; i < d; ++i) out[t * d + i] = f16_to_f32(src[t * stride + i]);
+  }
+}
+float dot_scalar(const float* a, const float* b, int d) {
+  float s = 0.0f;
+  for (int i = 0; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+void scale_axpy_scalar(float* acc, float c, float w, const float* x, int d) {
+  for (int i = 0; i < d; ++i) acc[i] = acc[i] * c + w * x[i];
+}
+
+}  // namespace
+
+const KiviOps& scalar_ops() {
+  static const KiviOps ops{key_rows_scalar, value_rows_scalar, f16_rows_scalar, dot_scalar,
+                           scale_axpy_scalar};
+  return ops;
+}
+
+}  // namespace kivi_detail
+}  // namespace kvstack

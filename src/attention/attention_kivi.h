@@ -1,0 +1,53 @@
+// Paged attention over KIVI K and/or V (kv_view_is_kivi(view); kivi_codec.h),
+// with each sequence's f16 residual (block_table.h). Same contract as
+// paged_attention() in paged_attention.h, plus: positions below a sequence's
+// residual start come from the blocks (final quantized form), positions from
+// the start on come from its residual rows.
+//
+// The kernels walk the keys tile by tile: a KIVI key group (G tokens sharing
+// per-channel scale/min) or up to 32 residual rows of one KV head are decoded
+// into a [tile, head_dim] float tile in L1 (K and V), used there by every
+// query row and q head of the KV head group (online softmax), then dropped;
+// no full-precision copy of a block list or of the cache is materialised.
+// Work is split over (sequence, KV head, block of 16 query rows).
+//
+// The scalar kernel decodes with the kivi_codec.h reference decoders; the
+// AVX2+FMA+F16C kernel decodes codes with integer widening and FMA and
+// produces the same K/V values bit for bit, so the two paths differ only in
+// accumulation order. A non-KIVI side (e.g. K kivi2, V int8) is decoded with
+// the kv_codec.h reference decoder in both paths.
+#pragma once
+
+#include <span>
+
+#include "attention/paged_attention.h"
+#include "core/cpu_features.h"
+#include "kv/kv_view.h"
+
+namespace kvstack {
+
+// residuals: empty (every position is in the blocks) or one per sequence, in
+// batch order; sequence i's residual must end at n_past + n_new and start at a
+// multiple of the view's kivi_group. Errors (kInvalidArgument) name the field
+// and sequence; nothing is written on error.
+Status paged_attention_kivi(const PagedKvLayerView& kv, const AttnParams& p,
+                            std::span<const AttnSeq> seqs,
+                            std::span<const KvResidualView> residuals, ThreadPool* pool);
+
+// Same, forcing the kernel ISA (clamped to what the CPU has).
+Status paged_attention_kivi_isa(Isa isa, const PagedKvLayerView& kv, const AttnParams& p,
+                                std::span<const AttnSeq> seqs,
+                                std::span<const KvResidualView> residuals, ThreadPool* pool);
+
+// Double-precision two-pass reference reading every key/value through the
+// reference decoders (blocks) or the residual (f16).
+Status paged_attention_kivi_reference(const PagedKvLayerView& kv, const AttnParams& p,
+                                      std::span<const AttnSeq> seqs,
+                                      std::span<const KvResidualView> residuals);
+
+// The checks paged_attention_kivi() runs.
+Status validate_kivi_attention_args(const PagedKvLayerView& kv, const AttnParams& p,
+                                    std::span<const AttnSeq> seqs,
+                                    std::span<const KvResidualView> residuals);
+
+}  // namespace kvstack

@@ -1,0 +1,29 @@
+// Internal: the per-ISA primitives of the KIVI attention kernel
+// (attention_kivi.cpp drives them). Every primitive of one table yields the
+// same decoded values; only dot/axpy accumulation order may differ.
+#pragma once
+
+#include <cstdint>
+
+namespace kvstack::kivi_detail {
+
+struct KiviOps {
+  // n key rows of one KIVI key group: row t's codes at codes + t * code_stride,
+  // the group's d (f16 scale, f16 min) pairs at meta. out: [n, d].
+  void (*key_rows)(int bits, const uint8_t* codes, int64_t code_stride, const uint8_t* meta, int n,
+                   int d, float* out);
+  // n KIVI value rows: row t's codes at codes + t * code_stride, its d / 32
+  // pairs at meta + t * meta_stride. out: [n, d].
+  void (*value_rows)(int bits, const uint8_t* codes, int64_t code_stride, const uint8_t* meta,
+                     int64_t meta_stride, int n, int d, float* out);
+  // n f16 rows (residual), row t at src + t * stride elements. out: [n, d].
+  void (*f16_rows)(const uint16_t* src, int64_t stride, int n, int d, float* out);
+  float (*dot)(const float* a, const float* b, int d);
+  // acc[i] = acc[i] * c + w * x[i]
+  void (*scale_axpy)(float* acc, float c, float w, const float* x, int d);
+};
+
+const KiviOps& scalar_ops();
+const KiviOps& avx2_ops();  // REQUIRES the CPU has AVX2+FMA+F16C
+
+}  // namespace kvstack::kivi_detail

@@ -1,0 +1,116 @@
+#include "kv/rotation.h"
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+#include "core/cpu_features.h"
+
+namespace kvstack {
+namespace {
+
+constexpr int kMaxDim = 16384;
+
+// splitmix64 finalizer: a fixed, well-mixed function of the channel index.
+uint64_t mix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+constexpr uint64_t kSignSeed = 0x6b7673746b2d726fULL;  // fixed: part of the format
+
+// Butterflies with stride >= 8 on 8-wide vectors; strides 1, 2, 4 scalar.
+__attribute__((target("avx2,fma,f16c"))) void fwht_avx2(float* x, int n) {
+  for (int h = 1; h < n && h < 8; h *= 2) {
+    for (int i = 0; i < n; i += 2 * h) {
+      for (int j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
+  for (int h = 8; h < n; h *= 2) {
+    for (int i = 0; i < n; i += 2 * h) {
+      for (int j = i; j < i + h; j += 8) {
+        const __m256 a = _mm256_loadu_ps(x + j);
+        const __m256 b = _mm256_loadu_ps(x + j + h);
+        _mm256_storeu_ps(x + j, _mm256_add_ps(a, b));
+        _mm256_storeu_ps(x + j + h, _mm256_sub_ps(a, b));
+      }
+    }
+  }
+}
+
+void fwht_scalar(float* x, int n) {
+  for (int h = 1; h < n; h *= 2) {
+    for (int i = 0; i < n; i += 2 * h) {
+      for (int j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
+}
+
+// Both paths perform the same additions in the same order, so they agree
+// bit for bit.
+bool use_avx2() {
+  return best_isa() >= Isa::kAvx2;
+}
+
+}  // namespace
+
+const char* kv_rotation_name(KvRotation r) {
+  return r == KvRotation::kHadamard ? "hadamard" : "none";
+}
+
+std::string kv_rotation_key(KvRotation r) {
+  return r == KvRotation::kHadamard ? "qk-hadamard-signs-v1" : "";
+}
+
+Status kv_rotation_check(KvRotation r, int head_dim) {
+  if (r == KvRotation::kNone) return {};
+  if (head_dim < 2 || head_dim > kMaxDim || (head_dim & (head_dim - 1)) != 0) {
+    return make_error(Errc::kInvalidArgument,
+                      "--kv-rotate needs a head dimension that is a power of two in [2, " +
+                          std::to_string(kMaxDim) + "] (this model's is " +
+                          std::to_string(head_dim) + ")");
+  }
+  return {};
+}
+
+float kv_rotation_sign(int i) {
+  return (mix64(kSignSeed ^ static_cast<uint64_t>(i)) >> 63) != 0 ? -1.0f : 1.0f;
+}
+
+void fwht(float* x, int n) {
+  if (use_avx2()) return fwht_avx2(x, n);
+  fwht_scalar(x, n);
+}
+
+void hadamard_rotate(float* x, int64_t n_vecs, int head_dim) {
+  const float norm = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  std::vector<float> sign(static_cast<size_t>(head_dim));
+  for (int i = 0; i < head_dim; ++i) sign[i] = kv_rotation_sign(i) * norm;
+  for (int64_t v = 0; v < n_vecs; ++v) {
+    float* row = x + v * head_dim;
+    for (int i = 0; i < head_dim; ++i) row[i] *= sign[i];
+    fwht(row, head_dim);
+  }
+}
+
+void hadamard_unrotate(float* x, int64_t n_vecs, int head_dim) {
+  const float norm = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  for (int64_t v = 0; v < n_vecs; ++v) {
+    float* row = x + v * head_dim;
+    fwht(row, head_dim);
+    for (int i = 0; i < head_dim; ++i) row[i] *= kv_rotation_sign(i) * norm;
+  }
+}
+
+}  // namespace kvstack
