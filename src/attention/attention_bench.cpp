@@ -279,7 +279,7 @@ void decode_args(benchmark::internal::Benchmark* b) {
   for (int threads : {2, 1}) {
     for (int shape : {0, 1}) {
       for (int fmt : {1, 4, 5, 3, 0, 2}) {
-        for (int ctx : {4096, 16384, 32768}) b->Args({ctx, shape, fmt, threads});
+        for (int ctx : {512, 4096, 16384, 32768}) b->Args({ctx, shape, fmt, threads});
       }
     }
   }

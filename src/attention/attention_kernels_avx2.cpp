@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "attention/attention_kernels.h"
 
@@ -36,6 +37,39 @@ namespace {
 
 constexpr int kChunk = 32;  // keys per chunk (multiple of 16)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Software prefetch of the next chunk's K/V lines, spread over the current
+// chunk's work: step() is called once per q.K key step and once per key of
+// p.V and issues a share of the lines, so that the misses overlap the
+// arithmetic instead of queueing behind each other in one burst (a burst of
+// a few hundred prefetches fills the miss buffers and stalls the kernel).
+// The share is calibrated from the number of steps the previous chunk took.
+class KvPrefetch {
+ public:
+  // Queues every line of positions (base[j], slot[j]), j < n, of the tile's
+  // KV heads; lines not yet issued from the previous chunk are issued now.
+  void start(const TileArgs& a, const int64_t* base, const int32_t* slot, int n, int k_row_bytes,
+             int v_row_bytes);
+  KV_AVX2 void step() {
+    ++n_steps_;
+    const size_t e = std::min(lines_.size(), next_ + per_step_);
+    for (; next_ < e; ++next_) _mm_prefetch(lines_[next_], _MM_HINT_T0);
+  }
+  KV_AVX2 void flush() {
+    for (; next_ < lines_.size(); ++next_) _mm_prefetch(lines_[next_], _MM_HINT_T0);
+  }
+
+ private:
+  void add_stream(const HeadStream& s, int hh, const int64_t* base, const int32_t* slot, int n,
+                  int row_bytes);
+
+  std::vector<const char*> lines_;  // grows only: no allocation in steady state
+  size_t next_ = 0;
+  size_t per_step_ = 0;
+  size_t n_steps_ = 0;  // step() calls since start()
+};
+
+thread_local KvPrefetch tl_prefetch;
 
 KV_AVX2 inline float f16_scalar(const uint8_t* p) {
   uint16_t h;
@@ -206,7 +240,9 @@ KV_AVX2 inline float softmax_update(float* s, int n, float* m, float* l) {
     std::memset(s, 0, sizeof(float) * kChunk);
     return 1.0f;
   }
-  const float alpha = std::exp(*m - m_new);  // 0 when *m is -inf
+  // 0 when *m is -inf; exactly 1 (as std::exp(0) would give) when the max
+  // did not move, the common case after the first chunks.
+  const float alpha = m_new == *m ? 1.0f : std::exp(*m - m_new);
   const __m256 mv = _mm256_set1_ps(m_new);
   __m256 sum = _mm256_setzero_ps();
   for (int j = 0; j < kChunk; j += 8) {
@@ -271,13 +307,15 @@ KV_AVX2 inline void int4_meta(const uint8_t* const* metas, int n, int n_pad, int
 // together by one hadd tree. qsum [SG, d / 32]: per-group sums of qs (int4).
 template <KvDtype F, int SG, int J>
 KV_AVX2 void qk_chunk(const float* qs, int d, const uint8_t* const* kp, const uint8_t* const* km,
-                      int n_pad, float* s, const float* qsum, const float* ksc) {
-  static_assert(SG * J <= 8);
+                      int n_pad, float* s, const float* qsum, const float* ksc, KvPrefetch* pf) {
+  static_assert(SG * J <= (F == KvDtype::kInt4 ? 8 : 12));
+  constexpr int kAcc = SG * J > 8 ? 16 : 8;  // hsum8 reduces 8 at a time
   const int n_groups = d / 32;
   for (int j0 = 0; j0 < n_pad; j0 += J) {
-    __m256 acc[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    pf->step();
+    __m256 acc[kAcc];
+#pragma GCC unroll 16
+    for (int i = 0; i < kAcc; ++i) acc[i] = _mm256_setzero_ps();
     if constexpr (F == KvDtype::kInt4) {
       for (int gi = 0; gi < n_groups; ++gi) {
         __m256 ag[SG * J];
@@ -317,8 +355,9 @@ KV_AVX2 void qk_chunk(const float* qs, int d, const uint8_t* const* kp, const ui
         }
       }
     }
-    alignas(32) float tmp[8];
+    alignas(32) float tmp[kAcc];
     _mm256_store_ps(tmp, hsum8(acc));
+    if constexpr (kAcc > 8) _mm256_store_ps(tmp + 8, hsum8(acc + 8));
 #pragma GCC unroll 8
     for (int jj = 0; jj < J; ++jj) {
       if constexpr (F == KvDtype::kInt4) {
@@ -353,57 +392,68 @@ KV_AVX2 void qk_chunk(const float* qs, int d, const uint8_t* const* kp, const ui
 }
 
 // acc[h][c] = alpha[h] * acc[h][c] + sum_j w[h * kChunk + j] raw(V_j)[c]
-// (+ add[h]) for SG heads and columns [c0, c1) (multiples of 8).
+// (+ add[h]) for SG heads and the 8 * NC columns from c, the SG * NC sums in
+// registers (each sum gets one FMA per key, so SG * NC >= 8 keeps both FMA
+// pipes busy despite the FMA latency).
+template <KvDtype F, int SG, int NC, bool kAdd>
+KV_AVX2 inline void pv_block(const float* w, const uint8_t* const* vp, int n, const float* alpha,
+                             float* acc, int d, int c, const float* add, KvPrefetch* pf) {
+  __m256 a[SG][NC];
+#pragma GCC unroll 8
+  for (int h = 0; h < SG; ++h) {
+    const __m256 al = _mm256_broadcast_ss(alpha + h);
+#pragma GCC unroll 8
+    for (int x = 0; x < NC; ++x) {
+      a[h][x] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + c + 8 * x), al);
+      if constexpr (kAdd) a[h][x] = _mm256_add_ps(a[h][x], _mm256_broadcast_ss(add + h));
+    }
+  }
+  for (int j = 0; j < n; ++j) {
+    if (pf != nullptr) pf->step();
+    // SG * NC sums + SG weights + one V vector: at most 16 registers.
+    __m256 pb[SG];
+#pragma GCC unroll 8
+    for (int h = 0; h < SG; ++h) pb[h] = _mm256_broadcast_ss(w + h * kChunk + j);
+#pragma GCC unroll 8
+    for (int x = 0; x < NC; ++x) {
+      const __m256 v = raw8<F>(vp[j], c + 8 * x);
+#pragma GCC unroll 8
+      for (int h = 0; h < SG; ++h) a[h][x] = _mm256_fmadd_ps(pb[h], v, a[h][x]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int h = 0; h < SG; ++h) {
+#pragma GCC unroll 8
+    for (int x = 0; x < NC; ++x) _mm256_storeu_ps(acc + h * d + c + 8 * x, a[h][x]);
+  }
+}
+
+// pv_block over columns [c, c1) (multiples of 8), NC vectors per pass while
+// they fit, then halves.
+template <KvDtype F, int SG, int NC, bool kAdd>
+KV_AVX2 void pv_cols_from(const float* w, const uint8_t* const* vp, int n, const float* alpha,
+                          float* acc, int d, int c, int c1, const float* add, KvPrefetch* pf) {
+  for (; c1 - c >= 8 * NC; c += 8 * NC) {
+    pv_block<F, SG, NC, kAdd>(w, vp, n, alpha, acc, d, c, add, pf);
+    pf = nullptr;  // one prefetch step per key
+  }
+  if constexpr (NC > 1) {
+    if (c < c1) pv_cols_from<F, SG, NC / 2, kAdd>(w, vp, n, alpha, acc, d, c, c1, add, pf);
+  }
+}
+
+// Largest power of two NC <= 8 with SG * NC <= 12 accumulators and
+// SG * NC + SG + 1 <= 16 registers.
+constexpr int pv_vectors(int sg) {
+  int nc = 8;
+  while (nc > 1 && (sg * nc > 12 || sg * nc + sg + 1 > 16)) nc /= 2;
+  return nc;
+}
+
 template <KvDtype F, int SG, bool kAdd>
 KV_AVX2 void pv_cols(const float* w, const uint8_t* const* vp, int n, const float* alpha,
-                     float* acc, int d, int c0, int c1, const float* add) {
-  int c = c0;
-  for (; c + 16 <= c1; c += 16) {
-    __m256 a0[SG], a1[SG];
-#pragma GCC unroll 8
-    for (int h = 0; h < SG; ++h) {
-      const __m256 al = _mm256_broadcast_ss(alpha + h);
-      a0[h] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + c), al);
-      a1[h] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + c + 8), al);
-      if constexpr (kAdd) {
-        const __m256 ad = _mm256_broadcast_ss(add + h);
-        a0[h] = _mm256_add_ps(a0[h], ad);
-        a1[h] = _mm256_add_ps(a1[h], ad);
-      }
-    }
-    for (int j = 0; j < n; ++j) {
-      const __m256 v0 = raw8<F>(vp[j], c);
-      const __m256 v1 = raw8<F>(vp[j], c + 8);
-#pragma GCC unroll 8
-      for (int h = 0; h < SG; ++h) {
-        const __m256 pb = _mm256_broadcast_ss(w + h * kChunk + j);
-        a0[h] = _mm256_fmadd_ps(pb, v0, a0[h]);
-        a1[h] = _mm256_fmadd_ps(pb, v1, a1[h]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int h = 0; h < SG; ++h) {
-      _mm256_storeu_ps(acc + h * d + c, a0[h]);
-      _mm256_storeu_ps(acc + h * d + c + 8, a1[h]);
-    }
-  }
-  if (c < c1) {  // 8 columns left
-    __m256 a0[SG];
-#pragma GCC unroll 8
-    for (int h = 0; h < SG; ++h) {
-      a0[h] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + c), _mm256_broadcast_ss(alpha + h));
-      if constexpr (kAdd) a0[h] = _mm256_add_ps(a0[h], _mm256_broadcast_ss(add + h));
-    }
-    for (int j = 0; j < n; ++j) {
-      const __m256 v0 = raw8<F>(vp[j], c);
-#pragma GCC unroll 8
-      for (int h = 0; h < SG; ++h) {
-        a0[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + h * kChunk + j), v0, a0[h]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int h = 0; h < SG; ++h) _mm256_storeu_ps(acc + h * d + c, a0[h]);
-  }
+                     float* acc, int d, int c0, int c1, const float* add, KvPrefetch* pf) {
+  pv_cols_from<F, SG, pv_vectors(SG), kAdd>(w, vp, n, alpha, acc, d, c0, c1, add, pf);
 }
 
 // acc[h] = alpha[h] * acc[h] + sum_j p[h * kChunk + j] V_j for SG heads, the
@@ -411,7 +461,7 @@ KV_AVX2 void pv_cols(const float* w, const uint8_t* const* vp, int n, const floa
 // [2, d / 32, kChunk]).
 template <KvDtype F, int SG>
 KV_AVX2 void pv_chunk(const float* p, const uint8_t* const* vp, const uint8_t* const* vm, int n,
-                      const float* alpha, float* acc, int d, float* wbuf) {
+                      const float* alpha, float* acc, int d, float* wbuf, KvPrefetch* pf) {
   if constexpr (F == KvDtype::kInt4) {
     const int n_groups = d / 32;
     const int n8 = (n + 7) / 8 * 8;  // p is 0 past n (softmax_update pads the chunk)
@@ -431,7 +481,8 @@ KV_AVX2 void pv_chunk(const float* p, const uint8_t* const* vp, const uint8_t* c
         }
         add[h] = hsum(sum);
       }
-      pv_cols<F, SG, true>(wbuf, vp, n, alpha, acc, d, 32 * gi, 32 * gi + 32, add);
+      pv_cols<F, SG, true>(wbuf, vp, n, alpha, acc, d, 32 * gi, 32 * gi + 32, add,
+                           gi == 0 ? pf : nullptr);
     }
   } else if constexpr (kRowScaled<F>) {
     alignas(32) float sc[kChunk];
@@ -440,20 +491,22 @@ KV_AVX2 void pv_chunk(const float* p, const uint8_t* const* vp, const uint8_t* c
     for (int h = 0; h < SG; ++h) {
       for (int j = 0; j < n; ++j) wbuf[h * kChunk + j] = p[h * kChunk + j] * sc[j];
     }
-    pv_cols<F, SG, false>(wbuf, vp, n, alpha, acc, d, 0, d, nullptr);
+    pv_cols<F, SG, false>(wbuf, vp, n, alpha, acc, d, 0, d, nullptr, pf);
   } else {
-    pv_cols<F, SG, false>(p, vp, n, alpha, acc, d, 0, d, nullptr);
+    pv_cols<F, SG, false>(p, vp, n, alpha, acc, d, 0, d, nullptr, pf);
   }
 }
 
-// Keys loaded together per q head count: SG * J <= 8 accumulators.
+// Keys loaded together per q head count: SG * J <= 8 accumulators (12 for
+// three heads, SmolLM2's group: one FMA per accumulator per step then fills
+// both FMA pipes), J dividing kChunk.
 constexpr int keys_per_step(int sg) {
-  return sg == 1 ? 8 : sg == 2 ? 4 : 2;
+  return sg == 1 ? 8 : sg == 2 ? 4 : sg == 3 ? 4 : 2;
 }
 
 template <KvDtype F>
 KV_AVX2 void qk_any(int sg, const float* qs, int d, const uint8_t** kp, const uint8_t** km, int n,
-                    float* s, const float* qsum, float* mbuf) {
+                    float* s, const float* qsum, float* mbuf, KvPrefetch* pf) {
   // int4 pads to 8 keys (its min term is added 8 keys at a time), others to J.
   const int j = F == KvDtype::kInt4 ? 8 : keys_per_step(sg);
   const int n_pad = (n + j - 1) / j * j;
@@ -466,35 +519,36 @@ KV_AVX2 void qk_any(int sg, const float* qs, int d, const uint8_t** kp, const ui
   }
   switch (sg) {
     case 1:
-      return qk_chunk<F, 1, 8>(qs, d, kp, km, n_pad, s, qsum, mbuf);
+      return qk_chunk<F, 1, 8>(qs, d, kp, km, n_pad, s, qsum, mbuf, pf);
     case 2:
-      return qk_chunk<F, 2, 4>(qs, d, kp, km, n_pad, s, qsum, mbuf);
-    case 3:
-      return qk_chunk<F, 3, 2>(qs, d, kp, km, n_pad, s, qsum, mbuf);
+      return qk_chunk<F, 2, 4>(qs, d, kp, km, n_pad, s, qsum, mbuf, pf);
+    case 3:  // int4 keeps 8 accumulators: its per-group sums need as many again
+      return qk_chunk < F, 3,
+             F == KvDtype::kInt4 ? 2 : 4 > (qs, d, kp, km, n_pad, s, qsum, mbuf, pf);
     default:
-      return qk_chunk<F, 4, 2>(qs, d, kp, km, n_pad, s, qsum, mbuf);
+      return qk_chunk<F, 4, 2>(qs, d, kp, km, n_pad, s, qsum, mbuf, pf);
   }
 }
 
 template <KvDtype F>
 KV_AVX2 void pv_any(int sg, const float* p, const uint8_t* const* vp, const uint8_t* const* vm,
-                    int n, const float* alpha, float* acc, int d, float* wbuf) {
+                    int n, const float* alpha, float* acc, int d, float* wbuf, KvPrefetch* pf) {
   switch (sg) {
     case 1:
-      return pv_chunk<F, 1>(p, vp, vm, n, alpha, acc, d, wbuf);
+      return pv_chunk<F, 1>(p, vp, vm, n, alpha, acc, d, wbuf, pf);
     case 2:
-      return pv_chunk<F, 2>(p, vp, vm, n, alpha, acc, d, wbuf);
+      return pv_chunk<F, 2>(p, vp, vm, n, alpha, acc, d, wbuf, pf);
     case 3:
-      return pv_chunk<F, 3>(p, vp, vm, n, alpha, acc, d, wbuf);
+      return pv_chunk<F, 3>(p, vp, vm, n, alpha, acc, d, wbuf, pf);
     default:
-      return pv_chunk<F, 4>(p, vp, vm, n, alpha, acc, d, wbuf);
+      return pv_chunk<F, 4>(p, vp, vm, n, alpha, acc, d, wbuf, pf);
   }
 }
 
 using QkFn = void (*)(int, const float*, int, const uint8_t**, const uint8_t**, int, float*,
-                      const float*, float*);
+                      const float*, float*, KvPrefetch*);
 using PvFn = void (*)(int, const float*, const uint8_t* const*, const uint8_t* const*, int,
-                      const float*, float*, int, float*);
+                      const float*, float*, int, float*, KvPrefetch*);
 
 // The format-specific part of the decode kernel.
 struct DecodeFns {
@@ -553,20 +607,41 @@ inline void stream_rows(const HeadStream& s, int hh, const int64_t* base, const 
   for (int j = 0; j < n; ++j) metas[j] = meta + base[j] + slot[j] * s.meta_slot_stride;
 }
 
-KV_AVX2 inline void prefetch_rows(const HeadStream& s, int hh, const int64_t* base,
-                                  const int32_t* slot, int n, int row_bytes) {
+void KvPrefetch::add_stream(const HeadStream& s, int hh, const int64_t* base, const int32_t* slot,
+                            int n, int row_bytes) {
+  const int row_lines = (row_bytes + 63) / 64;
+  const size_t n_lines = static_cast<size_t>(n) * row_lines + (s.meta != nullptr ? (n + 7) / 8 : 0);
+  size_t at = lines_.size();
+  lines_.resize(at + n_lines);
+  const char** out = lines_.data();
   const uint8_t* data = s.data + hh * s.head_stride;
   for (int j = 0; j < n; ++j) {
     const char* r = reinterpret_cast<const char*>(data + base[j] + slot[j] * s.slot_stride);
-    for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(r + b, _MM_HINT_T1);
+    for (int b = 0; b < row_lines; ++b) out[at++] = r + 64 * b;
   }
   if (s.meta != nullptr) {  // metadata rows are small: one line per block or so
     const uint8_t* meta = s.meta + hh * s.meta_head_stride;
     for (int j = 0; j < n; j += 8) {
-      _mm_prefetch(reinterpret_cast<const char*>(meta + base[j] + slot[j] * s.meta_slot_stride),
-                   _MM_HINT_T1);
+      out[at++] = reinterpret_cast<const char*>(meta + base[j] + slot[j] * s.meta_slot_stride);
     }
   }
+}
+
+void KvPrefetch::start(const TileArgs& a, const int64_t* base, const int32_t* slot, int n,
+                       int k_row_bytes, int v_row_bytes) {
+  flush();
+  const size_t steps = n_steps_;
+  lines_.clear();
+  next_ = 0;
+  n_steps_ = 0;
+  for (int hh = 0; hh < a.n_heads; ++hh) {  // in the order the kernel reads them
+    add_stream(a.k, hh, base, slot, n, k_row_bytes);
+    add_stream(a.v, hh, base, slot, n, v_row_bytes);
+  }
+  // First chunk of a tile: about one q.K step per key pair and one p.V step
+  // per key for every head.
+  const size_t n_est = steps > 0 ? steps : static_cast<size_t>(a.n_heads) * n * 3 / 2;
+  per_step_ = (lines_.size() + n_est - 1) / n_est;
 }
 
 // --------------------------------------------------------------- prefill --
@@ -704,57 +779,46 @@ KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
   const uint8_t* km[kChunk + 8];
   const uint8_t* vp[kChunk];
   const uint8_t* vm[kChunk];
-  // Chunk i + 2 is prefetched (into L2: a chunk of every KV head may exceed
-  // half of L1) while chunk i is computed, one KV head's K (V) rows before
-  // that head's q.K (p.V), so that the misses are spread over the chunk
-  // rather than queued behind each other; chunk i + 1's addresses are ready.
-  int64_t pf_base[kChunk];
-  int32_t pf_slot[kChunk];
-  int n_pf = 0;
+  // While chunk i is computed, chunk i + 1 is prefetched (KvPrefetch);
+  // chunk 0's lines are requested at once.
+  KvPrefetch& pf = tl_prefetch;
   int cur = 0;
   if (t_begin < t_end) {
-    chunk_slots(a, t_begin, std::min<int32_t>(kChunk, t_end - t_begin), base[0], slot[0]);
-    if (t_begin + kChunk < t_end) {  // chunk 1 now, while chunk 0 is demand-loaded
-      n_pf = std::min<int32_t>(kChunk, t_end - t_begin - kChunk);
-      chunk_slots(a, t_begin + kChunk, n_pf, pf_base, pf_slot);
-      for (int hh = 0; hh < a.n_heads; ++hh) {
-        prefetch_rows(a.k, hh, pf_base, pf_slot, n_pf, k_row_bytes);
-        prefetch_rows(a.v, hh, pf_base, pf_slot, n_pf, v_row_bytes);
-      }
-    }
+    const int n0 = std::min<int32_t>(kChunk, t_end - t_begin);
+    chunk_slots(a, t_begin, n0, base[0], slot[0]);
+    pf.start(a, base[0], slot[0], n0, k_row_bytes, v_row_bytes);
+    pf.flush();
   }
   for (int32_t c0 = t_begin; c0 < t_end; c0 += kChunk) {
     const int n = std::min<int32_t>(kChunk, t_end - c0);
     const int64_t* cb = base[cur];
     const int32_t* cs = slot[cur];
-    n_pf = c0 + 2 * kChunk < t_end ? std::min<int32_t>(kChunk, t_end - c0 - 2 * kChunk) : 0;
-    if (n_pf > 0) chunk_slots(a, c0 + 2 * kChunk, n_pf, pf_base, pf_slot);
     if (c0 + kChunk < t_end) {
-      chunk_slots(a, c0 + kChunk, std::min<int32_t>(kChunk, t_end - c0 - kChunk), base[cur ^ 1],
-                  slot[cur ^ 1]);
+      const int n1 = std::min<int32_t>(kChunk, t_end - c0 - kChunk);
+      chunk_slots(a, c0 + kChunk, n1, base[cur ^ 1], slot[cur ^ 1]);
+      pf.start(a, base[cur ^ 1], slot[cur ^ 1], n1, k_row_bytes, v_row_bytes);
     }
     cur ^= 1;
     for (int hh = 0; hh < a.n_heads; ++hh) {
       stream_rows(a.k, hh, cb, cs, n, kp, km);
       stream_rows(a.v, hh, cb, cs, n, vp, vm);
       const int v0 = hh * g;  // first query vector of this KV head
-      prefetch_rows(a.k, hh, pf_base, pf_slot, n_pf, k_row_bytes);
       for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
         const int sg = g / n_sub + (sub < g % n_sub ? 1 : 0);
-        kf.qk(sg, qs + h0 * d, d, kp, km, n, s + h0 * kChunk, qsum + h0 * n_groups, kbuf);
+        kf.qk(sg, qs + h0 * d, d, kp, km, n, s + h0 * kChunk, qsum + h0 * n_groups, kbuf, &pf);
         h0 += sg;
       }
       for (int h = v0; h < v0 + g; ++h) {
         alpha[h] = softmax_update(s + h * kChunk, n, m + h, l + h);
       }
-      prefetch_rows(a.v, hh, pf_base, pf_slot, n_pf, v_row_bytes);
       for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
         const int sg = g / n_sub + (sub < g % n_sub ? 1 : 0);
-        vf.pv(sg, s + h0 * kChunk, vp, vm, n, alpha + h0, acc + h0 * d, d, wbuf);
+        vf.pv(sg, s + h0 * kChunk, vp, vm, n, alpha + h0, acc + h0 * d, d, wbuf, &pf);
         h0 += sg;
       }
     }
   }
+  pf.flush();  // nothing is left queued for the next tile
   finish_tile(a, n_vec, acc, m, l);
 }
 
@@ -856,10 +920,36 @@ KV_AVX2 void prefill_tile_avx2(const TileArgs& a) {
     }
     for (int i = n_vec; i < n_vp; ++i) std::memset(s + i * kChunk, 0, sizeof(float) * kChunk);
 
-    // O = alpha O + P V, 4 vectors x 8 dims per register block.
+    // O = alpha O + P V, 4 vectors x 16 dims per register block (8 sums,
+    // one FMA each per key: enough to cover the FMA latency), then 8 dims.
     for (int i0 = 0; i0 < n_vp; i0 += 4) {
       const float* p0 = s + static_cast<size_t>(i0) * kChunk;
-      for (int c = 0; c < d; c += 8) {
+      int c = 0;
+      for (; c + 16 <= d; c += 16) {
+        __m256 acc[4][2];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const __m256 al = _mm256_broadcast_ss(alpha + i0 + r);
+          acc[r][0] = _mm256_mul_ps(_mm256_loadu_ps(o + (i0 + r) * d + c), al);
+          acc[r][1] = _mm256_mul_ps(_mm256_loadu_ps(o + (i0 + r) * d + c + 8), al);
+        }
+        for (int j = 0; j < n; ++j) {
+          const __m256 v0 = _mm256_loadu_ps(vc + j * d + c);
+          const __m256 v1 = _mm256_loadu_ps(vc + j * d + c + 8);
+#pragma GCC unroll 4
+          for (int r = 0; r < 4; ++r) {
+            const __m256 pb = _mm256_broadcast_ss(p0 + r * kChunk + j);
+            acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
+          }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          _mm256_storeu_ps(o + (i0 + r) * d + c, acc[r][0]);
+          _mm256_storeu_ps(o + (i0 + r) * d + c + 8, acc[r][1]);
+        }
+      }
+      if (c < d) {  // 8 dims left
         __m256 acc[4];
 #pragma GCC unroll 4
         for (int r = 0; r < 4; ++r) {
