@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "attention/attention_kernels.h"
+#include "ops/simd_avx2.h"
 
 #define KV_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -151,30 +152,6 @@ KV_AVX2 inline __m256 deq8(const uint8_t* row, const uint8_t* meta, int c) {
   }
 }
 
-// e^x for x <= 88; returns exactly 0 for x < -87 (and for -inf). Range
-// reduction x = n ln2 + r, |r| <= ln2/2, then the degree-7 Taylor polynomial:
-// truncation error r^8/8! < 6e-9, so the result is within a few ulp.
-KV_AVX2 inline __m256 exp256(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
 KV_AVX2 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -246,7 +223,7 @@ KV_AVX2 inline float softmax_update(float* s, int n, float* m, float* l) {
   const __m256 mv = _mm256_set1_ps(m_new);
   __m256 sum = _mm256_setzero_ps();
   for (int j = 0; j < kChunk; j += 8) {
-    const __m256 pj = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    const __m256 pj = simd::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
     _mm256_storeu_ps(s + j, pj);
     sum = _mm256_add_ps(sum, pj);
   }

@@ -79,10 +79,19 @@ struct Item {
   int32_t head;
   int32_t r0;
   int32_t r1;
+  int64_t k0 = 0;                                    // keys [k0, k1) of this piece
+  int64_t k1 = std::numeric_limits<int64_t>::max();  // (split-K of one decode row)
+  int64_t part = -1;  // >= 0: writes its partial state to partials + part, else the output
 };
 
+// Split-K of decode rows: pieces of kSplitKeys keys at fixed absolute
+// positions (a multiple of every key group), so a sequence's result does not
+// depend on the rest of the batch or the thread count.
+constexpr int64_t kSplitKeys = 512;
+
 void run_item(const KiviOps& ops, const PagedKvLayerView& kv, const AttnParams& p, const AttnSeq& s,
-              const KvResidualView* res, int64_t q_start, const Item& it, Scratch& w) {
+              const KvResidualView* res, int64_t q_start, const Item& it, Scratch& w,
+              float* partials) {
   const int d = p.head_dim;
   const int n_rep = p.n_q_heads / p.n_kv_heads;
   const int rows = it.r1 - it.r0;
@@ -93,8 +102,8 @@ void run_item(const KiviOps& ops, const PagedKvLayerView& kv, const AttnParams& 
   w.l.assign(static_cast<size_t>(rows) * n_rep, 0.0f);
   w.acc.assign(static_cast<size_t>(rows) * n_rep * d, 0.0f);
   w.sc.resize(kKiviMaxKeyGroup);
-  const int64_t lo = first_visible(int64_t{s.n_past} + it.r0, p.window);
-  const int64_t hi = int64_t{s.n_past} + it.r1;
+  const int64_t lo = std::max(it.k0, first_visible(int64_t{s.n_past} + it.r0, p.window));
+  const int64_t hi = std::min(it.k1, int64_t{s.n_past} + it.r1);
   for (int64_t t0 = lo; t0 < hi;) {
     const int64_t te = t0 < q_start ? std::min({q_start, (t0 / g + 1) * g, hi})
                                     : std::min<int64_t>(hi, t0 + kResidualTile);
@@ -106,44 +115,58 @@ void run_item(const KiviOps& ops, const PagedKvLayerView& kv, const AttnParams& 
       const int64_t rlo = std::max(t0, first_visible(pos, p.window));
       const int64_t rhi = std::min(te, pos + 1);
       if (rlo >= rhi) continue;
+      const int nk = static_cast<int>(rhi - rlo);
       for (int j = 0; j < n_rep; ++j) {
         const int64_t qh = int64_t{it.head} * n_rep + j;
         const float* q = s.q + (int64_t{it.r0 + r} * p.n_q_heads + qh) * d;
         const size_t st = static_cast<size_t>(r) * n_rep + j;
         float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = rlo; t < rhi; ++t) {
-          const float x = p.scale * ops.dot(q, w.k.data() + (t - t0) * d, d);
-          w.sc[t - rlo] = x;
+        for (int t = 0; t < nk; ++t) {
+          const float x = p.scale * ops.dot(q, w.k.data() + (rlo - t0 + t) * d, d);
+          w.sc[t] = x;
           mx = std::max(mx, x);
         }
         const float m_new = std::max(w.m[st], mx);
-        // exp(-inf) = 0: the first tile of a row starts from empty state.
-        const float c0 = std::exp(w.m[st] - m_new);
-        float c = c0;
+        // exp(-inf) = 0: the first tile of a row starts from empty state;
+        // exactly 1 when the max holds.
+        const float c0 = m_new == w.m[st] ? 1.0f : std::exp(w.m[st] - m_new);
+        ops.exp_shift(w.sc.data(), nk, m_new);
         float sum = 0.0f;
-        float* acc = w.acc.data() + st * d;
-        for (int64_t t = rlo; t < rhi; ++t) {
-          const float e = std::exp(w.sc[t - rlo] - m_new);
-          sum += e;
-          ops.scale_axpy(acc, c, e, w.v.data() + (t - t0) * d, d);
-          c = 1.0f;
-        }
+        for (int t = 0; t < nk; ++t) sum += w.sc[t];
+        ops.scale_pv(w.acc.data() + st * d, c0, w.sc.data(), w.v.data() + (rlo - t0) * d, nk, d);
         w.l[st] = w.l[st] * c0 + sum;
         w.m[st] = m_new;
       }
     }
     t0 = te;
   }
+  if (it.part >= 0) {  // one row: [m, l, acc] of its n_rep heads
+    float* dst = partials + it.part;
+    for (int j = 0; j < n_rep; ++j) {
+      dst[j] = w.m[j];
+      dst[n_rep + j] = w.l[j];
+    }
+    std::copy(w.acc.begin(), w.acc.begin() + static_cast<int64_t>(n_rep) * d, dst + 2 * n_rep);
+    return;
+  }
   for (int r = 0; r < rows; ++r) {
     for (int j = 0; j < n_rep; ++j) {
       const size_t st = static_cast<size_t>(r) * n_rep + j;
       const int64_t qh = int64_t{it.head} * n_rep + j;
       float* out = s.out + (int64_t{it.r0 + r} * p.n_q_heads + qh) * d;
-      const float inv = 1.0f / w.l[st];
+      const float inv = w.l[st] > 0.0f ? 1.0f / w.l[st] : 0.0f;
       for (int i = 0; i < d; ++i) out[i] = w.acc[st * d + i] * inv;
     }
   }
 }
+
+// The split-K pieces of one decode row and KV head, merged in key order.
+struct SplitRow {
+  int32_t seq;
+  int32_t head;
+  int64_t first_part;  // offset of piece 0 in the partials
+  int n_parts;
+};
 
 }  // namespace
 
@@ -216,15 +239,34 @@ Status paged_attention_kivi_isa(Isa isa, const PagedKvLayerView& kv, const AttnP
   KV_TRY_STATUS(validate_kivi_attention_args(kv, p, seqs, residuals));
   const bool avx2 = isa >= Isa::kAvx2 && best_isa() >= Isa::kAvx2 && cpu_features().f16c;
   const KiviOps& ops = avx2 ? kivi_detail::avx2_ops() : kivi_detail::scalar_ops();
+  const int n_rep = p.n_q_heads / p.n_kv_heads;
+  const int64_t part_floats = int64_t{n_rep} * (p.head_dim + 2);
   std::vector<Item> items;
+  std::vector<SplitRow> splits;
+  int64_t n_partial_floats = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
+    const AttnSeq& s = seqs[i];
     for (int h = 0; h < p.n_kv_heads; ++h) {
-      for (int r = 0; r < seqs[i].n_new; r += kRowsPerItem) {
-        items.push_back(
-            Item{static_cast<int32_t>(i), h, r, std::min(seqs[i].n_new, r + kRowsPerItem)});
+      const int64_t pos = s.n_past;
+      const int64_t lo = first_visible(pos, p.window);
+      if (s.n_new == 1 && pos + 1 - lo > kSplitKeys) {
+        // Pieces [k * kSplitKeys, (k + 1) * kSplitKeys) overlapping [lo, pos].
+        SplitRow sr{static_cast<int32_t>(i), h, n_partial_floats, 0};
+        for (int64_t k0 = lo / kSplitKeys * kSplitKeys; k0 <= pos; k0 += kSplitKeys) {
+          items.push_back(
+              Item{static_cast<int32_t>(i), h, 0, 1, k0, k0 + kSplitKeys, n_partial_floats});
+          n_partial_floats += part_floats;
+          ++sr.n_parts;
+        }
+        splits.push_back(sr);
+        continue;
+      }
+      for (int r = 0; r < s.n_new; r += kRowsPerItem) {
+        items.push_back(Item{static_cast<int32_t>(i), h, r, std::min(s.n_new, r + kRowsPerItem)});
       }
     }
   }
+  std::vector<float> partials(static_cast<size_t>(n_partial_floats));
   auto body = [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
     for (int64_t k = begin; k < end; ++k) {
@@ -232,7 +274,7 @@ Status paged_attention_kivi_isa(Isa isa, const PagedKvLayerView& kv, const AttnP
       const AttnSeq& s = seqs[static_cast<size_t>(it.seq)];
       const KvResidualView* res = residuals.empty() ? nullptr : &residuals[it.seq];
       run_item(ops, kv, p, s, res, blocks_end(s, residuals, static_cast<size_t>(it.seq)), it,
-               scratch);
+               scratch, partials.data());
     }
   };
   const auto n = static_cast<int64_t>(items.size());
@@ -240,6 +282,29 @@ Status paged_attention_kivi_isa(Isa isa, const PagedKvLayerView& kv, const AttnP
     pool->parallel_for(n, 1, body);
   } else {
     body(0, n);
+  }
+  const int d = p.head_dim;
+  for (const SplitRow& sr : splits) {
+    const AttnSeq& s = seqs[static_cast<size_t>(sr.seq)];
+    for (int j = 0; j < n_rep; ++j) {
+      float m_max = -std::numeric_limits<float>::infinity();
+      for (int k = 0; k < sr.n_parts; ++k) {
+        m_max = std::max(m_max, partials[sr.first_part + k * part_floats + j]);
+      }
+      float* out = s.out + (int64_t{sr.head} * n_rep + j) * d;
+      std::fill(out, out + d, 0.0f);
+      float l_sum = 0.0f;
+      for (int k = 0; k < sr.n_parts; ++k) {
+        const float* part = partials.data() + sr.first_part + k * part_floats;
+        if (part[j] == -std::numeric_limits<float>::infinity()) continue;  // saw no key
+        const float wgt = std::exp(part[j] - m_max);
+        l_sum += wgt * part[n_rep + j];
+        const float* acc = part + 2 * n_rep + int64_t{j} * d;
+        for (int c = 0; c < d; ++c) out[c] += wgt * acc[c];
+      }
+      const float inv = l_sum > 0.0f ? 1.0f / l_sum : 0.0f;
+      for (int c = 0; c < d; ++c) out[c] *= inv;
+    }
   }
   return {};
 }
@@ -317,15 +382,22 @@ float dot_scalar(const float* a, const float* b, int d) {
   for (int i = 0; i < d; ++i) s += a[i] * b[i];
   return s;
 }
-void scale_axpy_scalar(float* acc, float c, float w, const float* x, int d) {
-  for (int i = 0; i < d; ++i) acc[i] = acc[i] * c + w * x[i];
+void exp_shift_scalar(float* x, int n, float m) {
+  for (int t = 0; t < n; ++t) x[t] = std::exp(x[t] - m);
+}
+void scale_pv_scalar(float* acc, float c, const float* w, const float* x, int n, int d) {
+  for (int i = 0; i < d; ++i) {
+    float a = acc[i] * c;
+    for (int t = 0; t < n; ++t) a += w[t] * x[static_cast<int64_t>(t) * d + i];
+    acc[i] = a;
+  }
 }
 
 }  // namespace
 
 const KiviOps& scalar_ops() {
-  static const KiviOps ops{key_rows_scalar, value_rows_scalar, f16_rows_scalar, dot_scalar,
-                           scale_axpy_scalar};
+  static const KiviOps ops{key_rows_scalar, value_rows_scalar, f16_rows_scalar,
+                           dot_scalar,      exp_shift_scalar,  scale_pv_scalar};
   return ops;
 }
 

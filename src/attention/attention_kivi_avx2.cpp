@@ -7,6 +7,7 @@
 
 #include "attention/attention_kivi_kernels.h"
 #include "core/half.h"
+#include "ops/simd_avx2.h"
 
 namespace kvstack::kivi_detail {
 namespace {
@@ -110,20 +111,57 @@ KIVI_AVX2 float dot_avx2(const float* a, const float* b, int d) {
   return _mm_cvtss_f32(x);
 }
 
-KIVI_AVX2 void scale_axpy_avx2(float* acc, float c, float w, const float* x, int d) {
+KIVI_AVX2 void exp_shift_avx2(float* x, int n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  int t = 0;
+  for (; t + 8 <= n; t += 8) {
+    _mm256_storeu_ps(x + t, simd::exp8(_mm256_sub_ps(_mm256_loadu_ps(x + t), mv)));
+  }
+  if (t < n) {  // the tail through the same 8-wide code
+    alignas(32) float b[8];
+    for (int i = 0; i < 8; ++i) b[i] = t + i < n ? x[t + i] : m;
+    _mm256_store_ps(b, simd::exp8(_mm256_sub_ps(_mm256_load_ps(b), mv)));
+    for (int i = 0; t + i < n; ++i) x[t + i] = b[i];
+  }
+}
+
+// 32 columns at a time in registers (4 sums, each one FMA per row), then 8.
+KIVI_AVX2 void scale_pv_avx2(float* acc, float c, const float* w, const float* x, int n, int d) {
   const __m256 vc = _mm256_set1_ps(c);
-  const __m256 vw = _mm256_set1_ps(w);
-  for (int i = 0; i < d; i += 8) {
-    const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + i), vc);
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vw, _mm256_loadu_ps(x + i), a));
+  int i = 0;
+  for (; i + 32 <= d; i += 32) {
+    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc + i), vc);
+    __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(acc + i + 8), vc);
+    __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(acc + i + 16), vc);
+    __m256 a3 = _mm256_mul_ps(_mm256_loadu_ps(acc + i + 24), vc);
+    for (int t = 0; t < n; ++t) {
+      const __m256 wt = _mm256_broadcast_ss(w + t);
+      const float* xt = x + static_cast<int64_t>(t) * d + i;
+      a0 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(xt), a0);
+      a1 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(xt + 8), a1);
+      a2 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(xt + 16), a2);
+      a3 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(xt + 24), a3);
+    }
+    _mm256_storeu_ps(acc + i, a0);
+    _mm256_storeu_ps(acc + i + 8, a1);
+    _mm256_storeu_ps(acc + i + 16, a2);
+    _mm256_storeu_ps(acc + i + 24, a3);
+  }
+  for (; i < d; i += 8) {
+    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc + i), vc);
+    for (int t = 0; t < n; ++t) {
+      a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + t),
+                           _mm256_loadu_ps(x + static_cast<int64_t>(t) * d + i), a0);
+    }
+    _mm256_storeu_ps(acc + i, a0);
   }
 }
 
 }  // namespace
 
 const KiviOps& avx2_ops() {
-  static const KiviOps ops{key_rows_avx2, value_rows_avx2, f16_rows_avx2, dot_avx2,
-                           scale_axpy_avx2};
+  static const KiviOps ops{key_rows_avx2, value_rows_avx2, f16_rows_avx2,
+                           dot_avx2,      exp_shift_avx2,  scale_pv_avx2};
   return ops;
 }
 

@@ -19,8 +19,10 @@ struct KiviOps {
   // n f16 rows (residual), row t at src + t * stride elements. out: [n, d].
   void (*f16_rows)(const uint16_t* src, int64_t stride, int n, int d, float* out);
   float (*dot)(const float* a, const float* b, int d);
-  // acc[i] = acc[i] * c + w * x[i]
-  void (*scale_axpy)(float* acc, float c, float w, const float* x, int d);
+  // x[t] = exp(x[t] - m) for t < n (-inf gives 0).
+  void (*exp_shift)(float* x, int n, float m);
+  // acc[i] = acc[i] * c + sum_t w[t] * x[t * d + i], t < n, in t order.
+  void (*scale_pv)(float* acc, float c, const float* w, const float* x, int n, int d);
 };
 
 const KiviOps& scalar_ops();

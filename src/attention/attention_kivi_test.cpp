@@ -88,20 +88,21 @@ TEST(KiviAttention, KernelsMatchReferenceOnMixedBatches) {
   for (Fmt f : {Fmt{kKvDtypeKivi2, kKvDtypeKivi2}, Fmt{kKvDtypeKivi4, kKvDtypeKivi4},
                 Fmt{kKvDtypeKivi2, KvDtype::kInt8}, Fmt{KvDtype::kF16, kKvDtypeKivi4}}) {
     for (int p : {16, 64}) {
-      for (int window : {0, 20}) {
+      for (int window : {0, 20, 700}) {
         SCOPED_TRACE(std::string(kv_dtype_name(f.k)) + "/" + kv_dtype_name(f.v) + " P " +
                      std::to_string(p) + " window " + std::to_string(window));
         auto layout = must(
             KvLayout::uniform(1, n_kv, d, f.k, p, f.v, {.kivi_residual = 2 * kivi_group_size(p)}));
         auto pool = must(BlockPool::create(layout, {.n_tokens = 4096}));
-        // Three sequences, grown in interleaved steps (scattered blocks).
-        const int lens[3] = {150, 37, 9};
+        // Three sequences, grown in interleaved steps (scattered blocks);
+        // the first one decodes past several split-K pieces of 512 keys.
+        const int lens[3] = {1300, 37, 9};
         const int news[3] = {1, 29, 9};
         std::vector<BlockTable> tables;
         tables.reserve(3);
         for (int i = 0; i < 3; ++i) tables.emplace_back(*pool);
         std::vector<float> k(static_cast<size_t>(n_kv) * d), v(k.size());
-        for (int step = 0; step < 150; ++step) {
+        for (int step = 0; step < lens[0]; ++step) {
           for (int i = 0; i < 3; ++i) {
             if (step >= lens[i]) continue;
             for (auto& x : k) x = nd(rng) * 2.0f;
