@@ -527,35 +527,46 @@ using QkFn = void (*)(int, const float*, int, const uint8_t**, const uint8_t**, 
 using PvFn = void (*)(int, const float*, const uint8_t* const*, const uint8_t* const*, int,
                       const float*, float*, int, float*, KvPrefetch*);
 
+// fn.template operator()<F>() for the format t (a templated lambda), or a
+// value-initialised result for a format without AVX2 kernels.
+template <typename Fn>
+auto by_format(KvDtype t, Fn fn) -> decltype(fn.template operator()<KvDtype::kF32>()) {
+  switch (t) {
+    case KvDtype::kF32:
+      return fn.template operator()<KvDtype::kF32>();
+    case KvDtype::kF16:
+      return fn.template operator()<KvDtype::kF16>();
+    case KvDtype::kBF16:
+      return fn.template operator()<KvDtype::kBF16>();
+    case KvDtype::kFp8:
+      return fn.template operator()<KvDtype::kFp8>();
+    case KvDtype::kInt8:
+      return fn.template operator()<KvDtype::kInt8>();
+    case KvDtype::kInt4:
+      return fn.template operator()<KvDtype::kInt4>();
+    default:
+      return {};
+  }
+}
+
+// Code bits per element.
+template <KvDtype F>
+constexpr int code_bits() {
+  return F == KvDtype::kF32                          ? 32
+         : F == KvDtype::kF16 || F == KvDtype::kBF16 ? 16
+         : F == KvDtype::kFp8 || F == KvDtype::kInt8 ? 8
+                                                     : 4;
+}
+
 // The format-specific part of the decode kernel.
 struct DecodeFns {
   QkFn qk = nullptr;
   PvFn pv = nullptr;
-  int row_bytes_num = 0;  // row bytes = head_dim * num / 2
+  int code_bits = 0;  // row bytes = head_dim * code_bits / 8
 };
 
-template <KvDtype F>
-constexpr DecodeFns decode_fns(int num) {
-  return DecodeFns{qk_any<F>, pv_any<F>, num};
-}
-
 DecodeFns decode_table(KvDtype t) {
-  switch (t) {
-    case KvDtype::kF32:
-      return decode_fns<KvDtype::kF32>(8);
-    case KvDtype::kF16:
-      return decode_fns<KvDtype::kF16>(4);
-    case KvDtype::kBF16:
-      return decode_fns<KvDtype::kBF16>(4);
-    case KvDtype::kFp8:
-      return decode_fns<KvDtype::kFp8>(2);
-    case KvDtype::kInt8:
-      return decode_fns<KvDtype::kInt8>(2);
-    case KvDtype::kInt4:
-      return decode_fns<KvDtype::kInt4>(1);
-    default:
-      return DecodeFns{};
-  }
+  return by_format(t, []<KvDtype F>() { return DecodeFns{qk_any<F>, pv_any<F>, code_bits<F>()}; });
 }
 
 // Block base offset and slot of positions [t0, t0 + n) (block table walk).
@@ -651,41 +662,11 @@ using KTileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int, floa
 using VTileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int, int, float*);
 
 KTileFn k_tile_fn(KvDtype t) {
-  switch (t) {
-    case KvDtype::kF32:
-      return k_tile<KvDtype::kF32>;
-    case KvDtype::kF16:
-      return k_tile<KvDtype::kF16>;
-    case KvDtype::kBF16:
-      return k_tile<KvDtype::kBF16>;
-    case KvDtype::kFp8:
-      return k_tile<KvDtype::kFp8>;
-    case KvDtype::kInt8:
-      return k_tile<KvDtype::kInt8>;
-    case KvDtype::kInt4:
-      return k_tile<KvDtype::kInt4>;
-    default:
-      return nullptr;
-  }
+  return by_format(t, []<KvDtype F>() { return KTileFn{k_tile<F>}; });
 }
 
 VTileFn v_tile_fn(KvDtype t) {
-  switch (t) {
-    case KvDtype::kF32:
-      return v_tile<KvDtype::kF32>;
-    case KvDtype::kF16:
-      return v_tile<KvDtype::kF16>;
-    case KvDtype::kBF16:
-      return v_tile<KvDtype::kBF16>;
-    case KvDtype::kFp8:
-      return v_tile<KvDtype::kFp8>;
-    case KvDtype::kInt8:
-      return v_tile<KvDtype::kInt8>;
-    case KvDtype::kInt4:
-      return v_tile<KvDtype::kInt4>;
-    default:
-      return nullptr;
-  }
+  return by_format(t, []<KvDtype F>() { return VTileFn{v_tile<F>}; });
 }
 
 // Row and metadata addresses of positions [t0, t0 + n) of one stream.
@@ -748,8 +729,8 @@ KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
   const int n_sub = (g + 3) / 4;
   const int32_t t_begin = std::max(a.key_begin, first_visible(a.pos0, a.window));
   const int32_t t_end = std::min(a.key_end, a.pos0 + 1);
-  const int k_row_bytes = d * kf.row_bytes_num / 2;
-  const int v_row_bytes = d * vf.row_bytes_num / 2;
+  const int k_row_bytes = d * kf.code_bits / 8;
+  const int v_row_bytes = d * vf.code_bits / 8;
   int64_t base[2][kChunk];
   int32_t slot[2][kChunk];
   const uint8_t* kp[kChunk + 8];  // + padding for qk_any
