@@ -301,6 +301,19 @@ struct Driver {
     }
   }
 
+  // Decode reads every weight once, 4 rows of a few hundred bytes at a time:
+  // too short a stream for the hardware prefetcher to run ahead of, so the
+  // rows kPrefetchRows ahead are requested while the current tile computes
+  // (past this call's columns too: harmless, and the next grain usually
+  // starts there).
+  static constexpr int64_t kPrefetchRows = 8;
+  static void prefetch_rows(const WeightView& w, size_t row_bytes, int64_t r, int64_t n) {
+    if (r >= w.n_out) return;
+    const char* p = reinterpret_cast<const char*>(w.data) + r * row_bytes;
+    const char* e = p + static_cast<size_t>(std::min(n, w.n_out - r)) * row_bytes;
+    for (; p < e; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+  }
+
   static void kernel(const WeightView& w, const PreparedAct& a, int64_t c0, int64_t c1, float* y,
                      int64_t ldy) {
     const size_t row_bytes = ggml_row_bytes(w.type, w.n_in);
@@ -311,6 +324,7 @@ struct Driver {
       const int64_t step = a.m == 1 ? 4 : 2;
       for (int64_t cb = c0; cb < c1; cb += step) {
         const int64_t cb_end = std::min(c1, cb + step);
+        if (a.m == 1) prefetch_rows(w, row_bytes, cb + kPrefetchRows, step);
         int64_t r = rb;
         for (; r + 4 <= rb_end; r += 4) cols<4>(w.data, row_bytes, a, r, cb, cb_end, y, ldy);
         switch (rb_end - r) {
