@@ -81,6 +81,11 @@ Result<KvRowGeometry> kv_row_geometry(KvDtype dtype, int head_dim) {
                                                   std::to_string(head_dim) + ")");
       }
       return KvRowGeometry{.row_bytes = d / 2, .meta_row_bytes = d / 32 * 4};
+    case KvDtype::kKivi2:
+    case KvDtype::kKivi4:
+      return make_error(Errc::kInvalidArgument,
+                        "KV dtype " + std::string(kv_dtype_name(dtype)) +
+                            " is not a per-row format (its geometry is in kivi_codec.h)");
   }
   return make_error(Errc::kInvalidArgument, "unknown KV dtype");
 }
@@ -280,8 +285,11 @@ void kv_decode_row(KvDtype dtype, const uint8_t* row, const uint8_t* meta, int d
         }
       }
       return;
+    case KvDtype::kKivi2:
+    case KvDtype::kKivi4:
+      break;  // not per-row formats: kivi_codec.h decodes them
   }
-  KV_CHECK(false, "kv_decode_row: unknown KV dtype");
+  KV_CHECK(false, "kv_decode_row: not a per-row KV dtype");
 }
 
 void kv_encode_row(KvDtype dtype, const float* x, int d, uint8_t* row, uint8_t* meta) {
@@ -300,9 +308,13 @@ void kv_encode_row(KvDtype dtype, const float* x, int d, uint8_t* row, uint8_t* 
     case KvDtype::kInt4:
       return int4_encode_row(x, d, row, meta);
     case KvDtype::kFp8:
-      break;
+      KV_CHECK(false, "kv_encode_row: fp8 rows are encoded with their block's scale");
+      return;
+    case KvDtype::kKivi2:
+    case KvDtype::kKivi4:
+      break;  // not per-row formats: kivi_codec.h encodes them
   }
-  KV_CHECK(false, "kv_encode_row: fp8 rows are encoded with their block's scale");
+  KV_CHECK(false, "kv_encode_row: not a per-row KV dtype");
 }
 
 }  // namespace kvstack

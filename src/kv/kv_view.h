@@ -16,18 +16,23 @@ namespace kvstack {
 //   kInt8  symmetric int8; one f16 scale per (token, KV head) (1 + 2/d)
 //   kInt4  asymmetric 4-bit, groups of 32 along head_dim, f16 scale + f16
 //          min per group (0.5 + 4/32 = 0.625); REQUIRES head_dim % 32 == 0
-//   KIVI   kKvDtypeKivi2 / kKvDtypeKivi4 below (kivi_codec.h): asymmetric
+//   kKivi2, kKivi4 (kivi_codec.h; not per-row formats): asymmetric
 //          2/4-bit; as K, per channel over groups of G tokens, as V per token
 //          in groups of 32 along head_dim; f16 scale + f16 min per group.
-enum class KvDtype : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kFp8 = 3, kInt8 = 4, kInt4 = 5 };
+enum class KvDtype : uint8_t {
+  kF32 = 0,
+  kF16 = 1,
+  kBF16 = 2,
+  kFp8 = 3,
+  kInt8 = 4,
+  kInt4 = 5,
+  kKivi2 = 6,  // KIVI (kivi_codec.h): 2- or 4-bit codes, keys per channel over
+  kKivi4 = 7,  // groups of tokens, values per token; not a per-row format
+};
 
-// KIVI formats. They are values of KvDtype outside its enumerator list on
-// purpose: the per-row formats' exhaustive switches (kv_codec.cpp, the
-// attention_quant kernels) stay complete and compile unchanged, and every
-// KIVI path is routed before such a switch (kv_dtype_is_kivi()). Move them
-// into the enum once those switches handle them.
-inline constexpr KvDtype kKvDtypeKivi2 = static_cast<KvDtype>(6);
-inline constexpr KvDtype kKvDtypeKivi4 = static_cast<KvDtype>(7);
+// The KIVI formats under their historical names.
+inline constexpr KvDtype kKvDtypeKivi2 = KvDtype::kKivi2;
+inline constexpr KvDtype kKvDtypeKivi4 = KvDtype::kKivi4;
 
 inline bool kv_dtype_is_kivi(KvDtype t) {
   return t == kKvDtypeKivi2 || t == kKvDtypeKivi4;
@@ -53,6 +58,8 @@ inline int kv_dtype_bytes(KvDtype t) {
     case KvDtype::kInt8:
       return 1;
     case KvDtype::kInt4:
+    case KvDtype::kKivi2:
+    case KvDtype::kKivi4:
       return 0;
   }
   return 0;

@@ -8,8 +8,6 @@
 namespace kvstack {
 
 const char* kv_dtype_name(KvDtype t) {
-  if (t == kKvDtypeKivi2) return "kivi2";
-  if (t == kKvDtypeKivi4) return "kivi4";
   switch (t) {
     case KvDtype::kF32:
       return "f32";
@@ -23,6 +21,10 @@ const char* kv_dtype_name(KvDtype t) {
       return "int8";
     case KvDtype::kInt4:
       return "int4";
+    case KvDtype::kKivi2:
+      return "kivi2";
+    case KvDtype::kKivi4:
+      return "kivi4";
   }
   return "unknown";
 }
