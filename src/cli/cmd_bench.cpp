@@ -7,7 +7,7 @@
 
 #include "cli/args.h"
 #include "cli/engine_options.h"
-#include "cli/proc_stats.h"
+#include "core/proc_stats.h"
 #include "core/units.h"
 
 namespace kvstack::cli {
@@ -65,7 +65,7 @@ int run_bench(const std::vector<std::string>& argv) {
   if (!cfg) return fail("bench", cfg.error().message);
   const int64_t total = *fill_n + *prompt_n + *gen_n;
   if (cfg->kv_cache_mem == 0 && cfg->kv_cache_tokens == 0) cfg->kv_cache_tokens = total;
-  const int64_t rss0 = rss_bytes();
+  const int64_t rss0 = process_rss_bytes();
   auto created = Engine::create(*cfg);
   if (!created) return fail("bench", created.error().message);
   Engine& engine = **created;
@@ -75,7 +75,7 @@ int run_bench(const std::vector<std::string>& argv) {
                              " exceeds the model's context length " +
                              std::to_string(mc.n_ctx_train));
   }
-  const int64_t rss_loaded = rss_bytes();
+  const int64_t rss_loaded = process_rss_bytes();
 
   std::mt19937 rng(static_cast<uint32_t>(*seed));
   std::uniform_int_distribution<int32_t> dist(0, mc.n_vocab - 1);
@@ -116,7 +116,7 @@ int run_bench(const std::vector<std::string>& argv) {
     }
     decode_s.push_back(seconds_since(t1));
     last_stats = engine.pool().stats();
-    rss_peak = std::max(rss_peak, rss_bytes());
+    rss_peak = std::max(rss_peak, process_rss_bytes());
   }
   if (!json) std::fprintf(stderr, "\r%60s\r", "");
 

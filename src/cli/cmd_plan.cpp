@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cli/args.h"
+#include "core/json_string.h"
 #include "core/units.h"
 #include "kv/capacity.h"
 #include "kv/presets.h"
@@ -551,40 +552,9 @@ void print_table(const PlanInput& in, const PlanResult& r, const Out& o) {
   }
 }
 
-std::string json_escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out;
-}
-
 class Json {
  public:
-  void str(const char* k, const std::string& v) {
-    std::string quoted(1, '"');
-    quoted += json_escape(v);
-    quoted += '"';
-    add(k, quoted);
-  }
+  void str(const char* k, const std::string& v) { add(k, json_quote(v)); }
   void u64(const char* k, uint64_t v) { add(k, std::to_string(v)); }
   void i64(const char* k, int64_t v) { add(k, std::to_string(v)); }
   void num(const char* k, double v) {
@@ -699,7 +669,7 @@ std::string to_json(const PlanInput& in, const PlanResult& r) {
   }
   std::string notes = "[";
   for (size_t i = 0; i < r.notes.size(); ++i) {
-    notes += (i ? ", \"" : "\"") + json_escape(r.notes[i]) + "\"";
+    notes += (i ? ", " : "") + json_quote(r.notes[i]);
   }
   j.raw("notes", notes + "]");
   return j.done();

@@ -5,43 +5,12 @@
 #include "cli/chat_input.h"
 #include "cli/engine_options.h"
 #include "cli/text_input.h"
+#include "core/json_string.h"
 #include "core/units.h"
 #include "engine/beam_search.h"
 
 namespace kvstack::cli {
 namespace {
-
-std::string json_escape(const std::string& s) {
-  std::string out;
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  return out;
-}
 
 int run_run(const std::vector<std::string>& argv) {
   auto specs = engine_options();

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cli/args.h"
+#include "core/json_string.h"
 #include "model/gguf.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/unicode.h"
@@ -109,58 +110,6 @@ Result<std::string> parse_json_string(std::string_view s) {
   }
   while (i < s.size() && std::isspace(static_cast<unsigned char>(s[i]))) ++i;
   if (i != s.size()) return bad("trailing characters");
-  return out;
-}
-
-// Bytes -> ASCII-only JSON string. Valid UTF-8 becomes \u escapes (pairs for
-// astral codepoints); each byte of invalid UTF-8 becomes \uDC80-\uDCFF, which
-// Python decodes back with encode("utf-8", "surrogateescape").
-std::string to_json_string(std::string_view bytes) {
-  std::string out = "\"";
-  char buf[16];
-  auto esc = [&](uint32_t u) {
-    std::snprintf(buf, sizeof buf, "\\u%04x", u);
-    out += buf;
-  };
-  const auto* s = reinterpret_cast<const uint8_t*>(bytes.data());
-  const size_t n = bytes.size();
-  size_t i = 0;
-  while (i < n) {
-    const uint8_t b = s[i];
-    if (b < 0x80) {
-      if (b == '"')
-        out += "\\\"";
-      else if (b == '\\')
-        out += "\\\\";
-      else if (b == '\n')
-        out += "\\n";
-      else if (b == '\r')
-        out += "\\r";
-      else if (b == '\t')
-        out += "\\t";
-      else if (b < 0x20 || b == 0x7F)
-        esc(b);
-      else
-        out.push_back(static_cast<char>(b));
-      ++i;
-      continue;
-    }
-    const unicode::Utf8Char c = unicode::decode_utf8_char(bytes.substr(i));
-    if (!c.valid) {
-      esc(0xDC00 + b);  // each byte of an invalid sequence on its own
-      ++i;
-      continue;
-    }
-    if (c.cp >= 0x10000) {
-      const uint32_t v = c.cp - 0x10000;
-      esc(0xD800 + (v >> 10));
-      esc(0xDC00 + (v & 0x3FF));
-    } else {
-      esc(c.cp);
-    }
-    i += c.len;
-  }
-  out += "\"";
   return out;
 }
 
@@ -329,7 +278,11 @@ int run_detokenize(const std::vector<std::string>& argv) {
         return fail("detokenize",
                     "stdin line " + std::to_string(line_no) + ": " + text.error().message);
       }
-      const std::string out = to_json_string(*text) + "\n";
+      // ASCII-only; invalid UTF-8 bytes as \udc80-\udcff, which Python decodes
+      // back with .encode("utf-8", "surrogateescape").
+      const std::string out =
+          json_quote(*text, {.ascii_only = true, .invalid_utf8 = InvalidUtf8::kSurrogateEscape}) +
+          "\n";
       std::fwrite(out.data(), 1, out.size(), stdout);
     }
     return 0;

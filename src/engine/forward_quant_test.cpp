@@ -16,6 +16,7 @@
 
 #include "core/half.h"
 #include "engine/forward.h"
+#include "engine/testing/logits_check.h"
 #include "engine/testing/synthetic_model.h"
 #include "kv/block_pool.h"
 #include "kv/block_table.h"
@@ -26,21 +27,11 @@
 namespace kvstack {
 namespace {
 
-using testing::make_synthetic_model;
+using testing::kLogitTol;
+using testing::logits_rel_err;
 using testing::reference_last_logits;
+using testing::SyntheticCase;
 using testing::SyntheticSpec;
-
-// As forward_test.cpp: float32 compute vs float64 reference over the same K/V.
-constexpr double kTol = 1e-4;
-
-double rel_err(const float* got, const std::vector<double>& ref) {
-  double num = 0, den = 1e-30;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    num = std::max(num, std::fabs(got[i] - ref[i]));
-    den = std::max(den, std::fabs(ref[i]));
-  }
-  return num / den;
-}
 
 // The stored (decoded) row of position `pos`, head `h`, K (which 0) or V.
 std::vector<float> stored_row(const PagedKvLayerView& v, const BlockTable& t, int pos, int h,
@@ -100,21 +91,12 @@ const Format kFormats[] = {
     {"int8_k_fp8_v", KvDtype::kInt8, KvDtype::kFp8, 1.0 / 16},
 };
 
-struct Case {
-  const char* name;
-  SyntheticSpec spec;
-};
-
-class QuantCacheEquivalence : public ::testing::TestWithParam<Case> {};
+class QuantCacheEquivalence : public testing::SyntheticForwardTest {};
 
 TEST_P(QuantCacheEquivalence, PrefillDecodeAndForkMatchRecomputationOverStoredKv) {
-  const SyntheticSpec spec = GetParam().spec;
-  auto w = make_synthetic_model(spec);
-  auto model = Model::load(w.path);
-  ASSERT_TRUE(model.ok()) << model.error().message;
-  std::remove(w.path.c_str());
-  ThreadPool threads(2);
-  Forward fwd(**model, threads);
+  const SyntheticSpec& spec = GetParam().spec;
+  const testing::SyntheticWeights& w = w_;
+  Forward& fwd = *fwd_;
   std::mt19937 rng(spec.seed + 200);
   std::uniform_int_distribution<int32_t> tok(0, spec.n_vocab - 1);
   const int n_prompt = 19, n_decode = 5;
@@ -152,7 +134,7 @@ TEST_P(QuantCacheEquivalence, PrefillDecodeAndForkMatchRecomputationOverStoredKv
           if (b == 0) junk.release();
           for (int j = b; j < e; ++j) {
             const auto ref = reference_from_cache(w, prompt, j + 1, pool, seq, &worst);
-            ASSERT_LT(rel_err(logits.data() + (j - b) * spec.n_vocab, ref), kTol)
+            ASSERT_LT(logits_rel_err(logits.data() + (j - b) * spec.n_vocab, ref), kLogitTol)
                 << "prefill position " << j;
           }
         }
@@ -161,7 +143,7 @@ TEST_P(QuantCacheEquivalence, PrefillDecodeAndForkMatchRecomputationOverStoredKv
                           .tokens = std::span<const int32_t>(&prompt[n_prompt + dstep], 1)};
           ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
           const auto ref = reference_from_cache(w, prompt, n_prompt + dstep + 1, pool, seq, &worst);
-          ASSERT_LT(rel_err(logits.data(), ref), kTol) << "decode step " << dstep;
+          ASSERT_LT(logits_rel_err(logits.data(), ref), kLogitTol) << "decode step " << dstep;
         }
         // Fork: a second sequence adopts the full blocks of the first (shared,
         // stored once, in final quantized form) and continues differently.
@@ -181,7 +163,7 @@ TEST_P(QuantCacheEquivalence, PrefillDecodeAndForkMatchRecomputationOverStoredKv
           ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
           const auto ref = reference_from_cache(
               w, fork_tokens, static_cast<int>(fork_tokens.size()), pool, fork, &worst);
-          ASSERT_LT(rel_err(logits.data(), ref), kTol) << "fork";
+          ASSERT_LT(logits_rel_err(logits.data(), ref), kLogitTol) << "fork";
           EXPECT_EQ(seq.length(), n_prompt + n_decode);
         }
       }
@@ -195,11 +177,11 @@ TEST_P(QuantCacheEquivalence, PrefillDecodeAndForkMatchRecomputationOverStoredKv
 INSTANTIATE_TEST_SUITE_P(
     Shapes, QuantCacheEquivalence,
     ::testing::Values(
-        Case{"gqa_3_1_d32", {.n_embd = 96, .n_heads = 3, .n_kv_heads = 1, .seed = 2}},
-        Case{"gqa_4_2_d32", {.n_embd = 128, .n_heads = 4, .n_kv_heads = 2, .seed = 7}},
-        Case{"mqa_d64_neox",
-             {.n_embd = 128, .n_heads = 2, .n_kv_heads = 1, .neox = true, .seed = 4}}),
-    [](const auto& info) { return std::string(info.param.name); });
+        SyntheticCase{"gqa_3_1_d32", {.n_embd = 96, .n_heads = 3, .n_kv_heads = 1, .seed = 2}},
+        SyntheticCase{"gqa_4_2_d32", {.n_embd = 128, .n_heads = 4, .n_kv_heads = 2, .seed = 7}},
+        SyntheticCase{"mqa_d64_neox",
+                      {.n_embd = 128, .n_heads = 2, .n_kv_heads = 1, .neox = true, .seed = 4}}),
+    testing::synthetic_case_name);
 
 // ---------------------------------------------------------------------------
 // KIVI: the newest tokens stay in the table's f16 residual and whole key
@@ -264,16 +246,12 @@ std::vector<double> kivi_reference(const testing::SyntheticWeights& w,
       });
 }
 
-class KiviCacheEquivalence : public ::testing::TestWithParam<Case> {};
+class KiviCacheEquivalence : public testing::SyntheticForwardTest {};
 
 TEST_P(KiviCacheEquivalence, GroupBoundariesForkAndPrefixSharingMatchSameMomentReference) {
-  const SyntheticSpec spec = GetParam().spec;
-  auto w = make_synthetic_model(spec);
-  auto model = Model::load(w.path);
-  ASSERT_TRUE(model.ok()) << model.error().message;
-  std::remove(w.path.c_str());
-  ThreadPool threads(2);
-  Forward fwd(**model, threads);
+  const SyntheticSpec& spec = GetParam().spec;
+  const testing::SyntheticWeights& w = w_;
+  Forward& fwd = *fwd_;
   std::mt19937 rng(spec.seed + 300);
   std::uniform_int_distribution<int32_t> tok(0, spec.n_vocab - 1);
   struct KFormat {
@@ -305,7 +283,8 @@ TEST_P(KiviCacheEquivalence, GroupBoundariesForkAndPrefixSharingMatchSameMomentR
         ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
         hist.insert(hist.end(), fresh.begin(), fresh.end());
         const auto ref = kivi_reference(w, hist, pool, t, before);
-        ASSERT_LT(rel_err(logits.data(), ref), kTol) << what << " at length " << t.length();
+        ASSERT_LT(logits_rel_err(logits.data(), ref), kLogitTol)
+            << what << " at length " << t.length();
       };
       BlockTable junk(pool), a(pool);
       ASSERT_TRUE(junk.reserve(3 * block_size).ok());  // scattered blocks
@@ -342,11 +321,11 @@ TEST_P(KiviCacheEquivalence, GroupBoundariesForkAndPrefixSharingMatchSameMomentR
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, KiviCacheEquivalence,
-    ::testing::Values(Case{"gqa_3_1_d32", {.n_embd = 96, .n_heads = 3, .n_kv_heads = 1, .seed = 2}},
-                      Case{
-                          "mqa_d64_neox",
-                          {.n_embd = 128, .n_heads = 2, .n_kv_heads = 1, .neox = true, .seed = 4}}),
-    [](const auto& info) { return std::string(info.param.name); });
+    ::testing::Values(
+        SyntheticCase{"gqa_3_1_d32", {.n_embd = 96, .n_heads = 3, .n_kv_heads = 1, .seed = 2}},
+        SyntheticCase{"mqa_d64_neox",
+                      {.n_embd = 128, .n_heads = 2, .n_kv_heads = 1, .neox = true, .seed = 4}}),
+    testing::synthetic_case_name);
 
 }  // namespace
 }  // namespace kvstack

@@ -11,6 +11,7 @@
 #include <random>
 
 #include "engine/forward.h"
+#include "engine/testing/logits_check.h"
 #include "engine/testing/synthetic_model.h"
 #include "kv/block_pool.h"
 #include "kv/layout.h"
@@ -18,44 +19,19 @@
 namespace kvstack {
 namespace {
 
-using testing::make_synthetic_model;
+using testing::kLogitTol;
+using testing::load_synthetic_model;
+using testing::logits_rel_err;
 using testing::reference_last_logits;
+using testing::SyntheticCase;
 using testing::SyntheticSpec;
 
-struct Case {
-  const char* name;
-  SyntheticSpec spec;
-};
-
-// Max |a - b| over a logits row, relative to the row's largest |reference|.
-double rel_err(const float* got, const std::vector<double>& ref) {
-  double num = 0, den = 1e-30;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    num = std::max(num, std::fabs(got[i] - ref[i]));
-    den = std::max(den, std::fabs(ref[i]));
-  }
-  return num / den;
-}
-
-// float32 compute against a float64 reference: each logit is the end of ~10
-// chained reductions of length <= max(n_embd, n_ff) = 128 (matmuls, norms,
-// softmax over <= 60 positions) whose rounding errors are each bounded by
-// ~n * 2^-24 relative (1 part in 1.3e5 for n = 128) and mostly cancel; 1e-4
-// relative to the row's largest logit allows a 10x margin over the typical
-// accumulated error while any real bug (wrong position, mask, head mapping,
-// block addressing) changes logits by O(1).
-constexpr double kTol = 1e-4;
-
-class CacheEquivalence : public ::testing::TestWithParam<Case> {};
+class CacheEquivalence : public testing::SyntheticForwardTest {};
 
 TEST_P(CacheEquivalence, PrefillSplitsAndDecodeMatchRecomputation) {
-  const SyntheticSpec spec = GetParam().spec;
-  auto w = make_synthetic_model(spec);
-  auto model = Model::load(w.path);
-  ASSERT_TRUE(model.ok()) << model.error().message;
-  std::remove(w.path.c_str());
-  ThreadPool threads(2);
-  Forward fwd(**model, threads);
+  const SyntheticSpec& spec = GetParam().spec;
+  const testing::SyntheticWeights& w = w_;
+  Forward& fwd = *fwd_;
 
   std::mt19937 rng(spec.seed + 100);
   std::uniform_int_distribution<int32_t> tok(0, spec.n_vocab - 1);
@@ -98,16 +74,16 @@ TEST_P(CacheEquivalence, PrefillSplitsAndDecodeMatchRecomputation) {
           if (b == 0) junk.release();
           // Every position of the chunk against recomputation of its prefix.
           for (int j = b; j < e; ++j) {
-            const double err = rel_err(logits.data() + (j - b) * spec.n_vocab, ref[j]);
-            ASSERT_LT(err, kTol) << "dtype " << kv_dtype_name(dtype) << " block " << block_size
-                                 << " chunk " << chunk << " position " << j;
+            const double err = logits_rel_err(logits.data() + (j - b) * spec.n_vocab, ref[j]);
+            ASSERT_LT(err, kLogitTol) << "dtype " << kv_dtype_name(dtype) << " block " << block_size
+                                      << " chunk " << chunk << " position " << j;
           }
         }
         for (int d = 0; d < n_decode; ++d) {
           const int32_t* next = &prompt[n_prompt + d];
           const StepSeq s{.table = &seq, .tokens = std::span<const int32_t>(next, 1)};
           ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
-          ASSERT_LT(rel_err(logits.data(), ref[n_prompt + d]), kTol)
+          ASSERT_LT(logits_rel_err(logits.data(), ref[n_prompt + d]), kLogitTol)
               << "decode step " << d << " block " << block_size << " chunk " << chunk;
         }
         EXPECT_EQ(seq.length(), n_prompt + n_decode);
@@ -122,21 +98,20 @@ TEST_P(CacheEquivalence, PrefillSplitsAndDecodeMatchRecomputation) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CacheEquivalence,
-    ::testing::Values(Case{"mha_d16", {.n_embd = 64, .n_heads = 4, .n_kv_heads = 4, .seed = 1}},
-                      Case{"gqa_d32", {.n_embd = 96, .n_heads = 3, .n_kv_heads = 1, .seed = 2}},
-                      Case{"gqa_6_2_d16", {.n_embd = 96, .n_heads = 6, .n_kv_heads = 2, .seed = 3}},
-                      Case{"mqa_d64", {.n_embd = 128, .n_heads = 2, .n_kv_heads = 1, .seed = 4}},
-                      Case{"qwen2_bias_neox",
-                           {.n_embd = 64, .n_heads = 4, .n_kv_heads = 2, .neox = true, .seed = 5}}),
-    [](const auto& info) { return std::string(info.param.name); });
+    ::testing::Values(
+        SyntheticCase{"mha_d16", {.n_embd = 64, .n_heads = 4, .n_kv_heads = 4, .seed = 1}},
+        SyntheticCase{"gqa_d32", {.n_embd = 96, .n_heads = 3, .n_kv_heads = 1, .seed = 2}},
+        SyntheticCase{"gqa_6_2_d16", {.n_embd = 96, .n_heads = 6, .n_kv_heads = 2, .seed = 3}},
+        SyntheticCase{"mqa_d64", {.n_embd = 128, .n_heads = 2, .n_kv_heads = 1, .seed = 4}},
+        SyntheticCase{"qwen2_bias_neox",
+                      {.n_embd = 64, .n_heads = 4, .n_kv_heads = 2, .neox = true, .seed = 5}}),
+    testing::synthetic_case_name);
 
 TEST(Forward, RejectsBadInputWithoutSideEffects) {
-  auto w = make_synthetic_model({});
-  auto model = Model::load(w.path);
-  ASSERT_TRUE(model.ok()) << model.error().message;
-  std::remove(w.path.c_str());
+  auto loaded = load_synthetic_model({});
+  ASSERT_TRUE(loaded.ok()) << loaded.error().message;
   ThreadPool threads(1);
-  Forward fwd(**model, threads);
+  Forward fwd(*loaded->model, threads);
   auto layout = KvLayout::uniform(2, 2, 16, KvDtype::kF32, 4);
   ASSERT_TRUE(layout.ok());
   auto pool = BlockPool::create(*layout, {.n_tokens = 16});

@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include "core/json_string.h"
+
 namespace kvstack {
 
 // ---------------------------------------------------------------- Sequence
@@ -171,23 +173,6 @@ Status KvManager::set_event_sink(KvEventSink sink, bool replay_existing) {
 
 namespace {
 
-std::string json_string(const std::string& v) {
-  std::string out = "\"";
-  for (unsigned char c : v) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      out += buf;
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out + "\"";
-}
-
 std::string counts_json(const NamespaceStats& c) {
   char buf[320];
   std::snprintf(buf, sizeof(buf),
@@ -233,7 +218,7 @@ std::string prefix_stats_json(const KvPrefixStats& s) {
   for (size_t i = 0; i < s.namespaces.size(); ++i) {
     const KvNamespaceStats& n = s.namespaces[i];
     if (i > 0) out += ", ";
-    out += "{\"namespace\": " + std::to_string(n.ns) + ", \"name\": " + json_string(n.name) + ", " +
+    out += "{\"namespace\": " + std::to_string(n.ns) + ", \"name\": " + json_quote(n.name) + ", " +
            counts_json(n.counts) + "}";
   }
   return out + "]}";
