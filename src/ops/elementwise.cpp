@@ -1,51 +1,159 @@
 #include "ops/elementwise.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "core/check.h"
 #include "core/cpu_features.h"
+#include "ops/simd_avx2.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+// SIMD functions opt in per function (the build baseline is generic x86-64).
+#define KV_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
 namespace kvstack {
 
-void rms_norm(const float* x, const float* weight, int64_t n_rows, int64_t n, float eps,
-              float* out) {
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const float* xr = x + r * n;
-    float* o = out + r * n;
-    double sum = 0.0;
-    for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(xr[i]) * xr[i];
-    const float mean = static_cast<float>(sum / static_cast<double>(n));
-    const float s = 1.0f / std::sqrt(mean + eps);
-    if (weight) {
-      for (int64_t i = 0; i < n; ++i) o[i] = (xr[i] * s) * weight[i];
-    } else {
-      for (int64_t i = 0; i < n; ++i) o[i] = xr[i] * s;
-    }
+namespace {
+
+// Sum of squares in sequential order, in double: the reference (and ggml's
+// order). Each square is exact in double (24-bit mantissas).
+double sum_squares_scalar(const float* x, int64_t n) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]) * x[i];
+  return sum;
+}
+
+void rms_norm_row_scalar(const float* x, const float* weight, int64_t n, float eps, float* out) {
+  const float mean = static_cast<float>(sum_squares_scalar(x, n) / static_cast<double>(n));
+  const float s = 1.0f / std::sqrt(mean + eps);
+  if (weight) {
+    for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * s) * weight[i];
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = x[i] * s;
   }
 }
+
+#if defined(__x86_64__)
+
+// The same sum in double, 16 lanes at a time: lane j of 16 accumulates the
+// elements i = j (mod 16) of the 16-aligned prefix (in order), the 4-element
+// step after it goes to lanes 0-3, the lanes are summed pairwise in a fixed
+// order and the last n % 4 elements are added sequentially. The order depends
+// only on n, so a row's bits do not depend on its address or its batch.
+KV_AVX2 double sum_squares_avx2(const float* x, int64_t n) {
+  __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v0));
+    const __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v0, 1));
+    const __m256d d2 = _mm256_cvtps_pd(_mm256_castps256_ps128(v1));
+    const __m256d d3 = _mm256_cvtps_pd(_mm256_extractf128_ps(v1, 1));
+    a0 = _mm256_fmadd_pd(d0, d0, a0);
+    a1 = _mm256_fmadd_pd(d1, d1, a1);
+    a2 = _mm256_fmadd_pd(d2, d2, a2);
+    a3 = _mm256_fmadd_pd(d3, d3, a3);
+  }
+  for (; i + 4 <= n; i += 4) {
+    const __m256d d = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
+    a0 = _mm256_fmadd_pd(d, d, a0);
+  }
+  const __m256d a = _mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3));
+  const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+  double sum = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+  for (; i < n; ++i) sum += static_cast<double>(x[i]) * x[i];
+  return sum;
+}
+
+// Same formula as the scalar row; the scaling is two rounded multiplies
+// (no FMA), so for equal sums the output bits equal the scalar path's.
+KV_AVX2 void rms_norm_row_avx2(const float* x, const float* weight, int64_t n, float eps,
+                               float* out) {
+  const float mean = static_cast<float>(sum_squares_avx2(x, n) / static_cast<double>(n));
+  const float s = 1.0f / std::sqrt(mean + eps);
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t i = 0;
+  if (weight) {
+    for (; i + 8 <= n; i += 8) {
+      const __m256 xs = _mm256_mul_ps(_mm256_loadu_ps(x + i), vs);
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(xs, _mm256_loadu_ps(weight + i)));
+    }
+    for (; i < n; ++i) out[i] = (x[i] * s) * weight[i];
+  } else {
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), vs));
+    for (; i < n; ++i) out[i] = x[i] * s;
+  }
+}
+#endif
+
+}  // namespace
+
+void rms_norm(const float* x, const float* weight, int64_t n_rows, int64_t n, float eps,
+              float* out) {
+#if defined(__x86_64__)
+  if (best_isa() >= Isa::kAvx2) {
+    for (int64_t r = 0; r < n_rows; ++r) rms_norm_row_avx2(x + r * n, weight, n, eps, out + r * n);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < n_rows; ++r) rms_norm_row_scalar(x + r * n, weight, n, eps, out + r * n);
+}
+
+namespace {
+
+// The (cos, sin) table of one rope call, per thread, with the positions and
+// parameters it was built for. The forward pass ropes Q and K of every layer
+// with the same positions, so a step builds the table once instead of
+// 2 * n_layers times. It holds n_tokens * n_rot floats, less than the Q rows
+// being rotated.
+struct RopeTable {
+  int n_rot = 0;
+  float freq_base = 0.f, freq_scale = 0.f;
+  std::vector<int32_t> pos;  // [n_tokens]
+  std::vector<float> cs;     // [n_tokens, n_rot / 2, 2]: (cos, sin) of each pair's angle
+
+  bool matches(const int32_t* p, int64_t n_tokens, const RopeParams& params) const {
+    return n_rot == params.n_rot && freq_base == params.freq_base &&
+           freq_scale == params.freq_scale && std::ssize(pos) == n_tokens &&
+           std::equal(pos.begin(), pos.end(), p);
+  }
+
+  void build(const int32_t* p, int64_t n_tokens, const RopeParams& params) {
+    n_rot = params.n_rot;
+    freq_base = params.freq_base;
+    freq_scale = params.freq_scale;
+    pos.assign(p, p + n_tokens);
+    const int half = n_rot / 2;
+    const float theta_scale = std::pow(freq_base, -2.0f / static_cast<float>(n_rot));
+    cs.resize(static_cast<size_t>(n_tokens) * n_rot);
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      float* c = cs.data() + t * n_rot;
+      // theta_i = pos * theta_scale^i, as a running float product (as ggml does).
+      float theta = static_cast<float>(p[t]);
+      for (int i = 0; i < half; ++i) {
+        const float a = theta * freq_scale;
+        c[2 * i] = std::cos(a);
+        c[2 * i + 1] = std::sin(a);
+        theta *= theta_scale;
+      }
+    }
+  }
+};
+
+}  // namespace
 
 void rope(float* x, const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t head_dim,
           const RopeParams& p) {
   KV_CHECK(p.n_rot > 0 && p.n_rot % 2 == 0 && p.n_rot <= head_dim,
            "rope: n_rot must be even and in (0, head_dim]");
   const int half = p.n_rot / 2;
-  const float theta_scale = std::pow(p.freq_base, -2.0f / static_cast<float>(p.n_rot));
-  thread_local std::vector<float> cs;  // [half] (cos, sin) pairs for the current token
-  if (cs.size() < static_cast<size_t>(p.n_rot)) cs.resize(p.n_rot);
+  thread_local RopeTable table;
+  if (!table.matches(pos, n_tokens, p)) table.build(pos, n_tokens, p);
   for (int64_t t = 0; t < n_tokens; ++t) {
-    // theta_i = pos * theta_scale^i, as a running float product (as ggml does).
-    float theta = static_cast<float>(pos[t]);
-    for (int i = 0; i < half; ++i) {
-      const float a = theta * p.freq_scale;
-      cs[2 * i] = std::cos(a);
-      cs[2 * i + 1] = std::sin(a);
-      theta *= theta_scale;
-    }
+    const float* cs = table.cs.data() + t * p.n_rot;
     for (int64_t h = 0; h < n_heads; ++h) {
       float* v = x + (t * n_heads + h) * head_dim;
       for (int i = 0; i < half; ++i) {
@@ -70,46 +178,8 @@ void swiglu_scalar(const float* gate, const float* up, float* out, int64_t n) {
 }
 
 #if defined(__x86_64__)
-#define KV_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-// exp(x) for 8 floats, within ~2 ulp of std::exp: x = k ln2 + r with
-// k = round(x / ln2) and |r| <= ln2 / 2 (ln2 split in a high part exact in
-// float and a low part), exp(r) by its degree-7 Taylor polynomial (truncation
-// < 6e-9 relative), times 2^k built in the exponent bits. Inputs above
-// 88.72 give +inf, below -87.33 give 0 (where the result would be subnormal).
-KV_AVX2 inline __m256 exp8(__m256 x) {
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.4286068203094172e-06f), r);
-  __m256 p = _mm256_set1_ps(1.f / 5040.f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  // 2^k as 2^kc * 2^(k - kc), kc = k clamped to [-126, 127], so k = 128 (x
-  // just under the overflow threshold) still gives a finite result.
-  const __m256 kc = _mm256_min_ps(_mm256_max_ps(k, _mm256_set1_ps(-126.f)), _mm256_set1_ps(127.f));
-  const __m256 kr =
-      _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(k, kc), _mm256_set1_ps(-1.f)), _mm256_set1_ps(1.f));
-  const __m256i bias = _mm256_set1_epi32(127);
-  const __m256 s1 =
-      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(kc), bias), 23));
-  const __m256 s2 =
-      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(kr), bias), 23));
-  __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-  y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY),
-                       _mm256_cmp_ps(x, _mm256_set1_ps(88.72f), _CMP_GT_OQ));
-  y = _mm256_blendv_ps(y, _mm256_setzero_ps(),
-                       _mm256_cmp_ps(x, _mm256_set1_ps(-87.33f), _CMP_LT_OQ));
-  return y;
-}
-
 KV_AVX2 inline __m256 swiglu8(__m256 g, __m256 u) {
-  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  const __m256 e = simd::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
   return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
 }
 

@@ -9,6 +9,8 @@
 #include <random>
 #include <vector>
 
+#include "core/cpu_features.h"
+
 namespace kvstack {
 namespace {
 
@@ -57,6 +59,62 @@ TEST(Elementwise, RmsNormMatchesFormula) {
   for (int64_t i = 0; i < n; ++i) EXPECT_EQ(one[i], out[i]);
 }
 
+// Distance in units in the last place between two finite floats of the same sign.
+int64_t ulp_distance(float a, float b) {
+  return std::llabs(static_cast<int64_t>(std::bit_cast<int32_t>(a)) -
+                    static_cast<int64_t>(std::bit_cast<int32_t>(b)));
+}
+
+// Forces an ISA level for its scope, then restores the level in use before.
+class IsaOverride {
+ public:
+  explicit IsaOverride(Isa isa) : saved_(best_isa()) { set_isa_override(isa); }
+  ~IsaOverride() { set_isa_override(saved_); }
+
+ private:
+  Isa saved_;
+};
+
+// The AVX2 path sums the squares (in double) in a different order than the
+// sequential scalar reference: the sums differ by ~n * 2^-53 relative, which
+// moves the float mean only when it lies that close to a rounding boundary
+// (~n * 2^-29 of rows; none of 4e5 random rows of widths 64-4096 in a trial
+// run). Then 1/sqrt(mean + eps) moves by <= 1 ulp and each output by <= 2.
+// Every width class of the 16/4/1 blocking is covered, with and without a
+// weight, in place and not.
+TEST(Elementwise, RmsNormAvx2MatchesScalarReference) {
+  if (best_isa() < Isa::kAvx2) GTEST_SKIP() << "no AVX2 on this CPU";
+  const int64_t n_rows = 5;
+  int64_t n_rows_moved = 0;
+  for (int64_t n : {1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 19, 20, 31, 33, 37, 64, 100, 576, 1537}) {
+    auto x = randn(n_rows * n, static_cast<uint32_t>(n));
+    for (int64_t i = 0; i < n_rows * n; i += 3) x[i] *= 1000.f;  // wide dynamic range
+    const auto w = randn(n, static_cast<uint32_t>(n + 1));
+    for (const float* weight : {w.data(), static_cast<const float*>(nullptr)}) {
+      std::vector<float> ref(n_rows * n), got(n_rows * n), in_place = x;
+      {
+        IsaOverride scalar(Isa::kScalar);
+        rms_norm(x.data(), weight, n_rows, n, 1e-5f, ref.data());
+      }
+      rms_norm(x.data(), weight, n_rows, n, 1e-5f, got.data());
+      rms_norm(in_place.data(), weight, n_rows, n, 1e-5f, in_place.data());
+      ASSERT_EQ(first_bit_mismatch(in_place.data(), got.data(), n_rows * n), -1) << "n " << n;
+      for (int64_t r = 0; r < n_rows; ++r) {
+        bool moved = false;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t u = ulp_distance(got[r * n + i], ref[r * n + i]);
+          ASSERT_LE(u, 2) << "n " << n << " row " << r << " i " << i;
+          moved |= u != 0;
+        }
+        n_rows_moved += moved;
+      }
+    }
+  }
+  // A bound of 2 ulp would also pass a subtly wrong sum that is merely
+  // close; in practice the two paths agree bit for bit on these rows.
+  EXPECT_EQ(n_rows_moved, 0);
+}
+
 // Reference rotation in double: pair (a, b) rotated by pos * base^(-2i/n_rot) * scale.
 void rope_ref(std::vector<double>& v, int pos, int head_dim, const RopeParams& p) {
   const int half = p.n_rot / 2;
@@ -97,6 +155,53 @@ TEST(Elementwise, RopeBothStylesMatchReference) {
       }
     }
   }
+}
+
+// rope reuses its (cos, sin) table while the positions and parameters stay
+// the same (the forward pass ropes Q and K of every layer at one step's
+// positions): a call gives the same bits as a first call with those inputs,
+// whatever came before, including positions changed in the same buffer and
+// parameters that change but positions that do not.
+TEST(Elementwise, RopeTableReuseIsInvisible) {
+  const int64_t n_heads = 3, head_dim = 16;
+  std::vector<int32_t> pos = {5, 6, 700};
+  const auto n_tokens = std::ssize(pos);
+  const auto x = randn(n_tokens * n_heads * head_dim, 11);
+  const RopeParams base{.style = RopeStyle::kNormal, .n_rot = 16, .freq_base = 10000.f};
+  const std::vector<int32_t> other = {1, 2, 3};
+  auto first_call = [&](const std::vector<int32_t>& p, const RopeParams& rp) {
+    auto y = x;
+    auto flush = x;
+    rope(flush.data(), other.data(), std::ssize(other), n_heads, head_dim, rp);
+    rope(flush.data(), other.data(), std::ssize(other), n_heads, head_dim, RopeParams{.n_rot = 4});
+    rope(y.data(), p.data(), n_tokens, n_heads, head_dim, rp);
+    return y;
+  };
+  const auto want = first_call(pos, base);
+  auto again = x;
+  rope(again.data(), pos.data(), n_tokens, n_heads, head_dim, base);  // table reused
+  ASSERT_EQ(first_bit_mismatch(again.data(), want.data(), std::ssize(x)), -1);
+  // Same buffer, one position changed: must not reuse the table.
+  pos[1] = 7;
+  auto moved = x;
+  rope(moved.data(), pos.data(), n_tokens, n_heads, head_dim, base);
+  ASSERT_EQ(first_bit_mismatch(moved.data(), first_call(pos, base).data(), std::ssize(x)), -1);
+  EXPECT_NE(first_bit_mismatch(moved.data(), want.data(), std::ssize(x)), -1);
+  // Same positions, each parameter changed in turn.
+  for (const RopeParams& rp : {RopeParams{.n_rot = 8, .freq_base = 10000.f},
+                               RopeParams{.n_rot = 16, .freq_base = 500000.f},
+                               RopeParams{.n_rot = 16, .freq_base = 10000.f, .freq_scale = 0.25f},
+                               RopeParams{.style = RopeStyle::kNeox, .n_rot = 16}}) {
+    rope(again.data(), pos.data(), n_tokens, n_heads, head_dim, base);  // table for `base`
+    auto y = x;
+    rope(y.data(), pos.data(), n_tokens, n_heads, head_dim, rp);
+    ASSERT_EQ(first_bit_mismatch(y.data(), first_call(pos, rp).data(), std::ssize(x)), -1)
+        << "n_rot " << rp.n_rot << " base " << rp.freq_base << " scale " << rp.freq_scale;
+  }
+  // Fewer tokens with the same leading positions: a different table size.
+  auto head = x;
+  rope(head.data(), pos.data(), 1, n_heads, head_dim, base);
+  ASSERT_EQ(first_bit_mismatch(head.data(), moved.data(), n_heads * head_dim), -1);
 }
 
 TEST(Elementwise, RopeNormalRotatesAdjacentPairsNeoxHalves) {

@@ -14,6 +14,7 @@
 
 #include "core/half.h"
 #include "core/thread_pool.h"
+#include "ops/elementwise.h"
 #include "ops/matmul.h"
 
 namespace kvstack {
@@ -119,6 +120,51 @@ BENCHMARK(BM_Matmul)
     ->Apply(shapes)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
+
+// rms_norm of n_rows rows of SmolLM2's width (576): 1 row per layer norm in
+// decoding. KVSTACK_ISA=scalar measures the scalar reference path.
+void BM_RmsNorm(benchmark::State& state) {
+  const int64_t n_rows = state.range(0), n = state.range(1);
+  std::vector<float> x(n_rows * n), w(n), y(n_rows * n);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  for (auto& v : x) v = nd(rng);
+  for (auto& v : w) v = 1.f + 0.1f * nd(rng);
+  for (auto _ : state) {
+    rms_norm(x.data(), w.data(), n_rows, n, 1e-5f, y.data());
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["rows/s"] = benchmark::Counter(static_cast<double>(n_rows),
+                                                benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_RmsNorm)
+    ->ArgNames({"rows", "n"})
+    ->Args({1, 576})
+    ->Args({128, 576})
+    ->Unit(benchmark::kMicrosecond);
+
+// The rope calls of one SmolLM2 step of n_tokens new tokens: Q (9 heads) and
+// K (3 heads) of head_dim 64 in each of 30 layers, all at the step's
+// positions, which move on every iteration as in decoding.
+void BM_RopeStep(benchmark::State& state) {
+  const int64_t n_tokens = state.range(0), n_layers = 30, n_heads = 9, n_kv_heads = 3;
+  const int64_t head_dim = 64;
+  std::vector<float> q(n_tokens * n_heads * head_dim, 0.5f);
+  std::vector<float> k(n_tokens * n_kv_heads * head_dim, 0.25f);
+  std::vector<int32_t> pos(n_tokens);
+  const RopeParams rp{.style = RopeStyle::kNormal, .n_rot = 64, .freq_base = 100000.f};
+  int32_t next = 0;
+  for (auto _ : state) {
+    for (auto& p : pos) p = next++ % 8192;
+    for (int64_t l = 0; l < n_layers; ++l) {
+      rope(q.data(), pos.data(), n_tokens, n_heads, head_dim, rp);
+      rope(k.data(), pos.data(), n_tokens, n_kv_heads, head_dim, rp);
+    }
+    benchmark::DoNotOptimize(q.data());
+    benchmark::DoNotOptimize(k.data());
+  }
+}
+BENCHMARK(BM_RopeStep)->ArgName("tokens")->Arg(1)->Arg(128)->Unit(benchmark::kMicrosecond);
 
 // Memory read bandwidth: sum a 512 MiB float array on all pool threads.
 __attribute__((target("avx2"))) float sum_range(const float* p, size_t n) {
