@@ -2,15 +2,18 @@
 // the same text (issue 7): perplexity and its relative change, mean and p99
 // KL divergence of the next-token distributions, top-1 agreement, and
 // greedy-continuation agreement over --gen tokens for a set of prompts.
-// A format written X+rot runs with --kv-rotate (Q/K Hadamard rotation), so
-// one invocation can compare a format with and without rotation; the f32
+// A format written X+rot runs with --kv-rotate (Hadamard rotation of Q, K and
+// V), so one invocation can compare a format with and without rotation; K/V
+// (e.g. int8/int4, int8/int4+rot) gives K and V different formats. The f32
 // baseline is never rotated.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cli/args.h"
@@ -33,6 +36,32 @@ void log_softmax(const float* row, int64_t n, std::vector<double>& out) {
 
 int64_t argmax(const float* row, int64_t n) {
   return std::max_element(row, row + n) - row;
+}
+
+// One entry of --kv-dtype: K[/V][+rot].
+struct FormatSpec {
+  KvDtype k = KvDtype::kF32;
+  std::optional<KvDtype> v;  // V's format when it differs from K's
+  bool rotate = false;
+};
+
+Result<FormatSpec> parse_format(std::string_view f) {
+  FormatSpec spec;
+  constexpr std::string_view kRot = "+rot";
+  if (f.size() > kRot.size() && f.substr(f.size() - kRot.size()) == kRot) {
+    spec.rotate = true;
+    f.remove_suffix(kRot.size());
+  }
+  const size_t slash = f.find('/');
+  auto k = parse_kv_dtype(f.substr(0, slash));
+  if (!k) return k.error();
+  spec.k = *k;
+  if (slash != std::string_view::npos) {
+    auto v = parse_kv_dtype(f.substr(slash + 1));
+    if (!v) return v.error();
+    if (*v != *k) spec.v = *v;
+  }
+  return spec;
 }
 
 struct FormatStats {
@@ -103,7 +132,9 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
                     "and p99 KL(f32 || X) of next-token distributions, top-1 agreement, and "
                     "agreement of --gen greedy tokens after --prompts prompts of --prompt-len "
                     "tokens (taken at evenly spaced offsets of FILE). X+rot (e.g. int4+rot) runs X "
-                    "with --kv-rotate; --kv-rotate rotates every listed format.",
+                    "with --kv-rotate; --kv-rotate rotates every listed format. K/V (e.g. "
+                    "int8/int4, int8/int4+rot) stores K as K and V as V; --kv-dtype-k/-v "
+                    "override that side of every listed format.",
                     specs)
             .c_str(),
         stdout);
@@ -131,6 +162,10 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
   // to the f32 baseline.
   const bool rotate_all = base_cfg->kv_rotation != KvRotation::kNone;
   base_cfg->kv_rotation = KvRotation::kNone;
+  // --kv-dtype-k/-v likewise override one side of every listed format only.
+  const std::optional<KvDtype> k_all = base_cfg->kv_dtype_k, v_all = base_cfg->kv_dtype_v;
+  base_cfg->kv_dtype_k.reset();
+  base_cfg->kv_dtype_v.reset();
   if (base_cfg->kv_cache_tokens == 0 && base_cfg->kv_cache_mem == 0) {
     base_cfg->kv_cache_tokens = std::max(*ctx, *prompt_len + *n_gen);
   }
@@ -140,19 +175,24 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
   formats.insert(formats.begin(), "f32");
   for (size_t fi = 0; fi < formats.size(); ++fi) {
     const std::string& f = formats[fi];
-    const std::string suffix = "+rot";
-    const bool rot_suffix =
-        f.size() > suffix.size() && f.compare(f.size() - suffix.size(), suffix.size(), suffix) == 0;
-    auto dtype = parse_kv_dtype(rot_suffix ? f.substr(0, f.size() - suffix.size()) : f);
-    if (!dtype) return fail("kv-eval", "--kv-dtype " + f + ": " + dtype.error().message);
+    auto spec = parse_format(f);
+    if (!spec) return fail("kv-eval", "--kv-dtype " + f + ": " + spec.error().message);
     EngineConfig cfg = *base_cfg;
-    cfg.kv_dtype = *dtype;
-    const bool rotate = fi > 0 && (rot_suffix || rotate_all);
+    // Sides given by --kv-dtype-k/-v win over the listed format's.
+    const KvDtype k = fi > 0 && k_all ? *k_all : spec->k;
+    const KvDtype v = fi > 0 && v_all ? *v_all : spec->v.value_or(spec->k);
+    cfg.kv_dtype = k;
+    cfg.kv_dtype_v = v != k ? std::optional<KvDtype>(v) : std::nullopt;
+    const bool rotate = fi > 0 && (spec->rotate || rotate_all);
     if (rotate) cfg.kv_rotation = KvRotation::kHadamard;
     auto e = Engine::create(cfg);
-    if (!e) return fail("kv-eval", e.error().message);
+    if (!e) return fail("kv-eval", "--kv-dtype " + f + ": " + e.error().message);
     FormatStats s;
-    s.name = rotate && !rot_suffix ? f + "+rot" : f;
+    // The name says what ran: K/V when they differ, +rot when rotated.
+    s.name = kv_dtype_name(cfg.key_dtype());
+    if (cfg.value_dtype() != cfg.key_dtype())
+      s.name += std::string("/") + kv_dtype_name(cfg.value_dtype());
+    if (rotate) s.name += "+rot";
     s.bytes_per_token = (*e)->layout().payload_bytes_per_token();
     s.block_bytes = (*e)->layout().block_bytes();
     const ModelConfig& mc = (*e)->model().config();
@@ -245,11 +285,11 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
         static_cast<long long>(n_windows), static_cast<long long>(*ctx),
         static_cast<long long>(n_scored), static_cast<long long>(n_prompts_run),
         static_cast<long long>(*n_gen), secs);
-    std::printf("%-9s %7s %10s %12s %10s %9s %11s %11s %8s %12s %12s\n", "format", "B/elem",
+    std::printf("%-14s %7s %10s %12s %10s %9s %11s %11s %8s %12s %12s\n", "format", "B/elem",
                 "B/token", "tokens/GiB", "ppl", "d_ppl", "mean KLD", "p99 KLD", "top-1", "greedy",
                 "first-div");
     std::printf(
-        "%-9s %7.4f %10lld %12.0f %10.4f %9s %11s %11s %8s %12s %12s\n", "f32",
+        "%-14s %7.4f %10lld %12.0f %10.4f %9s %11s %11s %8s %12s %12s\n", "f32",
         stats[0].bytes_per_element, static_cast<long long>(stats[0].bytes_per_token),
         1073741824.0 * base.layout().block_size() / static_cast<double>(stats[0].block_bytes),
         ppl_base, "-", "-", "-", "-", "-", "-");
@@ -293,7 +333,7 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
         std::snprintf(greedy_col, sizeof(greedy_col), "%.2f%%", 100 * greedy_frac);
         std::snprintf(first_div_col, sizeof(first_div_col), "%.1f", first_div);
       }
-      std::printf("%-9s %7.4f %10lld %12.0f %10.4f %+8.3f%% %11.6f %11.6f %7.2f%% %12s %12s\n",
+      std::printf("%-14s %7.4f %10lld %12.0f %10.4f %+8.3f%% %11.6f %11.6f %7.2f%% %12s %12s\n",
                   s.name.c_str(), s.bytes_per_element, static_cast<long long>(s.bytes_per_token),
                   tokens_per_gib, ppl, 100 * (ppl / ppl_base - 1), mean_kld, p99, 100 * top1,
                   greedy_col, first_div_col);

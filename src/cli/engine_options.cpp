@@ -26,8 +26,9 @@ std::vector<OptionSpec> engine_options() {
       {"kv-residual", 0, "R",
        "KIVI: newest tokens per sequence kept in f16, a multiple of the key group (default 128)"},
       {"kv-rotate", 0, "",
-       "rotate queries and keys per head (normalized Walsh-Hadamard with fixed random signs) "
-       "before K is stored: spreads key outlier channels for quantized caches"},
+       "rotate queries, keys and values per head (normalized Walsh-Hadamard with fixed random "
+       "signs) before K/V are stored, and each attention output back: spreads outlier channels "
+       "for quantized caches; exact for float caches"},
       {"prefill-chunk", 0, "N", "max tokens per prefill step (default 512)"},
       {"no-prefix-cache", 0, "", "do not share KV between requests (no prefix cache)"},
       {"public-prefix", 0, "FILE",

@@ -144,9 +144,11 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
                       .freq_scale = c.rope_freq_scale};
   rope(q_.data(), pos_.data(), n_tok, c.n_heads, c.head_dim, rp);
   rope(k_.data(), pos_.data(), n_tok, c.n_kv_heads, c.head_dim, rp);
-  // --kv-rotate: q.k is unchanged; K is stored (quantized) in the rotated basis.
+  // --kv-rotate: q.k is unchanged; K and V are stored (quantized) in the
+  // rotated basis, and the attention output is rotated back below.
   kv_rotate(rotation_, q_.data(), n_tok * c.n_heads, c.head_dim);
   kv_rotate(rotation_, k_.data(), n_tok * c.n_kv_heads, c.head_dim);
+  kv_rotate(rotation_, v_.data(), n_tok * c.n_kv_heads, c.head_dim);
 
   // Check every sequence's rows before writing any of them.
   const PagedKvLayerView view = batch.front().table->pool().layer_view(l);
@@ -194,6 +196,8 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
     st = paged_attention(view, ap, seqs, &threads_);
   }
   KV_CHECK(st.ok(), "paged_attention rejected arguments the forward pass built");
+  // attn_ [n_tok, n_heads, head_dim] = sum_j p_j (R v_j) per head: back to R^T.
+  kv_unrotate(rotation_, attn_.data(), n_tok * c.n_heads, c.head_dim);
 
   matmul(w.wo, attn_.data(), n_tok, h_.data(), &threads_);
   add(x_.data(), h_.data(), x_.data(), n_tok * c.n_embd);

@@ -42,7 +42,8 @@ class Forward {
   // REQUIRES: model and pool outlive this object; the pool's layout matches
   // the model (one standard layer per model layer, n_kv_heads, head_dim);
   // kv_rotation_check(rotation, head_dim) passed. `rotation` (--kv-rotate)
-  // is applied to Q and K after RoPE, so the cache holds rotated keys.
+  // is applied to Q and K after RoPE and to V, so the cache holds rotated
+  // keys and values; attention outputs are rotated back before o_proj.
   Forward(const Model& model, ThreadPool& threads, KvRotation rotation = KvRotation::kNone);
 
   // Runs one step. On success `logits` holds the requested rows in batch

@@ -4,9 +4,8 @@
 //    the layer, step entry, tensor and position; no abort, no table length
 //    changes, the step's reservations go back to the pool, and the committed
 //    K/V of the other sequences are untouched (retrying without the bad
-//    sequence gives the same logits as a run that never saw it);
-//  - --kv-rotate (Hadamard rotation of Q and K) leaves f32-cache logits
-//    unchanged to float tolerance, and the cache then holds rotated keys.
+//    sequence gives the same logits as a run that never saw it).
+// (--kv-rotate is tested in forward_rotation_test.cpp.)
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -25,7 +24,6 @@
 #include "kv/block_table.h"
 #include "kv/kv_codec.h"
 #include "kv/layout.h"
-#include "kv/rotation.h"
 
 namespace kvstack {
 namespace {
@@ -178,62 +176,6 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, KvGuard,
                          ::testing::Values(KvDtype::kF32, KvDtype::kF16, KvDtype::kFp8,
                                            KvDtype::kInt8, KvDtype::kInt4),
                          [](const auto& info) { return std::string(kv_dtype_name(info.param)); });
-
-TEST(KvRotate, F32LogitsUnchangedAndCacheHoldsRotatedKeys) {
-  SyntheticSpec spec;
-  spec.seed = 33;
-  spec.n_embd = 128;  // head_dim 32
-  SyntheticWeights w = make_synthetic_model(spec);
-  auto model = Model::load(w.path);
-  std::remove(w.path.c_str());
-  ASSERT_TRUE(model.ok()) << model.error().message;
-  ThreadPool threads(2);
-  Forward plain(**model, threads), rotated(**model, threads, KvRotation::kHadamard);
-  auto pool = make_pool(spec, KvDtype::kF32, 4);
-  std::mt19937 rng(3);
-  std::uniform_int_distribution<int32_t> tok(0, spec.n_vocab - 1);
-  std::vector<int32_t> prompt(13);
-  for (auto& t : prompt) t = tok(rng);
-  BlockTable tp(*pool), tr(*pool);
-  std::vector<float> lp, lr;
-  // Prefill in two chunks, then decode: exercises cached rotated keys.
-  for (auto [from, to] : {std::pair{0, 9}, std::pair{9, 12}, std::pair{12, 13}}) {
-    const std::span<const int32_t> chunk(prompt.data() + from, static_cast<size_t>(to - from));
-    const StepSeq a{.table = &tp, .tokens = chunk, .logits = LogitsMode::kAll};
-    const StepSeq b{.table = &tr, .tokens = chunk, .logits = LogitsMode::kAll};
-    ASSERT_TRUE(plain.step(std::span<const StepSeq>(&a, 1), &lp).ok());
-    ASSERT_TRUE(rotated.step(std::span<const StepSeq>(&b, 1), &lr).ok());
-    ASSERT_EQ(lp.size(), lr.size());
-    double worst = 0, scale = 1e-30;
-    for (size_t i = 0; i < lp.size(); ++i) {
-      worst = std::max(worst, static_cast<double>(std::fabs(lp[i] - lr[i])));
-      scale = std::max(scale, static_cast<double>(std::fabs(lp[i])));
-    }
-    EXPECT_LT(worst / scale, 1e-4) << "chunk " << from;
-  }
-  // Stored K of the rotated cache = R * stored K of the plain cache; V equal.
-  const int d = spec.head_dim();
-  for (int l = 0; l < spec.n_layers; ++l) {
-    const PagedKvLayerView v = pool->layer_view(l);
-    for (int pos : {0, 5, 12}) {
-      for (int h = 0; h < spec.n_kv_heads; ++h) {
-        const int64_t off = h * v.head_stride + (pos % 4) * v.slot_stride;
-        std::vector<float> kp(d), kr(d), vp(d), vr(d);
-        std::memcpy(kp.data(), v.k + tp.ids()[pos / 4] * v.block_stride + off, 4 * d);
-        std::memcpy(kr.data(), v.k + tr.ids()[pos / 4] * v.block_stride + off, 4 * d);
-        std::memcpy(vp.data(), v.v + tp.ids()[pos / 4] * v.block_stride + off, 4 * d);
-        std::memcpy(vr.data(), v.v + tr.ids()[pos / 4] * v.block_stride + off, 4 * d);
-        hadamard_rotate(kp.data(), 1, d);
-        double amax = 0;
-        for (float x : kp) amax = std::max(amax, static_cast<double>(std::fabs(x)));
-        for (int i = 0; i < d; ++i) {
-          EXPECT_NEAR(kr[i], kp[i], 1e-4 * amax) << l << " " << pos << " " << h << " " << i;
-          EXPECT_NEAR(vr[i], vp[i], 1e-4 * std::fabs(vp[i]) + 1e-5) << l << " " << pos;
-        }
-      }
-    }
-  }
-}
 
 }  // namespace
 }  // namespace kvstack

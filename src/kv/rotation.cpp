@@ -70,7 +70,7 @@ const char* kv_rotation_name(KvRotation r) {
 }
 
 std::string kv_rotation_key(KvRotation r) {
-  return r == KvRotation::kHadamard ? "qk-hadamard-signs-v1" : "";
+  return r == KvRotation::kHadamard ? "qkv-hadamard-signs-v2" : "";
 }
 
 Status kv_rotation_check(KvRotation r, int head_dim) {
@@ -106,10 +106,12 @@ void hadamard_rotate(float* x, int64_t n_vecs, int head_dim) {
 
 void hadamard_unrotate(float* x, int64_t n_vecs, int head_dim) {
   const float norm = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  std::vector<float> sign(static_cast<size_t>(head_dim));
+  for (int i = 0; i < head_dim; ++i) sign[i] = kv_rotation_sign(i) * norm;
   for (int64_t v = 0; v < n_vecs; ++v) {
     float* row = x + v * head_dim;
     fwht(row, head_dim);
-    for (int i = 0; i < head_dim; ++i) row[i] *= kv_rotation_sign(i) * norm;
+    for (int i = 0; i < head_dim; ++i) row[i] *= sign[i];
   }
 }
 

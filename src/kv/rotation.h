@@ -1,10 +1,15 @@
-// Orthogonal rotation of queries and keys per head (issue 7, --kv-rotate):
-// R = H D / sqrt(d), where H is the d x d Sylvester-Hadamard matrix (entries
-// +-1, H H^T = d I) and D a fixed diagonal of pseudo-random signs. Applied to
-// every query and key head vector after RoPE and before K is quantized,
-// q.k = (R q).(R k) is unchanged mathematically (R^T R = I), V is untouched,
-// but channels with outliers are spread over all d channels, so a per-row or
-// per-group quantizer sees a flatter, more Gaussian distribution.
+// Orthogonal rotation of queries, keys and values per head (issue 7,
+// --kv-rotate): R = H D / sqrt(d), where H is the d x d Sylvester-Hadamard
+// matrix (entries +-1, H H^T = d I) and D a fixed diagonal of pseudo-random
+// signs. Applied to every query and key head vector after RoPE and to every
+// value head vector, before K and V are quantized:
+//  - scores: (R q).(R k) = q.k (R^T R = I);
+//  - outputs: sum_j p_j (R v_j) = R sum_j p_j v_j, so the attention output
+//    of each query head is mapped back with R^T before the output projection.
+// Both are exact in real arithmetic (an f32 cache gives the same logits to
+// float error), but channels with outliers are spread over all d channels,
+// so a per-row or per-group quantizer sees a flatter, more Gaussian
+// distribution in K and in V.
 //
 // The sign vector is a pure function of the channel index (fixed seed), so a
 // cache written with rotation is readable by any process that uses the same
@@ -21,13 +26,14 @@ namespace kvstack {
 
 enum class KvRotation : uint8_t {
   kNone,
-  kHadamard,  // normalized Walsh-Hadamard with the fixed random signs
+  kHadamard,  // normalized Walsh-Hadamard with the fixed random signs, on Q, K and V
 };
 
 const char* kv_rotation_name(KvRotation r);  // "none", "hadamard"
 
 // The rotation's part of the cache identity ("" for kNone: an unrotated
-// cache keeps its former identity).
+// cache keeps its former identity). Names what is rotated (Q/K and V), so
+// caches written by the former K-only rotation never match.
 std::string kv_rotation_key(KvRotation r);
 
 // kInvalidArgument unless the rotation can act on vectors of head_dim
@@ -52,6 +58,12 @@ void fwht(float* x, int n);
 // Applies `r` to [n_vecs, head_dim] (no-op for kNone).
 inline void kv_rotate(KvRotation r, float* x, int64_t n_vecs, int head_dim) {
   if (r == KvRotation::kHadamard) hadamard_rotate(x, n_vecs, head_dim);
+}
+
+// Applies the inverse of `r` (R^T) to [n_vecs, head_dim] (no-op for kNone):
+// maps attention outputs computed over rotated values back.
+inline void kv_unrotate(KvRotation r, float* x, int64_t n_vecs, int head_dim) {
+  if (r == KvRotation::kHadamard) hadamard_unrotate(x, n_vecs, head_dim);
 }
 
 }  // namespace kvstack

@@ -1,8 +1,9 @@
 // --kv-rotate's Hadamard rotation: exactly the matrix H D / sqrt(d), orthogonal
 // (R R^T = I, norms and dot products preserved), the SIMD butterflies equal
 // the scalar ones bit for bit, attention computed in f32 from rotated Q/K
-// equals the unrotated result, and on keys with an outlier channel the
-// rotation shrinks the int4/int8 quantization error of q.k scores.
+// (and rotated V, output mapped back by R^T) equals the unrotated result,
+// and on keys with an outlier channel the rotation shrinks the int4/int8
+// quantization error of q.k scores.
 #include "kv/rotation.h"
 
 #include <gtest/gtest.h>
@@ -156,9 +157,20 @@ TEST(Rotation, F32AttentionUnchanged) {
     worst = std::max(worst, static_cast<double>(std::fabs(got[i] - ref[i])));
   }
   EXPECT_LT(worst, 2e-5);
-  // kNone is the identity.
+  // V rotated too: sum_j p_j R v_j = R out, so R^T maps the output back.
+  std::vector<float> vr = v;
+  kv_rotate(KvRotation::kHadamard, vr.data(), n_k, d);
+  std::vector<float> got_v = attend(qr, kr, vr, n_q, n_k, d);
+  kv_unrotate(KvRotation::kHadamard, got_v.data(), n_q, d);
+  worst = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    worst = std::max(worst, static_cast<double>(std::fabs(got_v[i] - ref[i])));
+  }
+  EXPECT_LT(worst, 2e-5);
+  // kNone is the identity, both ways.
   std::vector<float> same = q;
   kv_rotate(KvRotation::kNone, same.data(), n_q, d);
+  kv_unrotate(KvRotation::kNone, same.data(), n_q, d);
   EXPECT_EQ(same, q);
 }
 
