@@ -13,11 +13,27 @@ fixed (--max-tokens). With --rate R (requests/s) requests arrive as a Poisson
 process (at most N in flight) instead of N closed-loop clients.
 
   bench/serve_load.py --kvstack-bin build/src/cli/kvstack \
-      [--llama-server-bin /path/to/llama-server] [--concurrency 1,4,16]
+      [--llama-server-bin /path/to/llama-server | --llama-cpp-python-server] \
+      [--concurrency 1,4,16] [--rounds 3]
 
 A server is started on 127.0.0.1 and a free port, with the same model,
 thread count and context, and stopped at the end. --url benchmarks an
 already running server instead (repeatable: --url NAME=http://host:port).
+
+--llama-cpp-python-server starts `python -m llama_cpp.server` (the
+llama-cpp-python[server] extra) when no native llama-server is available. It
+serves ONE request at a time (one llama_context, one sequence; concurrent
+requests queue behind a lock), so its concurrency comes from queueing only.
+It is started with the same model, threads and context (n_ctx), logits for
+the last token only (logits_all False, as kvstack), its RAM prompt cache on
+(--cache True: whole-state snapshots keyed by token prefix, plus llama.cpp's
+own reuse of the common prefix with the previous request), and
+interrupt_requests False (by default a new request aborts the running
+stream). It has no ignore_eos: requests send min_tokens = max_tokens instead.
+
+With several servers, --rounds N runs the levels N times, alternating the
+servers (A B A B ...), and prints per-round rows and then the median of each
+column per server and level (the machine may be shared and noisy).
 """
 import argparse
 import concurrent.futures as cf
@@ -44,13 +60,13 @@ def free_port():
         return s.getsockname()[1]
 
 
-def wait_ready(base, proc, timeout=300):
+def wait_ready(base, proc, timeout=300, path="/health"):
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            if requests.get(base + "/health", timeout=2).status_code == 200:
+            if requests.get(base + path, timeout=2).status_code == 200:
                 return
         except requests.RequestException:
             pass
@@ -58,10 +74,14 @@ def wait_ready(base, proc, timeout=300):
     raise RuntimeError("server did not become ready")
 
 
-def start(cmd, port):
+def start(cmd, port, ready_path="/health"):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
-    wait_ready(base, proc)
+    try:
+        wait_ready(base, proc, path=ready_path)
+    except RuntimeError:
+        stop(proc)
+        raise
     return proc, base
 
 
@@ -96,6 +116,8 @@ def one_request(base, i, max_tokens, mix="fixed", extra=None):
     prompt, max_tokens = workload(i, max_tokens, mix)
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, **(extra or {})}
+    if body.pop("min_tokens_is_max", False):  # servers without ignore_eos
+        body["min_tokens"] = max_tokens
     t0 = time.perf_counter()
     stamps = []
     with requests.post(base + "/v1/completions", json=body, stream=True, timeout=600) as r:
@@ -129,6 +151,8 @@ class KvSampler:
                 p = requests.get(self.base + "/v1/kv/stats", timeout=5).json()["pool"]
                 self.allocated = p["pool_bytes"]
                 return p["blocks_used"] * p["block_bytes"]
+            if self.name == "llama-cpp-python":
+                return 0  # no usage endpoint: bench() derives it from the requests
             # llama-server: cells in use x bytes per cell (its /slots n_past).
             slots = requests.get(self.base + "/slots", timeout=5).json()
             return sum(s.get("n_past", 0) or 0 for s in slots) * self.per_token
@@ -176,6 +200,13 @@ def bench(name, base, levels, n_requests, max_tokens, mix="fixed", rate=0.0, ext
                                   range(n_total)))
             res = [r for r in res if r]
         wall = time.perf_counter() - t0
+        kv_peak = kv.peak
+        if name == "llama-cpp-python" and kv_bytes_per_token:
+            # One sequence at a time: the cells in use peak at the longest
+            # request (prompt + output), all n_ctx cells allocated up front.
+            kv_peak = kv_bytes_per_token * max(
+                n_prompt_tokens(base, workload(i, max_tokens, mix)[0]) +
+                workload(i, max_tokens, mix)[1] for i in range(n_total))
         toks = sum(r["n_tokens"] for r in res)
         itl = [x for r in res for x in r["itl"]]
         row = {"server": name, "concurrency": c, "requests": len(res),
@@ -185,11 +216,33 @@ def bench(name, base, levels, n_requests, max_tokens, mix="fixed", rate=0.0, ext
                "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in res], 0.99),
                "itl_p50_ms": 1e3 * pct(itl, 0.5), "itl_p99_ms": 1e3 * pct(itl, 0.99),
                "e2e_mean_s": statistics.mean(r["e2e"] for r in res) if res else float("nan"),
-               "kv_peak_used_mib": kv.peak / 2**20,
+               "kv_peak_used_mib": kv_peak / 2**20,
                "kv_allocated_mib": (kv.allocated or kv_allocated) / 2**20}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def n_prompt_tokens(base, text):
+    """Prompt tokens as llama-cpp-python's server counts them (BOS included)."""
+    r = requests.post(base + "/extras/tokenize", json={"input": text}, timeout=30)
+    r.raise_for_status()
+    return len(r.json()["tokens"])
+
+
+def medians(rows):
+    """Median of every numeric column per (server, concurrency), in first-seen order."""
+    groups = {}
+    for row in rows:
+        groups.setdefault((row["server"], row["concurrency"]), []).append(row)
+    out = []
+    for (server, c), rs in groups.items():
+        med = {"server": server, "concurrency": c, "rounds": len(rs)}
+        for k, v in rs[0].items():
+            if k not in med and isinstance(v, (int, float)):
+                med[k] = statistics.median(r[k] for r in rs)
+        out.append(med)
+    return out
 
 
 def kv_bytes_per_token(model):
@@ -214,6 +267,14 @@ def main():
                                                     "SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--kvstack-bin", default=os.path.join(ROOT, "build", "src", "cli", "kvstack"))
     ap.add_argument("--llama-server-bin", default="", help="native llama-server executable")
+    ap.add_argument("--llama-cpp-python-server", action="store_true",
+                    help="also start `python -m llama_cpp.server` (one request at a time)")
+    ap.add_argument("--python", default=sys.executable,
+                    help="Python with llama-cpp-python[server] (default: this one)")
+    ap.add_argument("--llama-cache-size", default=str(256 << 20),
+                    help="llama-cpp-python RAM prompt cache, bytes (default 256 MiB)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat every level, alternating the servers; report medians")
     ap.add_argument("--url", action="append", default=[], help="NAME=URL of a running server")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--ctx", type=int, default=8192, help="KV tokens (both servers)")
@@ -248,12 +309,32 @@ def main():
             print("#", " ".join(cmd), flush=True)
             procs.append(start(cmd, port))
             targets.append(("llama-server", procs[-1][1], {"cache_prompt": True}))
+        if not a.url and a.llama_cpp_python_server:
+            port = free_port()
+            cmd = [a.python, "-m", "llama_cpp.server", "--model", a.model, "--host", "127.0.0.1",
+                   "--port", str(port), "--n_threads", str(a.threads), "--n_threads_batch",
+                   str(a.threads), "--n_ctx", str(a.ctx), "--n_batch", "512",
+                   "--logits_all", "False", "--cache", "True", "--cache_type", "ram",
+                   "--cache_size", a.llama_cache_size, "--interrupt_requests", "False",
+                   *a.llama_extra.split()]
+            print("#", " ".join(cmd), flush=True)
+            procs.append(start(cmd, port, ready_path="/v1/models"))
+            targets.append(("llama-cpp-python", procs[-1][1], {"min_tokens_is_max": True}))
         if not targets:
-            sys.exit("nothing to benchmark: build kvstack or pass --url / --llama-server-bin")
+            sys.exit("nothing to benchmark: build kvstack or pass --url / --llama-server-bin / "
+                     "--llama-cpp-python-server")
         per_token = kv_bytes_per_token(a.model)
-        for name, base, extra in targets:
-            bench(name, base, levels, a.requests, a.max_tokens, a.mix, a.rate, extra,
-                  kv_bytes_per_token=per_token, kv_allocated=per_token * a.ctx)
+        rows = []
+        for r in range(a.rounds):
+            # Alternate the order too (A B, B A, ...): neither server always
+            # runs right after the other's load.
+            for name, base, extra in (targets if r % 2 == 0 else targets[::-1]):
+                rows += bench(name, base, levels, a.requests, a.max_tokens, a.mix, a.rate, extra,
+                              kv_bytes_per_token=per_token, kv_allocated=per_token * a.ctx)
+        if a.rounds > 1:
+            print("# medians over", a.rounds, "rounds", flush=True)
+            for row in medians(rows):
+                print(json.dumps(row), flush=True)
     finally:
         for p, _ in procs:
             stop(p)

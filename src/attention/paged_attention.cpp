@@ -105,8 +105,14 @@ void make_plan(Plan& plan, const AttnParams& p, std::span<const AttnSeq> seqs, b
       const int32_t key_begin = first_visible(pos_first, p.window);
       const int32_t key_end = pos_first + n_rows;
       const int32_t len = key_end - key_begin;
-      const int n_heads = use_avx2 && n_rows == 1 && len >= kMergeHeadsKeys ? p.n_kv_heads : 1;
-      const int32_t piece = n_rows == 1 ? kDecodeSplitKeys : kPrefillSplitKeys;
+      // Decode (one new token) and prefill rows go through different kernels
+      // (their float order differs slightly). Which one a row takes depends
+      // on n_new only, never on how the prompt was cut into tiles or chunks,
+      // so a prompt row gives the same bits in any chunking with entries of
+      // at least 2 tokens (a 1-row tile of a chunk stays on the prefill path).
+      const bool decode = s.n_new == 1;
+      const int n_heads = use_avx2 && decode && len >= kMergeHeadsKeys ? p.n_kv_heads : 1;
+      const int32_t piece = decode ? kDecodeSplitKeys : kPrefillSplitKeys;
       const int64_t slot_floats = int64_t{n_rows} * g * n_heads * (p.head_dim + 2);
       for (int32_t h = 0; h < p.n_kv_heads; h += n_heads) {
         WorkItem t{static_cast<int32_t>(si),        h,  row0,   n_rows, key_begin, key_end,
@@ -286,7 +292,7 @@ void run_attention(bool use_avx2, const PagedKvLayerView& kv, const AttnParams& 
     }
     if (!use_avx2) {
       tile_scalar(a);
-    } else if (it.n_rows == 1) {
+    } else if (seqs[it.seq].n_new == 1) {
       decode_tile_avx2(a);
     } else {
       prefill_tile_avx2(a);

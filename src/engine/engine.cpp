@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "core/check.h"
+
 namespace kvstack {
 
 Engine::~Engine() = default;
@@ -35,6 +37,20 @@ Result<CacheIdentity> engine_cache_identity(const Model& model, const EngineConf
 }
 
 }  // namespace
+
+int64_t prefill_chunk_end(int64_t from, int64_t n_end, int64_t chunk) {
+  KV_DCHECK(0 <= from && from < n_end && chunk >= 1, "prefill_chunk_end: bad arguments");
+  int64_t end = std::min(n_end, (from / chunk + 1) * chunk);
+  if (chunk < 2) return end;
+  // Moving the boundary would leave fewer than two tokens in this entry (it
+  // starts at n_end - 3 or later: chunk 2, or just after a prefix hit): the
+  // entry runs to the end of the prompt instead, 3 tokens at most.
+  if (end == n_end - 1) end = end - 1 - from >= 2 ? end - 1 : n_end;
+  // A start one token before a boundary (after a prefix hit): that token
+  // joins the next entry rather than run alone.
+  if (end - from == 1 && end < n_end) end = prefill_chunk_end(end, n_end, chunk);
+  return end;
+}
 
 Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   std::unique_ptr<Engine> e(new Engine());
@@ -118,10 +134,11 @@ Status Engine::prefill_chunks(BlockTable& table, std::span<const int32_t> tokens
   if (tokens.empty()) return make_error(Errc::kInvalidArgument, "nothing to prefill");
   std::vector<float> chunk_logits;
   const auto n = static_cast<int64_t>(tokens.size());
-  const int64_t chunk = config_.prefill_chunk;
+  // Chunks are cut at absolute positions: tokens[i] lands at position0 + i.
+  const int64_t position0 = table.length();
   if (logits != nullptr && mode != LogitsMode::kLast) logits->clear();
-  for (int64_t b = 0; b < n; b += chunk) {
-    const int64_t e = std::min(n, b + chunk);
+  for (int64_t b = 0, e = 0; b < n; b = e) {
+    e = prefill_chunk_end(position0 + b, position0 + n, config_.prefill_chunk) - position0;
     const bool last = e == n;
     LogitsMode m = LogitsMode::kNone;
     if (mode == LogitsMode::kAll) m = LogitsMode::kAll;

@@ -4,6 +4,7 @@
 // Thread-safety: single owner thread; internal parallelism via the pool.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -48,6 +49,23 @@ struct EngineConfig {
   int64_t kv_event_capacity = 0;  // pending KV events kept (0 = off)
 };
 
+// End (exclusive) of the prefill entry that starts at absolute position
+// `from` of a sequence whose known prompt ends at `n_end`, for chunk length
+// `chunk`. Boundaries sit at the multiples of `chunk`, except that the one at
+// n_end - 1 moves to n_end - 2: the last prompt token is never an entry of
+// its own, because a one-token entry takes the attention kernel's decode
+// path, which rounds differently from the same row inside a chunk (unless
+// `chunk` is 1, or only one token is left: then the entry is that token).
+// The split is therefore a function of the positions and `chunk` alone, the
+// same for Engine::prefill() and the Scheduler whatever else runs beside it.
+// Where moving it would leave a one-token entry, the entry runs to n_end;
+// an entry that starts one token before a boundary (after a prefix hit)
+// runs to the next one. REQUIRES: 0 <= from < n_end, chunk >= 1. The entry
+// holds at least 2 tokens when chunk >= 2 and from < n_end - 1, at most
+// `chunk` when `from` is a multiple of it (3 when chunk is 2: an odd rest
+// cannot be cut into pairs), and `chunk` + 1 (4) otherwise.
+int64_t prefill_chunk_end(int64_t from, int64_t n_end, int64_t chunk);
+
 class Engine {
  public:
   // Loads the model and creates the pool; errors name the file or flag at fault.
@@ -77,7 +95,11 @@ class Engine {
   }
 
   // Runs `tokens` through the model on top of `table` in chunks of at most
-  // config().prefill_chunk tokens. kAll appends logits for every token to
+  // config().prefill_chunk tokens, cut at the absolute positions
+  // prefill_chunk_end() gives (as the Scheduler cuts them, so a prompt is
+  // computed in the same entry shapes here and in `kvstack serve`; the first
+  // chunk after a prefix-cache hit runs up to the next boundary). kAll
+  // appends logits for every token to
   // *logits, kLast writes only the last token's row, kNone none. On error
   // the table keeps the chunks that completed (each committed) and nothing
   // of the failed chunk.

@@ -262,15 +262,10 @@ int64_t Scheduler::prefill_take(const Choice& s, int64_t chunk) const {
   // Sampled tokens being recomputed after a preemption: one per step, the
   // shape they were first computed in (a one-token decode entry).
   if (from >= n_prompt) return 1;
-  int64_t end = std::min(n_prompt, (from / chunk + 1) * chunk);
-  // The last prompt token never forms a chunk of its own (kvstack run
-  // computes it inside a prefill chunk; a one-token entry takes the decode
-  // path of the attention kernel): move that boundary one token earlier.
-  // (When this chunk starts right at that moved boundary, it simply runs to
-  // the end of the prompt; take <= chunk either way, so the budget bound of
-  // prefill_chunk_tokens() holds. Chunks of 1 cannot avoid it.)
-  if (chunk >= 2 && end == n_prompt - 1) end = end - 1 > from ? end - 1 : n_prompt;
-  return end - from;
+  // Prompt tokens: the split Engine::prefill() makes (engine.h). It never
+  // exceeds `chunk` (but for chunk 2, see step()), so the budget bound of
+  // prefill_chunk_tokens() holds.
+  return prefill_chunk_end(from, n_prompt, chunk) - from;
 }
 
 int64_t Scheduler::adopt_prefix(Choice& s) {
@@ -279,13 +274,29 @@ int64_t Scheduler::adopt_prefix(Choice& s) {
   // At most n_prompt - 2 prompt tokens: the rest of the prompt is prefilled
   // as a chunk of >= 2 tokens, as in a lone run (see prefill_take()).
   const auto capped = t.first(static_cast<size_t>(std::max<int64_t>(1, n_prompt - 1)));
-  if (static_cast<int64_t>(t.size()) == n_prompt) return s.kv.adopt_cached_prefix(capped);
+  if (static_cast<int64_t>(t.size()) == n_prompt) {
+    return trim_prefix_hit(s, s.kv.adopt_cached_prefix(capped));
+  }
   int64_t hit = s.kv.adopt_cached_prefix(t);
   if (hit == n_prompt - 1) {
     s.kv.release();
     hit = s.kv.adopt_cached_prefix(capped);
   }
-  return hit;
+  return trim_prefix_hit(s, hit);
+}
+
+int64_t Scheduler::trim_prefix_hit(Choice& s, int64_t hit) {
+  // A hit one token before a chunk boundary makes the first entry one token
+  // longer than L (prefill_chunk_end() joins that token to the next chunk),
+  // which the step budget does not guarantee: adopt one token less instead
+  // (a two-token first entry).
+  const auto n_prompt = static_cast<int64_t>(s.req->req.prompt.size());
+  const int64_t chunk = prefill_chunk_tokens();
+  if (hit < 2 || hit >= n_prompt - 1) return hit;
+  if (prefill_chunk_end(hit, n_prompt, chunk) - hit <= chunk) return hit;
+  s.kv.release();
+  return s.kv.adopt_cached_prefix(
+      std::span<const int32_t>(s.tokens).first(static_cast<size_t>(hit)));
 }
 
 int64_t Scheduler::target_tokens(const Choice& s) const {
@@ -420,7 +431,10 @@ int64_t Scheduler::step() {
       if (left <= 1 || budget <= 0) continue;
       const int64_t from = s->kv.length();
       const int64_t take = prefill_take(*s, chunk);
-      if (take > budget) continue;
+      // A chunk that does not fit waits whole. Only with L = 2 can an entry
+      // (3 tokens, see prefill_chunk_end()) exceed the guaranteed budget: it
+      // runs anyway when nothing else is in the step, so it cannot starve.
+      if (take > budget && !batch.empty()) continue;
       batch.push_back(
           {.table = &s->kv.table(),
            .tokens = std::span<const int32_t>(s->tokens.data() + from, static_cast<size_t>(take)),

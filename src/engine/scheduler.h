@@ -7,22 +7,27 @@
 // running decodes for its whole prefill (chunked prefill).
 //
 // Batch invariance: nothing a sequence computes may depend on what else is
-// in its step. Prefill chunks therefore have fixed boundaries, positions
-// [k * L, (k + 1) * L) with L = min(engine prefill_chunk, max_batch_tokens -
-// max_seqs + 1), and a chunk that does not fit the step's remaining budget
-// waits whole (L guarantees the oldest prefill always fits). Every token is
-// computed in the entry shape a lone run (`kvstack run`) gives it, because
-// the attention kernel's one-token (decode) path and its chunk (prefill)
-// path round differently: prompt tokens always in chunks of >= 2 tokens
-// (the boundary before the last prompt token moves one token earlier, and
-// a prefix-cache hit stops at least two tokens before the prompt's end),
-// sampled tokens always as one-token entries, also when they are recomputed
-// after a preemption (one per step). Logits are one row per entry. The rest
-// is up to the kernels: a row's matmul and attention result must not depend
-// on the other rows of the step (ops/, attention/; BatchInvariance tests in
-// scheduler_test.cpp measure it). Sequences whose
-// chunk reaches the end of their known tokens get a logits row and sample
-// their next token in the same step.
+// in its step. Prefill chunks are therefore cut at fixed absolute positions,
+// by the rule Engine::prefill() uses too (prefill_chunk_end() in engine.h:
+// multiples of L = min(engine prefill_chunk, max_batch_tokens - max_seqs +
+// 1), the boundary before the last prompt token moved one token earlier),
+// and a chunk that does not fit the step's remaining budget waits whole (L
+// guarantees the oldest prefill always fits). Every token is computed in the
+// entry shape a lone run (`kvstack run`) gives it, because the attention
+// kernel's one-token (decode) path and its chunk (prefill) path round
+// differently: prompt tokens always in chunks of >= 2 tokens (a prefix-cache
+// hit stops at least two tokens before the prompt's end; the first chunk
+// after it runs up to the next boundary), sampled tokens always as one-token
+// entries, also when they are recomputed after a preemption (one per step).
+// Where a chunk starts matters too for long prompts (the attention kernel's
+// prefill rows depend on n_past there), so `kvstack run` matches only with
+// the same chunk length L (`kvstack serve`'s default step budget gives L =
+// --prefill-chunk). Logits are one row per entry. The rest is
+// up to the kernels: a row's matmul and attention result must not depend on
+// the other rows of the step (ops/, attention/; the BatchInvariance tests in
+// scheduler_test.cpp require it bit for bit). Sequences whose chunk reaches
+// the end of their known tokens get a logits row and sample their next token
+// in the same step.
 //
 // Sequence state (spec section 2): `tokens` holds the prompt and every
 // sampled token; the table holds the written prefix (table.length()). The
@@ -230,14 +235,16 @@ class Scheduler {
   void preempt(size_t running_index);
   int64_t reserve_blocks(const Choice& s) const;
   int64_t target_tokens(const Choice& s) const;
-  // Prefill chunk length: chunk k of a sequence covers positions
-  // [k * L, (k + 1) * L), so the split is a function of the tokens alone.
+  // Prefill chunk length L for prefill_chunk_end() (see the header comment).
   int64_t prefill_chunk_tokens() const;
-  // Tokens of the sequence's next prefill entry (fixed boundaries, see the
-  // header comment). REQUIRES: n_unwritten() > 1.
+  // Tokens of the sequence's next prefill entry: prefill_chunk_end() for
+  // prompt tokens, 1 for recomputed sampled tokens. REQUIRES: n_unwritten() > 1.
   int64_t prefill_take(const Choice& s, int64_t chunk) const;
   // Adopts the longest usable cached prefix of s.tokens; returns its tokens.
   int64_t adopt_prefix(Choice& s);
+  // Re-adopts one token less when a prompt hit of `hit` tokens would make
+  // the first prefill entry longer than L; returns the tokens adopted.
+  int64_t trim_prefix_hit(Choice& s, int64_t hit);
   void sample_and_emit(Choice& s, const float* logits);
   void finish_seq(Choice& s, FinishReason reason, std::string tail);
   void fail_request(Request& r, const Status& st);
