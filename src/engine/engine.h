@@ -38,7 +38,7 @@ struct EngineConfig {
   int kv_residual = 128;
   KvDtype key_dtype() const { return kv_dtype_k.value_or(kv_dtype); }
   KvDtype value_dtype() const { return kv_dtype_v.value_or(kv_dtype); }
-  KvRotation kv_rotation = KvRotation::kNone;  // --kv-rotate: Q/K rotation before K is stored
+  KvRotation kv_rotation = KvRotation::kNone;  // --kv-rotate: Q/K/V rotation before K/V are stored
   uint64_t kv_cache_mem = 0;                   // bytes for the pool (0 = use kv_cache_tokens)
   int64_t kv_cache_tokens = 0;  // tokens for the pool (0 = the model's context length)
   int prefill_chunk = 512;      // max tokens per prefill step
