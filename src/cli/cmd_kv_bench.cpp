@@ -117,9 +117,9 @@ Result<double> kernel_step_seconds(KvDtype dtype, int n_layers, int n_q_heads, i
 }
 
 // Decode tokens/s of the engine with its cache holding `ctx` random tokens.
-// A context the model cannot hold with `steps` more tokens is filled to the
-// model's limit minus the steps instead (8192 on an 8K model: 8160 tokens,
-// then 32 decode steps), said on stderr.
+// A context the model cannot hold with the warm-up step and `steps` more
+// tokens is filled to the model's limit minus those instead (8192 on an 8K
+// model: 8159 tokens, then 1 + 32 decode steps), said on stderr.
 Result<double> e2e_tokens_per_s(EngineConfig cfg, int64_t ctx, int steps) {
   cfg.kv_cache_tokens = ctx + steps + cfg.block_size;
   cfg.kv_cache_mem = 0;
@@ -127,15 +127,15 @@ Result<double> e2e_tokens_per_s(EngineConfig cfg, int64_t ctx, int steps) {
   if (!e) return e.error();
   Engine& eng = **e;
   const ModelConfig& mc = eng.model().config();
-  if (ctx + steps > mc.n_ctx_train) {
-    if (steps >= mc.n_ctx_train) {
+  if (ctx + 1 + steps > mc.n_ctx_train) {  // + 1: the warm-up step
+    if (steps + 1 >= mc.n_ctx_train) {
       return make_error(Errc::kInvalidArgument, "kv-bench: --e2e-steps " + std::to_string(steps) +
                                                     " exceeds the model's context " +
                                                     std::to_string(mc.n_ctx_train));
     }
-    const int64_t fill = mc.n_ctx_train - steps;
+    const int64_t fill = mc.n_ctx_train - 1 - steps;
     std::fprintf(stderr,
-                 "kv-bench: --e2e-ctx %lld + %d steps exceeds the model's context of %lld "
+                 "kv-bench: --e2e-ctx %lld + 1 + %d steps exceeds the model's context of %lld "
                  "tokens: filling %lld tokens instead\n",
                  static_cast<long long>(ctx), steps, static_cast<long long>(mc.n_ctx_train),
                  static_cast<long long>(fill));
