@@ -235,6 +235,7 @@ TEST_P(RotatedQuantCache, PrefillDecodeAndForkMatchReferenceOverStoredRotatedKv)
     // Fork: adopts the full blocks of `seq` (stored once, quantized, rotated).
     const int n_shared = n_prompt / block_size;
     std::vector<BlockRef> refs;
+    refs.reserve(n_shared);
     for (int i = 0; i < n_shared; ++i) refs.push_back(seq.share_block(i));
     BlockTable fork(pool);
     fork.adopt_prefix(std::move(refs));
