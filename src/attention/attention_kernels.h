@@ -134,4 +134,11 @@ class ScratchBuffer {
 // The calling thread's kernel scratch.
 ScratchBuffer& thread_scratch();
 
+// Combines the split-K pieces of query vector v, in piece order, into its
+// normalised output dst [head_dim]. Piece k is at parts + k * part_floats,
+// laid out [m: n_vec][l: n_vec][acc: n_vec, head_dim]; a piece that saw no
+// key (m = -inf) is skipped.
+void merge_split_k(const float* parts, int n_parts, int64_t part_floats, int n_vec, int v,
+                   int head_dim, float* dst);
+
 }  // namespace kvstack::attn_detail

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "attention/attention_kernels.h"
 #include "attention/attention_kivi_kernels.h"
 #include "core/half.h"
 #include "kv/kivi_codec.h"
@@ -287,23 +288,8 @@ Status paged_attention_kivi_isa(Isa isa, const PagedKvLayerView& kv, const AttnP
   for (const SplitRow& sr : splits) {
     const AttnSeq& s = seqs[static_cast<size_t>(sr.seq)];
     for (int j = 0; j < n_rep; ++j) {
-      float m_max = -std::numeric_limits<float>::infinity();
-      for (int k = 0; k < sr.n_parts; ++k) {
-        m_max = std::max(m_max, partials[sr.first_part + k * part_floats + j]);
-      }
-      float* out = s.out + (int64_t{sr.head} * n_rep + j) * d;
-      std::fill(out, out + d, 0.0f);
-      float l_sum = 0.0f;
-      for (int k = 0; k < sr.n_parts; ++k) {
-        const float* part = partials.data() + sr.first_part + k * part_floats;
-        if (part[j] == -std::numeric_limits<float>::infinity()) continue;  // saw no key
-        const float wgt = std::exp(part[j] - m_max);
-        l_sum += wgt * part[n_rep + j];
-        const float* acc = part + 2 * n_rep + int64_t{j} * d;
-        for (int c = 0; c < d; ++c) out[c] += wgt * acc[c];
-      }
-      const float inv = l_sum > 0.0f ? 1.0f / l_sum : 0.0f;
-      for (int c = 0; c < d; ++c) out[c] *= inv;
+      attn_detail::merge_split_k(partials.data() + sr.first_part, sr.n_parts, part_floats, n_rep, j,
+                                 d, s.out + (int64_t{sr.head} * n_rep + j) * d);
     }
   }
   return {};

@@ -306,28 +306,32 @@ void run_attention(bool use_avx2, const PagedKvLayerView& kv, const AttnParams& 
     const int n_vec = mg.n_rows * g * mg.n_heads;
     const int64_t slot_floats = int64_t{n_vec} * (d + 2);
     for (int v = 0; v < n_vec; ++v) {
-      float m_max = -std::numeric_limits<float>::infinity();
-      for (int pi = 0; pi < mg.n_parts; ++pi) {
-        m_max = std::max(m_max, partials[mg.first_offset + pi * slot_floats + v]);
-      }
       // One query row: vector v is q head kv_head * g + v (any n_heads).
       float* dst = mg.n_rows == 1 ? s.out + mg.row0 * row_stride + (int64_t{mg.kv_head} * g + v) * d
                                   : s.out + (mg.row0 + v / g) * row_stride +
                                         (int64_t{mg.kv_head} * g + v % g) * d;
-      std::fill(dst, dst + d, 0.0f);
-      float l_sum = 0.0f;
-      for (int pi = 0; pi < mg.n_parts; ++pi) {
-        const float* slot = partials + mg.first_offset + pi * slot_floats;
-        if (slot[v] == -std::numeric_limits<float>::infinity()) continue;  // saw no key
-        const float w = std::exp(slot[v] - m_max);
-        l_sum += w * slot[n_vec + v];
-        const float* acc = slot + 2 * n_vec + int64_t{v} * d;
-        for (int c = 0; c < d; ++c) dst[c] += w * acc[c];
-      }
-      const float inv = l_sum > 0.0f ? 1.0f / l_sum : 0.0f;
-      for (int c = 0; c < d; ++c) dst[c] *= inv;
+      merge_split_k(partials + mg.first_offset, mg.n_parts, slot_floats, n_vec, v, d, dst);
     }
   });
+}
+
+void merge_split_k(const float* parts, int n_parts, int64_t part_floats, int n_vec, int v,
+                   int head_dim, float* dst) {
+  const int d = head_dim;
+  float m_max = -std::numeric_limits<float>::infinity();
+  for (int pi = 0; pi < n_parts; ++pi) m_max = std::max(m_max, parts[pi * part_floats + v]);
+  std::fill(dst, dst + d, 0.0f);
+  float l_sum = 0.0f;
+  for (int pi = 0; pi < n_parts; ++pi) {
+    const float* slot = parts + pi * part_floats;
+    if (slot[v] == -std::numeric_limits<float>::infinity()) continue;  // saw no key
+    const float w = std::exp(slot[v] - m_max);
+    l_sum += w * slot[n_vec + v];
+    const float* acc = slot + 2 * n_vec + int64_t{v} * d;
+    for (int c = 0; c < d; ++c) dst[c] += w * acc[c];
+  }
+  const float inv = l_sum > 0.0f ? 1.0f / l_sum : 0.0f;
+  for (int c = 0; c < d; ++c) dst[c] *= inv;
 }
 
 }  // namespace attn_detail
