@@ -13,7 +13,7 @@
 // or per-group (int4) scale is applied once per key (and group) after the
 // dot, the int4 minimum through sum(q) of the group; for V the scale is
 // folded into the softmax weight and the int4 minimum into one per-group sum
-// of weights. The rows two chunks ahead (every KV head of the tile) are
+// of weights. The next chunk's rows (every KV head of the tile) are
 // prefetched while a chunk is computed: with scattered blocks the hardware
 // prefetcher loses the stream at every block boundary.
 //
@@ -37,6 +37,9 @@ namespace kvstack::attn_detail {
 namespace {
 
 constexpr int kChunk = 32;  // keys per chunk (multiple of 16)
+// Decode: chunk i + kAhead is prefetched while chunk i is computed (2 and 3
+// measured no faster).
+constexpr int kAhead = 1;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Software prefetch of the next chunk's K/V lines, spread over the current
@@ -45,6 +48,9 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // arithmetic instead of queueing behind each other in one burst (a burst of
 // a few hundred prefetches fills the miss buffers and stalls the kernel).
 // The share is calibrated from the number of steps the previous chunk took.
+// The lines are queued as runs of consecutive lines (the rows of one KV head
+// in one block are adjacent), a few per chunk, so queueing costs next to
+// nothing beside the kernel.
 class KvPrefetch {
  public:
   // Queues every line of positions (base[j], slot[j]), j < n, of the tile's
@@ -53,19 +59,35 @@ class KvPrefetch {
              int v_row_bytes);
   KV_AVX2 void step() {
     ++n_steps_;
-    const size_t e = std::min(lines_.size(), next_ + per_step_);
-    for (; next_ < e; ++next_) _mm_prefetch(lines_[next_], _MM_HINT_T0);
+    for (size_t k = 0; k < per_step_ && run_ < runs_.size(); ++k) issue_one();
   }
   KV_AVX2 void flush() {
-    for (; next_ < lines_.size(); ++next_) _mm_prefetch(lines_[next_], _MM_HINT_T0);
+    while (run_ < runs_.size()) issue_one();
   }
 
  private:
+  struct Run {
+    const char* first;  // 64-byte aligned
+    int64_t n_lines;
+  };
+  KV_AVX2 void issue_one() {
+    const Run& r = runs_[run_];
+    _mm_prefetch(r.first + 64 * line_, _MM_HINT_T0);
+    if (++line_ == r.n_lines) {
+      line_ = 0;
+      ++run_;
+    }
+  }
+  // Appends the lines of [p, end) to the queue, merged with the last run
+  // when they continue it.
+  void add_range(const uint8_t* p, const uint8_t* end);
   void add_stream(const HeadStream& s, int hh, const int64_t* base, const int32_t* slot, int n,
                   int row_bytes);
 
-  std::vector<const char*> lines_;  // grows only: no allocation in steady state
-  size_t next_ = 0;
+  std::vector<Run> runs_;  // grows only: no allocation in steady state
+  size_t run_ = 0;         // next run to issue from
+  int64_t line_ = 0;       // next line of runs_[run_]
+  size_t n_lines_ = 0;     // lines queued by the last start()
   size_t per_step_ = 0;
   size_t n_steps_ = 0;  // step() calls since start()
 };
@@ -595,23 +617,36 @@ inline void stream_rows(const HeadStream& s, int hh, const int64_t* base, const 
   for (int j = 0; j < n; ++j) metas[j] = meta + base[j] + slot[j] * s.meta_slot_stride;
 }
 
+void KvPrefetch::add_range(const uint8_t* p, const uint8_t* end) {
+  const auto a0 = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+  const auto a1 = (reinterpret_cast<uintptr_t>(end) + 63) & ~uintptr_t{63};
+  const auto* first = reinterpret_cast<const char*>(a0);
+  const auto n_lines = static_cast<int64_t>((a1 - a0) / 64);
+  n_lines_ += static_cast<size_t>(n_lines);
+  if (!runs_.empty() && runs_.back().first + 64 * runs_.back().n_lines >= first &&
+      runs_.back().first <= first) {  // continues (or overlaps) the last run
+    Run& r = runs_.back();
+    r.n_lines = std::max(r.n_lines, (first - r.first) / 64 + n_lines);
+    return;
+  }
+  runs_.push_back(Run{first, n_lines});
+}
+
 void KvPrefetch::add_stream(const HeadStream& s, int hh, const int64_t* base, const int32_t* slot,
                             int n, int row_bytes) {
-  const int row_lines = (row_bytes + 63) / 64;
-  const size_t n_lines = static_cast<size_t>(n) * row_lines + (s.meta != nullptr ? (n + 7) / 8 : 0);
-  size_t at = lines_.size();
-  lines_.resize(at + n_lines);
-  const char** out = lines_.data();
   const uint8_t* data = s.data + hh * s.head_stride;
-  for (int j = 0; j < n; ++j) {
-    const char* r = reinterpret_cast<const char*>(data + base[j] + slot[j] * s.slot_stride);
-    for (int b = 0; b < row_lines; ++b) out[at++] = r + 64 * b;
-  }
-  if (s.meta != nullptr) {  // metadata rows are small: one line per block or so
-    const uint8_t* meta = s.meta + hh * s.meta_head_stride;
-    for (int j = 0; j < n; j += 8) {
-      out[at++] = reinterpret_cast<const char*>(meta + base[j] + slot[j] * s.meta_slot_stride);
+  const uint8_t* meta = s.meta == nullptr ? nullptr : s.meta + hh * s.meta_head_stride;
+  for (int j0 = 0; j0 < n;) {  // one run per stretch of consecutive slots of one block
+    int j1 = j0 + 1;
+    while (j1 < n && base[j1] == base[j0] && slot[j1] == slot[j1 - 1] + 1) ++j1;
+    add_range(data + base[j0] + slot[j0] * s.slot_stride,
+              data + base[j1 - 1] + slot[j1 - 1] * s.slot_stride + row_bytes);
+    if (meta != nullptr) {  // per-row metadata, or one per-block record (stride 0)
+      add_range(meta + base[j0] + slot[j0] * s.meta_slot_stride,
+                meta + base[j1 - 1] + slot[j1 - 1] * s.meta_slot_stride +
+                    std::max<int64_t>(s.meta_slot_stride, 1));
     }
+    j0 = j1;
   }
 }
 
@@ -619,8 +654,10 @@ void KvPrefetch::start(const TileArgs& a, const int64_t* base, const int32_t* sl
                        int k_row_bytes, int v_row_bytes) {
   flush();
   const size_t steps = n_steps_;
-  lines_.clear();
-  next_ = 0;
+  runs_.clear();
+  run_ = 0;
+  line_ = 0;
+  n_lines_ = 0;
   n_steps_ = 0;
   for (int hh = 0; hh < a.n_heads; ++hh) {  // in the order the kernel reads them
     add_stream(a.k, hh, base, slot, n, k_row_bytes);
@@ -629,7 +666,7 @@ void KvPrefetch::start(const TileArgs& a, const int64_t* base, const int32_t* sl
   // First chunk of a tile: about one q.K step per key pair and one p.V step
   // per key for every head.
   const size_t n_est = steps > 0 ? steps : static_cast<size_t>(a.n_heads) * n * 3 / 2;
-  per_step_ = (lines_.size() + n_est - 1) / n_est;
+  per_step_ = (n_lines_ + n_est - 1) / n_est;
 }
 
 // --------------------------------------------------------------- prefill --
@@ -731,32 +768,37 @@ KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
   const int32_t t_end = std::min(a.key_end, a.pos0 + 1);
   const int k_row_bytes = d * kf.code_bits / 8;
   const int v_row_bytes = d * vf.code_bits / 8;
-  int64_t base[2][kChunk];
-  int32_t slot[2][kChunk];
+  // Slots of chunks i .. i + kAhead (a ring): while chunk i is computed,
+  // chunk i + kAhead is prefetched (KvPrefetch); the first kAhead chunks'
+  // lines are requested at once.
+  int64_t base[kAhead + 1][kChunk];
+  int32_t slot[kAhead + 1][kChunk];
   const uint8_t* kp[kChunk + 8];  // + padding for qk_any
   const uint8_t* km[kChunk + 8];
   const uint8_t* vp[kChunk];
   const uint8_t* vm[kChunk];
-  // While chunk i is computed, chunk i + 1 is prefetched (KvPrefetch);
-  // chunk 0's lines are requested at once.
   KvPrefetch& pf = tl_prefetch;
-  int cur = 0;
-  if (t_begin < t_end) {
-    const int n0 = std::min<int32_t>(kChunk, t_end - t_begin);
-    chunk_slots(a, t_begin, n0, base[0], slot[0]);
-    pf.start(a, base[0], slot[0], n0, k_row_bytes, v_row_bytes);
-    pf.flush();
+  for (int i = 0; i < kAhead; ++i) {
+    const int32_t c = t_begin + i * kChunk;
+    if (c >= t_end) break;
+    const int n0 = std::min<int32_t>(kChunk, t_end - c);
+    chunk_slots(a, c, n0, base[i], slot[i]);
+    pf.start(a, base[i], slot[i], n0, k_row_bytes, v_row_bytes);
   }
+  pf.flush();
+  int cur = 0;
   for (int32_t c0 = t_begin; c0 < t_end; c0 += kChunk) {
     const int n = std::min<int32_t>(kChunk, t_end - c0);
     const int64_t* cb = base[cur];
     const int32_t* cs = slot[cur];
-    if (c0 + kChunk < t_end) {
-      const int n1 = std::min<int32_t>(kChunk, t_end - c0 - kChunk);
-      chunk_slots(a, c0 + kChunk, n1, base[cur ^ 1], slot[cur ^ 1]);
-      pf.start(a, base[cur ^ 1], slot[cur ^ 1], n1, k_row_bytes, v_row_bytes);
+    const int32_t ca = c0 + kAhead * kChunk;
+    if (ca < t_end) {
+      const int ra = (cur + kAhead) % (kAhead + 1);
+      const int na = std::min<int32_t>(kChunk, t_end - ca);
+      chunk_slots(a, ca, na, base[ra], slot[ra]);
+      pf.start(a, base[ra], slot[ra], na, k_row_bytes, v_row_bytes);
     }
-    cur ^= 1;
+    cur = (cur + 1) % (kAhead + 1);
     for (int hh = 0; hh < a.n_heads; ++hh) {
       stream_rows(a.k, hh, cb, cs, n, kp, km);
       stream_rows(a.v, hh, cb, cs, n, vp, vm);
