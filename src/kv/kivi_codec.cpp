@@ -20,27 +20,6 @@ uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
-// Largest f16 <= x / smallest f16 >= x (x finite, |x| <= 65504).
-uint16_t f16_round_down(float x) {
-  uint16_t h = f32_to_f16(x);
-  if (f16_to_f32(h) <= x) return h;
-  if ((h & 0x8000u) != 0) return static_cast<uint16_t>(h + 1);  // more negative
-  return h == 0 ? static_cast<uint16_t>(0x8001u) : static_cast<uint16_t>(h - 1);
-}
-uint16_t f16_round_up(float x) {
-  uint16_t h = f32_to_f16(x);
-  if (f16_to_f32(h) >= x) return h;
-  if ((h & 0x8000u) == 0) return static_cast<uint16_t>(h + 1);
-  return h == 0x8000u ? static_cast<uint16_t>(1) : static_cast<uint16_t>(h - 1);
-}
-
-uint8_t quantize(float x, float s, float m, int qmax) {
-  if (s == 0.0f) return 0;
-  const float q = std::nearbyint((x - m) / s);
-  if (!(q > 0.0f)) return 0;
-  return q >= static_cast<float>(qmax) ? static_cast<uint8_t>(qmax) : static_cast<uint8_t>(q);
-}
-
 Status check_dtype(KvDtype dtype, int head_dim) {
   if (!kv_dtype_is_kivi(dtype)) {
     return make_error(Errc::kInvalidArgument, "not a KIVI KV dtype");
@@ -117,36 +96,19 @@ void kivi_pack_codes(int bits, const uint8_t* q, int d, uint8_t* codes) {
   }
 }
 
-void kivi_group_params(int bits, const float* x, int64_t stride, int n, uint16_t* scale,
-                       uint16_t* min) {
-  float lo = x[0];
-  float hi = x[0];
-  for (int i = 1; i < n; ++i) {
-    lo = std::fmin(lo, x[i * stride]);
-    hi = std::fmax(hi, x[i * stride]);
-  }
-  const uint16_t m = f16_round_down(lo);
-  const float range = hi - f16_to_f32(m);
-  const int qmax = (1 << bits) - 1;
-  *min = m;
-  *scale = range > 0.0f ? f16_round_up(range / static_cast<float>(qmax)) : 0;
-}
-
 void kivi_encode_key_group(int bits, const float* x, int64_t x_stride, int n_tokens, int d,
                            uint8_t* codes, int64_t code_stride, uint8_t* meta) {
-  const int qmax = (1 << bits) - 1;
   uint8_t q[kKiviMaxKeyGroup][512];
+  uint8_t qc[kKiviMaxKeyGroup];
   KV_CHECK(n_tokens >= 1 && n_tokens <= kKiviMaxKeyGroup, "kivi key group: bad token count");
   for (int c0 = 0; c0 < d; c0 += 512) {
     const int nc = d - c0 < 512 ? d - c0 : 512;
     for (int c = 0; c < nc; ++c) {
       uint16_t sh, mh;
-      kivi_group_params(bits, x + c0 + c, x_stride, n_tokens, &sh, &mh);
+      asym_quant_fit(bits, x + c0 + c, x_stride, n_tokens, &sh, &mh, qc);
       store_u16(meta + 4 * (c0 + c), sh);
       store_u16(meta + 4 * (c0 + c) + 2, mh);
-      const float s = f16_to_f32(sh);
-      const float m = f16_to_f32(mh);
-      for (int t = 0; t < n_tokens; ++t) q[t][c] = quantize(x[t * x_stride + c0 + c], s, m, qmax);
+      for (int t = 0; t < n_tokens; ++t) q[t][c] = qc[t];
     }
     for (int t = 0; t < n_tokens; ++t) {
       kivi_pack_codes(bits, q[t], nc, codes + t * code_stride + c0 * bits / 8);
@@ -168,18 +130,13 @@ void kivi_decode_key_row(int bits, const uint8_t* codes, const uint8_t* meta, in
 }
 
 void kivi_encode_value_row(int bits, const float* x, int d, uint8_t* codes, uint8_t* meta) {
-  const int qmax = (1 << bits) - 1;
-  uint8_t q[32];
+  uint8_t q[kKiviValueGroup];
   for (int g = 0; g < d / kKiviValueGroup; ++g) {
-    const float* xg = x + 32 * g;
     uint16_t sh, mh;
-    kivi_group_params(bits, xg, 1, 32, &sh, &mh);
+    asym_quant_fit(bits, x + kKiviValueGroup * g, 1, kKiviValueGroup, &sh, &mh, q);
     store_u16(meta + 4 * g, sh);
     store_u16(meta + 4 * g + 2, mh);
-    const float s = f16_to_f32(sh);
-    const float m = f16_to_f32(mh);
-    for (int j = 0; j < 32; ++j) q[j] = quantize(xg[j], s, m, qmax);
-    kivi_pack_codes(bits, q, 32, codes + g * 4 * bits);
+    kivi_pack_codes(bits, q, kKiviValueGroup, codes + g * 4 * bits);
   }
 }
 

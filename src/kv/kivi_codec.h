@@ -4,9 +4,10 @@
 // the reference every SIMD path is tested against.
 //
 // Asymmetric quantization, q = clamp(round((x - m) / s), 0, 2^w - 1),
-// x_hat = fma(s, q, m), with s and m stored as f16. m is rounded down and s
-// up to f16, so every x of a group lies in [m, m + (2^w - 1) s] and the
-// round-trip error is at most s / 2 (plus f32 rounding).
+// x_hat = fma(s, q, m), with s and m stored as f16 and chosen per group by
+// asym_quant_fit() (kv_codec.h): the smallest squared error among the
+// min-max fit and least-squares refits, so a clipped outlier may be off by
+// more than s / 2 while the group's total error is never above min-max's.
 //   keys    one group = G consecutive tokens of one channel of one KV head
 //           (KIVI: key outliers are channel-wise). Metadata per (block, head):
 //           [P / G][head_dim] pairs (f16 scale, f16 min).
@@ -67,10 +68,5 @@ void kivi_decode_key_row(int bits, const uint8_t* codes, const uint8_t* meta, in
 // Values: one (token, head) row of d values; meta receives d / 32 pairs.
 void kivi_encode_value_row(int bits, const float* x, int d, uint8_t* codes, uint8_t* meta);
 void kivi_decode_value_row(int bits, const uint8_t* codes, const uint8_t* meta, int d, float* out);
-
-// The f16 metadata of one group of n values (stride apart): scale s and min m
-// as f16 bits, m <= min(x) and m + (2^bits - 1) s >= max(x). Exposed for tests.
-void kivi_group_params(int bits, const float* x, int64_t stride, int n, uint16_t* scale,
-                       uint16_t* min);
 
 }  // namespace kvstack

@@ -225,30 +225,82 @@ void int8_encode_row(const float* x, int d, uint8_t* codes, uint8_t* meta) {
   }
 }
 
+namespace {
+
+// Codes of n values (stride apart) for (scale, min) = (s, m), and the
+// squared error of their decoded values fma(s, q, m).
+double asym_codes(const float* x, int64_t stride, int n, float s, float m, int qmax, uint8_t* q) {
+  double err = 0.0;
+  for (int i = 0; i < n; ++i) {
+    const float v = x[i * stride];
+    const float c =
+        s > 0.0f ? std::clamp(std::nearbyint((v - m) / s), 0.0f, static_cast<float>(qmax)) : 0.0f;
+    q[i] = static_cast<uint8_t>(c);
+    const double e = static_cast<double>(std::fma(s, c, m)) - v;
+    err += e * e;
+  }
+  return err;
+}
+
+}  // namespace
+
+void asym_quant_fit(int bits, const float* x, int64_t stride, int n, uint16_t* scale, uint16_t* min,
+                    uint8_t* q) {
+  KV_CHECK(n >= 1 && n <= kAsymQuantMaxN && bits >= 1 && bits <= 8, "asym_quant_fit: bad shape");
+  const int qmax = (1 << bits) - 1;
+  float mn = x[0], mx = x[0];
+  for (int i = 1; i < n; ++i) {
+    mn = std::min(mn, x[i * stride]);
+    mx = std::max(mx, x[i * stride]);
+  }
+  // Min-max: min rounded down and scale up, so that no code clamps.
+  uint16_t best_m = f16_round_down(mn);
+  const float range = (mx - f16_to_f32(best_m)) / static_cast<float>(qmax);
+  uint16_t best_s = range > 0.0f ? f16_round_up(range) : 0;
+  if (range > 0.0f && best_s == 0) best_s = 1;
+  double best = asym_codes(x, stride, n, f16_to_f32(best_s), f16_to_f32(best_m), qmax, q);
+  uint8_t t[kAsymQuantMaxN];
+  for (int k = -10; k <= 10 && mx > mn && best > 0.0;
+       ++k) {  // ranges of qmax - 1 .. qmax + 1 steps
+    const float iscale = (static_cast<float>(qmax) + 0.1f * static_cast<float>(k)) / (mx - mn);
+    double sl = 0, sll = 0, sx = 0, slx = 0;
+    for (int i = 0; i < n; ++i) {
+      const float v = x[i * stride];
+      const double l =
+          std::clamp(std::nearbyint(iscale * (v - mn)), 0.0f, static_cast<float>(qmax));
+      sl += l;
+      sll += l * l;
+      sx += v;
+      slx += l * v;
+    }
+    const double det = n * sll - sl * sl;  // 0 when every code is equal
+    if (!(det > 0.0)) continue;
+    const double s_fit = (n * slx - sl * sx) / det;
+    const double m_fit = (sll * sx - sl * slx) / det;
+    if (!(s_fit > 0.0) || s_fit > kF16Max || std::fabs(m_fit) > kF16Max) continue;
+    const uint16_t s16 = f32_to_f16(static_cast<float>(s_fit));
+    const uint16_t m16 = f32_to_f16(static_cast<float>(m_fit));
+    const double e = asym_codes(x, stride, n, f16_to_f32(s16), f16_to_f32(m16), qmax, t);
+    if (e < best) {
+      best = e;
+      best_s = s16;
+      best_m = m16;
+      std::memcpy(q, t, static_cast<size_t>(n));
+    }
+  }
+  *scale = best_s;
+  *min = best_m;
+}
+
 void int4_encode_row(const float* x, int d, uint8_t* codes, uint8_t* meta) {
   for (int g = 0; g < d / 32; ++g) {
-    const float* xg = x + 32 * g;
-    float mn = xg[0], mx = xg[0];
-    for (int i = 1; i < 32; ++i) {
-      mn = std::min(mn, xg[i]);
-      mx = std::max(mx, xg[i]);
-    }
-    const uint16_t m16 = f16_round_down(mn);
-    const float m = f16_to_f32(m16);
-    const float range = (mx - m) / 15.0f;
-    uint16_t s16 = f16_round_up(range);
-    if (range > 0.0f && s16 == 0) s16 = 1;
-    const float s = f16_to_f32(s16);
+    uint16_t s16, m16;
+    uint8_t q[32];
+    asym_quant_fit(4, x + 32 * g, 1, 32, &s16, &m16, q);
     store_u16(meta + 4 * g, s16);
     store_u16(meta + 4 * g + 2, m16);
     uint8_t* cg = codes + 16 * g;
-    for (int j = 0; j < 16; ++j) {
-      auto code = [&](float v) {
-        const float q = s > 0.0f ? std::nearbyint((v - m) / s) : 0.0f;
-        return static_cast<uint8_t>(std::clamp(q, 0.0f, 15.0f));
-      };
-      cg[j] = static_cast<uint8_t>(code(xg[j]) | (code(xg[16 + j]) << 4));
-    }
+    for (int j = 0; j < 16; ++j) cg[j] = static_cast<uint8_t>(q[j] | (q[16 + j] << 4));
   }
 }
 

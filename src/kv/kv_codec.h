@@ -71,6 +71,19 @@ void fp8_encode_row(const float* x, int d, float scale, uint8_t* codes);
 void int8_encode_row(const float* x, int d, uint8_t* codes, uint8_t* meta);
 void int4_encode_row(const float* x, int d, uint8_t* codes, uint8_t* meta);
 
+// Asymmetric quantization of n <= kAsymQuantMaxN values (stride apart) to
+// codes q[i] in [0, 2^bits - 1] with f16 scale and min, decoded as
+// fma(s, q, m): of the min-max fit (min rounded down, scale up: no code
+// clamps) and the least-squares (s, m) refits of the codes of ranges
+// stretched or shrunk by up to one step, the one with the smallest squared
+// error (llama.cpp's k-quants search similarly). Never worse than min-max;
+// one value may be off by more than half a step (clipped outliers). Used
+// by int4 (groups of 32 channels) and KIVI (kivi_codec.h). REQUIRES finite
+// x within the f16 range, 1 <= bits <= 8.
+inline constexpr int kAsymQuantMaxN = 64;
+void asym_quant_fit(int bits, const float* x, int64_t stride, int n, uint16_t* scale, uint16_t* min,
+                    uint8_t* q);
+
 // Scalar reference decoder for every dtype: out[i] = value of element i of
 // the row at `row` whose metadata is at `meta` (fp8: the block's f32 scale;
 // float formats: unused).

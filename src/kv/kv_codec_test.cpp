@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -152,18 +153,24 @@ void check_row(KvDtype t, const float* x, const float* y, const uint8_t* meta, i
       std::memcpy(&s16, meta + 4 * g, 2);
       std::memcpy(&m16, meta + 4 * g + 2, 2);
       const float s = f16_to_f32(s16), m = f16_to_f32(m16);
+      EXPECT_TRUE(std::isfinite(s) && s >= 0.0f && std::isfinite(m)) << what;
+      // The encoder searches (scale, min) for the smallest squared error; it
+      // must never do worse than the plain min-max fit, whose every element
+      // is within half a step: sum of (s_mm / 2)^2, s_mm = (max - min) / 15
+      // (plus f16 rounding of the min and scale).
       float mn = x[32 * g], mx = x[32 * g];
       for (int i = 0; i < 32; ++i) {
         mn = std::min(mn, x[32 * g + i]);
         mx = std::max(mx, x[32 * g + i]);
       }
-      EXPECT_LE(m, mn) << what;
-      EXPECT_LE(mn - m, std::fabs(mn) / 1024.0f + 6e-8f) << what;
-      EXPECT_LE(s, (mx - m) / 15.0f * (1.0f + 1.0f / 1024.0f) + 6e-8f) << what;
+      const double s_mm = (mx - mn + std::fabs(mn) / 1024.0) / 15.0 * (1.0 + 1.0 / 1024.0) + 6e-8;
+      double sse = 0.0;
       for (int i = 32 * g; i < 32 * g + 32; ++i) {
-        EXPECT_LE(std::fabs(x[i] - y[i]), s * 0.5f * (1.0f + 1e-5f) + std::fabs(x[i]) * 1e-6f)
-            << what << " " << i;
+        const double e = static_cast<double>(x[i]) - y[i];
+        sse += e * e;
       }
+      EXPECT_LE(sse, 32.0 * (s_mm / 2) * (s_mm / 2) * (1.0 + 1e-5) + 1e-30)
+          << what << " group " << g;
     }
   } else {  // fp8: meta is the block scale
     float scale;
@@ -258,6 +265,38 @@ TEST_P(CodecRoundTrip, RejectsNanInfAndOutOfRangeWithoutWriting) {
 INSTANTIATE_TEST_SUITE_P(Formats, CodecRoundTrip,
                          ::testing::Values(KvDtype::kFp8, KvDtype::kInt8, KvDtype::kInt4),
                          [](const auto& info) { return std::string(kv_dtype_name(info.param)); });
+
+// The (scale, min) search of int4 and KIVI (asym_quant_fit) must pay: on
+// Gaussian groups (what K and V look like after --kv-rotate) its squared
+// error is clearly below the min-max fit's, computed here independently.
+TEST(AsymQuantFit, RangeSearchBeatsMinMaxOnGaussianGroups) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  for (int bits : {2, 4}) {
+    const int qmax = (1 << bits) - 1;
+    std::vector<float> x(32);
+    uint8_t q[32];
+    double sse = 0.0, sse_mm = 0.0;
+    for (int r = 0; r < 1000; ++r) {
+      for (float& e : x) e = nd(rng);
+      uint16_t s16, m16;
+      asym_quant_fit(bits, x.data(), 1, 32, &s16, &m16, q);
+      const float s = f16_to_f32(s16), m = f16_to_f32(m16);
+      const auto [lo, hi] = std::minmax_element(x.begin(), x.end());
+      const double s_mm = (static_cast<double>(*hi) - *lo) / qmax;
+      for (int i = 0; i < 32; ++i) {
+        ASSERT_LE(q[i], qmax);
+        const double e = static_cast<double>(std::fma(s, static_cast<float>(q[i]), m)) - x[i];
+        sse += e * e;
+        const double c = std::nearbyint((x[i] - *lo) / s_mm);
+        sse_mm += (c * s_mm + *lo - x[i]) * (c * s_mm + *lo - x[i]);
+      }
+    }
+    std::printf("%d-bit squared error: search %.2f, min-max %.2f (ratio %.3f)\n", bits, sse, sse_mm,
+                sse / sse_mm);
+    EXPECT_LT(sse, 0.9 * sse_mm) << bits << " bits";
+  }
+}
 
 TEST(Fp8, BlockScaleGrowsAndRescalesEarlierSlots) {
   const int d = 32;
