@@ -13,12 +13,16 @@ fixed (--max-tokens). With --rate R (requests/s) requests arrive as a Poisson
 process (at most N in flight) instead of N closed-loop clients.
 
   bench/serve_load.py --kvstack-bin build/src/cli/kvstack \
-      [--llama-server-bin /path/to/llama-server | --llama-cpp-python-server] \
+      [--llama-server-bin build/llama-server/bin/llama-server | --llama-cpp-python-server] \
       [--concurrency 1,4,16] [--rounds 3]
 
 A server is started on 127.0.0.1 and a free port, with the same model,
 thread count and context, and stopped at the end. --url benchmarks an
 already running server instead (repeatable: --url NAME=http://host:port).
+
+bench/build_llama_server.sh builds the native llama-server from the
+llama.cpp source vendored in the pinned llama-cpp-python sdist (about 20
+CPU-minutes here).
 
 --llama-cpp-python-server starts `python -m llama_cpp.server` (the
 llama-cpp-python[server] extra) when no native llama-server is available. It
@@ -135,6 +139,18 @@ def one_request(base, i, max_tokens, mix="fixed", extra=None):
             "n_tokens": max_tokens}
 
 
+def slot_tokens(slot):
+    """KV cells a llama-server /slots entry holds for its running request."""
+    if "n_past" in slot:
+        return slot.get("n_past") or 0
+    if not slot.get("is_processing"):
+        return 0
+    nt = slot.get("next_token")
+    nt = nt[0] if isinstance(nt, list) and nt else nt if isinstance(nt, dict) else {}
+    return max(slot.get("n_prompt_tokens") or 0,
+               (slot.get("n_prompt_tokens_processed") or 0) + (nt.get("n_decoded") or 0))
+
+
 class KvSampler:
     """Polls the server's KV usage while a level runs; keeps the peak (bytes)."""
 
@@ -153,9 +169,12 @@ class KvSampler:
                 return p["blocks_used"] * p["block_bytes"]
             if self.name == "llama-cpp-python":
                 return 0  # no usage endpoint: bench() derives it from the requests
-            # llama-server: cells in use x bytes per cell (its /slots n_past).
+            # llama-server: cells in use x bytes per cell, from /slots: n_past
+            # in older versions; in newer ones a busy slot's n_prompt_tokens
+            # (which counts the tokens decoded so far too) or its processed
+            # prompt + n_decoded, whichever is larger.
             slots = requests.get(self.base + "/slots", timeout=5).json()
-            return sum(s.get("n_past", 0) or 0 for s in slots) * self.per_token
+            return sum(slot_tokens(s) for s in slots) * self.per_token
         except (requests.RequestException, ValueError, KeyError, TypeError):
             return 0
 
@@ -302,10 +321,12 @@ def main():
         if not a.url and a.llama_server_bin:
             port = free_port()
             # Continuous batching, one slot per client, the same KV tokens in
-            # total (unified cache), prompt cache on (cache_prompt per request).
+            # total (-kvu: one cache shared by the slots, as kvstack's pool;
+            # without it each slot gets ctx / np tokens), prompt cache on
+            # (cache_prompt per request).
             cmd = [a.llama_server_bin, "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
                    "-t", str(a.threads), "-tb", str(a.threads), "-c", str(a.ctx),
-                   "-np", str(max_c), "-cb", "--slots", *a.llama_extra.split()]
+                   "-np", str(max_c), "-kvu", "-cb", "--slots", *a.llama_extra.split()]
             print("#", " ".join(cmd), flush=True)
             procs.append(start(cmd, port))
             targets.append(("llama-server", procs[-1][1], {"cache_prompt": True}))
