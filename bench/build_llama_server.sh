@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
 case "${1:-}" in
-  --jobs) jobs=$2 ;;
+  --jobs) jobs=${2:?--jobs needs a number} ;;
   -h | --help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   "") ;;
   *) echo "build_llama_server.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
