@@ -17,7 +17,8 @@ process (at most N in flight) instead of N closed-loop clients.
       [--concurrency 1,4,16] [--rounds 3]
 
 A server is started on 127.0.0.1 and a free port, with the same model,
-thread count and context, and stopped at the end. --url benchmarks an
+thread count and context, warmed up with one short unmeasured request (not
+sharing the measured prompts' prefix) and stopped at the end. --url benchmarks an
 already running server instead (repeatable: --url NAME=http://host:port).
 
 bench/build_llama_server.sh builds the native llama-server from the
@@ -344,6 +345,10 @@ def main():
         if not targets:
             sys.exit("nothing to benchmark: build kvstack or pass --url / --llama-server-bin / "
                      "--llama-cpp-python-server")
+        # One short unmeasured request per server first: the first requests
+        # of a fresh process pay for page faults and lazy set-up.
+        for name, base, extra in targets:
+            one_request(base, -1, 8, "fixed", extra)
         per_token = kv_bytes_per_token(a.model)
         rows = []
         for r in range(a.rounds):
