@@ -12,8 +12,10 @@ a fixed seed:
 
 Every repetition runs each scenario once per engine, alternating which engine
 goes first, so slow phases of a shared machine hit both; the table shows the
-median of each engine and the ratio kvstack / llama.cpp (higher is better for
-kvstack). kvstack runs as a fresh `kvstack bench --json --reps 1` process per
+median of each engine, the ratio of the medians kvstack / llama.cpp (higher
+is better for kvstack) and "paired", the median of the per-repetition ratios
+(each pairs the two engines' runs of one phase of the machine, so it is the
+steadier figure when the machine drifts between repetitions). kvstack runs as a fresh `kvstack bench --json --reps 1` process per
 measurement; llama.cpp runs in this process (model loaded once, cache cleared
 before each measurement; decode is timed over single-token evals).
 
@@ -187,9 +189,14 @@ def main() -> int:
     for sc in todo:
         k = statistics.median(samples[sc.name]["kvstack"])
         l = statistics.median(samples[sc.name]["llama.cpp"])
+        # Per-repetition ratios pair the two engines' runs of one phase of
+        # the machine; their median is robust to the machine drifting
+        # between repetitions, which the ratio of medians is not.
+        paired = statistics.median(a / b for a, b in zip(samples[sc.name]["kvstack"],
+                                                         samples[sc.name]["llama.cpp"]))
         result["scenarios"][sc.name] = {
             "kvstack_tok_s": round(k, 2), "llamacpp_tok_s": round(l, 2),
-            "ratio": round(k / l, 3), "kvstack_samples": [round(x, 2) for x in
+            "ratio": round(k / l, 3), "paired_ratio": round(paired, 3), "kvstack_samples": [round(x, 2) for x in
                                                           samples[sc.name]["kvstack"]],
             "llamacpp_samples": [round(x, 2) for x in samples[sc.name]["llama.cpp"]]}
     if args.json:
@@ -197,10 +204,11 @@ def main() -> int:
         return 0
     print(f"model {model.name}, {args.threads} threads, f16 KV, n_batch 512, "
           f"medians of {args.reps} alternating reps")
-    print(f"{'scenario':15s} {'kvstack tok/s':>14s} {'llama.cpp tok/s':>16s} {'ratio':>7s}")
+    print(f"{'scenario':15s} {'kvstack tok/s':>14s} {'llama.cpp tok/s':>16s} {'ratio':>7s} "
+          f"{'paired':>7s}")
     for name, r in result["scenarios"].items():
         print(f"{name:15s} {r['kvstack_tok_s']:14.1f} {r['llamacpp_tok_s']:16.1f} "
-              f"{r['ratio']:7.2f}")
+              f"{r['ratio']:7.2f} {r['paired_ratio']:7.2f}")
     return 0
 
 
