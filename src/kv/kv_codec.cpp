@@ -259,18 +259,24 @@ void asym_quant_fit(int bits, const float* x, int64_t stride, int n, uint16_t* s
   uint16_t best_s = range > 0.0f ? f16_round_up(range) : 0;
   if (range > 0.0f && best_s == 0) best_s = 1;
   double best = asym_codes(x, stride, n, f16_to_f32(best_s), f16_to_f32(best_m), qmax, q);
+  if (!(mx > mn) || best == 0.0) {  // constant or exactly representable group
+    *scale = best_s;
+    *min = best_m;
+    return;
+  }
+  double sx = 0;
+  for (int i = 0; i < n; ++i) sx += x[i * stride];
   uint8_t t[kAsymQuantMaxN];
-  for (int k = -10; k <= 10 && mx > mn && best > 0.0;
-       ++k) {  // ranges of qmax - 1 .. qmax + 1 steps
+  // Ranges of qmax - 1 .. qmax + 1 steps over [mn, mx].
+  for (int k = -10; k <= 10; ++k) {
     const float iscale = (static_cast<float>(qmax) + 0.1f * static_cast<float>(k)) / (mx - mn);
-    double sl = 0, sll = 0, sx = 0, slx = 0;
+    double sl = 0, sll = 0, slx = 0;
     for (int i = 0; i < n; ++i) {
       const float v = x[i * stride];
       const double l =
           std::clamp(std::nearbyint(iscale * (v - mn)), 0.0f, static_cast<float>(qmax));
       sl += l;
       sll += l * l;
-      sx += v;
       slx += l * v;
     }
     const double det = n * sll - sl * sl;  // 0 when every code is equal
