@@ -83,16 +83,11 @@ struct Format {
   double max_quant_err;  // worst |x - stored| / row amax the format allows
 };
 
-// int4 picks each group's (scale, min) for the smallest squared error, never
-// above the min-max fit's 32 x (step / 2)^2 with step <= range / 15 <= 2 amax
-// / 15: one element is off by at most sqrt(32) such half steps.
-constexpr double kInt4MaxErr = 2 * 0.5 / 15 * 1.01 * 5.6569;
-
 const Format kFormats[] = {
     {"fp8", KvDtype::kFp8, KvDtype::kFp8, 1.0 / 16},
     {"int8", KvDtype::kInt8, KvDtype::kInt8, 0.5 / 127 * 1.01},
-    {"int4", KvDtype::kInt4, KvDtype::kInt4, kInt4MaxErr},
-    {"int4_k_f16_v", KvDtype::kInt4, KvDtype::kF16, kInt4MaxErr},
+    {"int4", KvDtype::kInt4, KvDtype::kInt4, testing::kInt4MaxErr},
+    {"int4_k_f16_v", KvDtype::kInt4, KvDtype::kF16, testing::kInt4MaxErr},
     {"int8_k_fp8_v", KvDtype::kInt8, KvDtype::kFp8, 1.0 / 16},
 };
 

@@ -23,6 +23,7 @@
 
 #include "core/half.h"
 #include "engine/forward.h"
+#include "engine/testing/logits_check.h"
 #include "engine/testing/synthetic_model.h"
 #include "kv/block_pool.h"
 #include "kv/block_table.h"
@@ -35,29 +36,14 @@
 namespace kvstack {
 namespace {
 
-using testing::make_synthetic_model;
 using testing::reference_last_logits;
 using testing::SyntheticSpec;
 using testing::SyntheticWeights;
 
-// float32 compute vs float64 reference over the same K/V (as forward_test).
-constexpr double kTol = 1e-4;
-
-double rel_err(const float* got, const std::vector<double>& ref) {
-  double num = 0, den = 1e-30;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    num = std::max(num, std::fabs(got[i] - ref[i]));
-    den = std::max(den, std::fabs(ref[i]));
-  }
-  return num / den;
-}
-
-std::unique_ptr<Model> load(const SyntheticWeights& w) {
-  auto model = Model::load(w.path);
-  std::remove(w.path.c_str());
-  EXPECT_TRUE(model.ok()) << model.error().message;
-  return model.ok() ? std::move(*model) : nullptr;
-}
+using testing::kInt4MaxErr;
+using testing::kLogitTol;
+using testing::load_synthetic_model;
+using testing::logits_rel_err;
 
 // The stored row (decoded, still in the rotated basis) of position `pos`,
 // KV head `h`, K (which 0) or V.
@@ -83,9 +69,9 @@ TEST(ForwardRotation, F32LogitsUnchangedAndCacheHoldsRotatedKeysAndValues) {
   SyntheticSpec spec;
   spec.seed = 33;
   spec.n_embd = 128;  // 4 q heads, 2 kv heads, head_dim 32
-  const SyntheticWeights w = make_synthetic_model(spec);
-  auto model = load(w);
-  ASSERT_NE(model, nullptr);
+  auto loaded = load_synthetic_model(spec);
+  ASSERT_TRUE(loaded.ok()) << loaded.error().message;
+  const std::unique_ptr<Model>& model = loaded->model;
   ThreadPool threads(2);
   Forward plain(*model, threads), rotated(*model, threads, KvRotation::kHadamard);
   auto layout =
@@ -172,11 +158,6 @@ struct Format {
   double max_quant_err;  // worst |R x - stored| / amax(R x) the format allows
 };
 
-// int4 picks each group's (scale, min) for the smallest squared error, never
-// above the min-max fit's 32 x (step / 2)^2 with step <= range / 15 <= 2 amax
-// / 15: one element is off by at most sqrt(32) such half steps.
-constexpr double kInt4MaxErr = 2 * 0.5 / 15 * 1.01 * 5.6569;
-
 struct Case {
   const char* name;
   SyntheticSpec spec;
@@ -186,9 +167,10 @@ class RotatedQuantCache : public ::testing::TestWithParam<Case> {};
 
 TEST_P(RotatedQuantCache, PrefillDecodeAndForkMatchReferenceOverStoredRotatedKv) {
   const SyntheticSpec spec = GetParam().spec;
-  const SyntheticWeights w = make_synthetic_model(spec);
-  auto model = load(w);
-  ASSERT_NE(model, nullptr);
+  auto loaded = load_synthetic_model(spec);
+  ASSERT_TRUE(loaded.ok()) << loaded.error().message;
+  const SyntheticWeights& w = loaded->weights;
+  const std::unique_ptr<Model>& model = loaded->model;
   ThreadPool threads(2);
   Forward fwd(*model, threads, KvRotation::kHadamard);
   std::mt19937 rng(spec.seed + 400);
@@ -227,7 +209,7 @@ TEST_P(RotatedQuantCache, PrefillDecodeAndForkMatchReferenceOverStoredRotatedKv)
       if (b == 0) junk.release();
       for (int j = b; j < e; ++j) {
         const auto ref = rotated_reference(w, prompt, j + 1, pool, seq, &worst);
-        ASSERT_LT(rel_err(logits.data() + (j - b) * spec.n_vocab, ref), kTol)
+        ASSERT_LT(logits_rel_err(logits.data() + (j - b) * spec.n_vocab, ref), kLogitTol)
             << "prefill position " << j;
       }
     }
@@ -235,7 +217,7 @@ TEST_P(RotatedQuantCache, PrefillDecodeAndForkMatchReferenceOverStoredRotatedKv)
       const StepSeq s{.table = &seq, .tokens = std::span<const int32_t>(&prompt[n_prompt + i], 1)};
       ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
       const auto ref = rotated_reference(w, prompt, n_prompt + i + 1, pool, seq, &worst);
-      ASSERT_LT(rel_err(logits.data(), ref), kTol) << "decode step " << i;
+      ASSERT_LT(logits_rel_err(logits.data(), ref), kLogitTol) << "decode step " << i;
     }
     // Fork: adopts the full blocks of `seq` (stored once, quantized, rotated).
     const int n_shared = n_prompt / block_size;
@@ -250,7 +232,7 @@ TEST_P(RotatedQuantCache, PrefillDecodeAndForkMatchReferenceOverStoredRotatedKv)
     ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
     const auto ref =
         rotated_reference(w, fork_tokens, static_cast<int>(fork_tokens.size()), pool, fork, &worst);
-    ASSERT_LT(rel_err(logits.data(), ref), kTol) << "fork";
+    ASSERT_LT(logits_rel_err(logits.data(), ref), kLogitTol) << "fork";
     EXPECT_LE(worst, f.max_quant_err) << "stored rows are not the quantized R k / R v";
     EXPECT_GT(worst, 0.0) << "no quantization error at all: K/V not quantized?";
     pool.check_invariants();
@@ -322,9 +304,10 @@ std::vector<double> rotated_kivi_reference(const SyntheticWeights& w,
 
 TEST(ForwardRotation, KiviGroupsForkAndPrefixHitMatchSameMomentReference) {
   const SyntheticSpec spec{.n_embd = 128, .n_heads = 2, .n_kv_heads = 1, .seed = 5};
-  const SyntheticWeights w = make_synthetic_model(spec);
-  auto model = load(w);
-  ASSERT_NE(model, nullptr);
+  auto loaded = load_synthetic_model(spec);
+  ASSERT_TRUE(loaded.ok()) << loaded.error().message;
+  const SyntheticWeights& w = loaded->weights;
+  const std::unique_ptr<Model>& model = loaded->model;
   ThreadPool threads(2);
   Forward fwd(*model, threads, KvRotation::kHadamard);
   std::mt19937 rng(spec.seed + 500);
@@ -347,7 +330,8 @@ TEST(ForwardRotation, KiviGroupsForkAndPrefixHitMatchSameMomentReference) {
       ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
       hist.insert(hist.end(), fresh.begin(), fresh.end());
       const auto ref = rotated_kivi_reference(w, hist, pool, t, before);
-      ASSERT_LT(rel_err(logits.data(), ref), kTol) << what << " at length " << t.length();
+      ASSERT_LT(logits_rel_err(logits.data(), ref), kLogitTol)
+          << what << " at length " << t.length();
     };
     BlockTable a(pool);
     std::vector<int32_t> ha;

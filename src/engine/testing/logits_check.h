@@ -1,7 +1,8 @@
 // Test helpers shared by the cache-equivalence tests (forward_test.cpp,
-// forward_quant_test.cpp): a parameterised fixture that loads a synthetic
-// model with a Forward over it, and the comparison of float32 logits rows
-// against the float64 reference (synthetic_model.h). Header-only: src/engine
+// forward_quant_test.cpp, forward_rotation_test.cpp): a parameterised fixture
+// that loads a synthetic model with a Forward over it, the comparison of
+// float32 logits rows against the float64 reference (synthetic_model.h) and
+// the int4 storage error bound. Header-only: src/engine
 // globs only its own folder into kvstack_engine, so nothing here is linked
 // into the library.
 #pragma once
@@ -31,6 +32,12 @@ namespace kvstack::testing {
 // margin over the typical accumulated error while any real bug (wrong
 // position, mask, head mapping, block addressing) changes logits by O(1).
 inline constexpr double kLogitTol = 1e-4;
+
+// Worst |x - stored| / row amax of an int4 row. The encoder picks each
+// group's (scale, min) for the smallest squared error, never above the
+// min-max fit's 32 x (step / 2)^2 with step <= range / 15 <= 2 amax / 15:
+// one element is off by at most sqrt(32) such half steps.
+inline constexpr double kInt4MaxErr = 2 * 0.5 / 15 * 1.01 * 5.6569;
 
 // Max |got[i] - ref[i]| over a logits row ([ref.size()] floats at `got`),
 // relative to the row's largest |ref[i]|.
