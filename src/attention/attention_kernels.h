@@ -32,10 +32,14 @@ struct HeadStream {
   const uint8_t* data = nullptr;  // view.k + kv_head * head_stride (or V's)
   const uint8_t* meta = nullptr;  // k_meta + kv_head * k_meta_head_stride; null for floats
   int64_t slot_stride = 0;        // bytes between positions of one block
-  int64_t meta_slot_stride = 0;   // bytes between positions' metadata (0: per-block metadata)
+  int64_t meta_slot_stride = 0;   // bytes between metadata records (0: per-block metadata)
   int64_t head_stride = 0;        // bytes from this KV head to the next (data)
   int64_t meta_head_stride = 0;   // same for the metadata
   KvDtype dtype = KvDtype::kF32;
+  // Slots sharing one metadata record: slot s's record is s / meta_group
+  // (1 for the per-row formats; G for a KIVI K, whose record is the d
+  // (scale, min) pairs of its key group, meta_slot_stride = 4 d bytes).
+  int meta_group = 1;
 };
 
 struct TileArgs {
@@ -82,10 +86,11 @@ inline const uint8_t* stream_row(const TileArgs& a, const HeadStream& s, int32_t
 inline const uint8_t* stream_meta(const TileArgs& a, const HeadStream& s, int32_t t) {
   if (s.meta == nullptr) return nullptr;
   return s.meta + a.block_table[t / a.block_size] * a.block_stride +
-         (t % a.block_size) * s.meta_slot_stride;
+         (t % a.block_size) / s.meta_group * s.meta_slot_stride;
 }
 
-// Streams of KV head h of a view (K and V each in their own format).
+// Streams of KV head h of a view (K and V each in their own format; a KIVI
+// K gets its key-group metadata records).
 HeadStream k_stream(const PagedKvLayerView& kv, int h);
 HeadStream v_stream(const PagedKvLayerView& kv, int h);
 
@@ -106,6 +111,8 @@ void run_attention(bool use_avx2, const PagedKvLayerView& kv, const AttnParams& 
 // float accumulation, std::exp. REQUIRES n_heads == 1.
 void tile_scalar(const TileArgs& a);
 // AVX2+FMA+F16C kernels. REQUIRES: head_dim % 8 == 0 and a CPU with them.
+// The decode kernel also reads KIVI K and V (kivi_codec.h; head_dim % 32 ==
+// 0), for the blocks of attention_kivi.cpp's decode rows.
 void decode_tile_avx2(const TileArgs& a);   // REQUIRES: n_rows == 1
 void prefill_tile_avx2(const TileArgs& a);  // any n_rows; REQUIRES n_heads == 1
 

@@ -13,9 +13,11 @@
 // or per-group (int4) scale is applied once per key (and group) after the
 // dot, the int4 minimum through sum(q) of the group; for V the scale is
 // folded into the softmax weight and the int4 minimum into one per-group sum
-// of weights. The next chunk's rows (every KV head of the tile) are
-// prefetched while a chunk is computed: with scattered blocks the hardware
-// prefetcher loses the stream at every block boundary.
+// of weights. KIVI (decode only): a K's per-channel group scale is folded
+// into q once per key group (q * scale, plus the bias q . min), a V is read
+// as int4's per-token groups (2- or 4-bit codes). The next chunk's rows (every KV head of the tile)
+// are prefetched while a chunk is computed: with scattered blocks the hardware prefetcher loses the
+// stream at every block boundary.
 //
 // Prefill (several query rows): each chunk's K is decoded (scales applied,
 // exactly as kv_decode_row) and transposed into an L1 tile, V into a
@@ -127,7 +129,15 @@ KV_AVX2 inline __m256 raw8(const uint8_t* row, int c) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
   } else if constexpr (F == KvDtype::kFp8) {
     return fp8_raw8(row + c);
-  } else {  // kInt4: byte j of group g holds element 32g + j (low) and 32g + 16 + j (high)
+  } else if constexpr (F == KvDtype::kKivi2) {
+    // Byte j of 32-element chunk k (8 bytes) holds element 32k + j + 8i at
+    // bits [2i, 2i + 2).
+    const int o = c & 31;
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * (c >> 5)));
+    const __m256i v = _mm256_srli_epi32(_mm256_cvtepu8_epi32(b), 2 * (o >> 3));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(3)));
+  } else {  // kInt4 and kKivi4: byte j of group g holds element 32g + j (low)
+            // and 32g + 16 + j (high)
     const int o = c & 31;
     const __m128i b =
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 16 * (c >> 5) + (o & 15)));
@@ -154,6 +164,11 @@ KV_AVX2 inline float row_scale(const uint8_t* meta) {
 
 template <KvDtype F>
 constexpr bool kRowScaled = F == KvDtype::kInt8 || F == KvDtype::kFp8;
+
+// Per-token rows in groups of 32 elements, each with an f16 (scale, min)
+// pair in the row's metadata: int4, and a KIVI V.
+template <KvDtype F>
+constexpr bool kGroupScaled = F == KvDtype::kInt4 || F == KvDtype::kKivi4 || F == KvDtype::kKivi2;
 
 // Elements [c, c + 8) decoded exactly as kv_decode_row() does (prefill tiles).
 template <KvDtype F>
@@ -461,7 +476,7 @@ KV_AVX2 void pv_cols(const float* w, const uint8_t* const* vp, int n, const floa
 template <KvDtype F, int SG>
 KV_AVX2 void pv_chunk(const float* p, const uint8_t* const* vp, const uint8_t* const* vm, int n,
                       const float* alpha, float* acc, int d, float* wbuf, KvPrefetch* pf) {
-  if constexpr (F == KvDtype::kInt4) {
+  if constexpr (kGroupScaled<F>) {
     const int n_groups = d / 32;
     const int n8 = (n + 7) / 8 * 8;  // p is 0 past n (softmax_update pads the chunk)
     float* sc = wbuf + 4 * kChunk;
@@ -529,6 +544,77 @@ KV_AVX2 void qk_any(int sg, const float* qs, int d, const uint8_t** kp, const ui
   }
 }
 
+// KIVI K (kivi_codec.h): a key group's G tokens share per-channel (scale,
+// min), so over one group q . K_t = (q * scale) . code_t + q . min. Per run
+// of keys of one group (equal metadata pointers), q' = q * scale and the
+// bias q . min are formed once (buf: [2 + SG, d] floats), then the codes are
+// dotted with q' as the float formats' rows are.
+KV_AVX2 inline void kivi_key_meta(const uint8_t* meta, int d, float* sc, float* mn) {
+  for (int c = 0; c < d; c += 8) {  // 8 (scale, min) f16 pairs
+    const __m256 lo =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 4 * c)));
+    const __m256 hi =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 4 * c + 16)));
+    // lo = s0 m0 s1 m1 | s2 m2 s3 m3, hi = s4 m4 s5 m5 | s6 m6 s7 m7
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    const __m256 s_ = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(lo, hi, 0x88), order);
+    const __m256 m_ = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(lo, hi, 0xDD), order);
+    _mm256_storeu_ps(sc + c, s_);
+    _mm256_storeu_ps(mn + c, m_);
+  }
+}
+
+template <KvDtype F, int SG>
+KV_AVX2 void qk_kivi(const float* qs, int d, const uint8_t* const* kp, const uint8_t* const* km,
+                     int n, float* s, float* buf, KvPrefetch* pf) {
+  constexpr int J = keys_per_step(SG);
+  float* sc = buf;
+  float* mn = buf + d;
+  float* qp = buf + 2 * d;
+  const uint8_t* kr[kChunk + 8];
+  alignas(32) float tmp[SG * kChunk];
+  for (int r0 = 0; r0 < n;) {
+    int r1 = r0 + 1;
+    while (r1 < n && km[r1] == km[r0]) ++r1;
+    kivi_key_meta(km[r0], d, sc, mn);
+    float bias[SG];
+#pragma GCC unroll 4
+    for (int h = 0; h < SG; ++h) {
+      __m256 b = _mm256_setzero_ps();
+      for (int c = 0; c < d; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(qs + h * d + c);
+        _mm256_storeu_ps(qp + h * d + c, _mm256_mul_ps(qv, _mm256_loadu_ps(sc + c)));
+        b = _mm256_fmadd_ps(qv, _mm256_loadu_ps(mn + c), b);
+      }
+      bias[h] = hsum(b);
+    }
+    const int nr = r1 - r0;
+    const int n_pad = (nr + J - 1) / J * J;  // <= kChunk: J divides kChunk
+    for (int j = 0; j < n_pad; ++j) kr[j] = kp[j < nr ? r0 + j : r0];
+    qk_chunk<F, SG, J>(qp, d, kr, kr, n_pad, tmp, nullptr, nullptr, pf);
+#pragma GCC unroll 4
+    for (int h = 0; h < SG; ++h) {
+      for (int j = 0; j < nr; ++j) s[h * kChunk + r0 + j] = tmp[h * kChunk + j] + bias[h];
+    }
+    r0 = r1;
+  }
+}
+
+template <KvDtype F>
+KV_AVX2 void qk_kivi_any(int sg, const float* qs, int d, const uint8_t** kp, const uint8_t** km,
+                         int n, float* s, const float* /*qsum*/, float* buf, KvPrefetch* pf) {
+  switch (sg) {
+    case 1:
+      return qk_kivi<F, 1>(qs, d, kp, km, n, s, buf, pf);
+    case 2:
+      return qk_kivi<F, 2>(qs, d, kp, km, n, s, buf, pf);
+    case 3:
+      return qk_kivi<F, 3>(qs, d, kp, km, n, s, buf, pf);
+    default:
+      return qk_kivi<F, 4>(qs, d, kp, km, n, s, buf, pf);
+  }
+}
+
 template <KvDtype F>
 KV_AVX2 void pv_any(int sg, const float* p, const uint8_t* const* vp, const uint8_t* const* vm,
                     int n, const float* alpha, float* acc, int d, float* wbuf, KvPrefetch* pf) {
@@ -577,6 +663,7 @@ constexpr int code_bits() {
   return F == KvDtype::kF32                          ? 32
          : F == KvDtype::kF16 || F == KvDtype::kBF16 ? 16
          : F == KvDtype::kFp8 || F == KvDtype::kInt8 ? 8
+         : F == KvDtype::kKivi2                      ? 2
                                                      : 4;
 }
 
@@ -587,7 +674,15 @@ struct DecodeFns {
   int code_bits = 0;  // row bytes = head_dim * code_bits / 8
 };
 
+// A KIVI format's qk is its K side (per-channel key groups) and its pv its V
+// side (per-token groups, as int4).
 DecodeFns decode_table(KvDtype t) {
+  if (t == KvDtype::kKivi2) {
+    return DecodeFns{qk_kivi_any<KvDtype::kKivi2>, pv_any<KvDtype::kKivi2>, 2};
+  }
+  if (t == KvDtype::kKivi4) {
+    return DecodeFns{qk_kivi_any<KvDtype::kKivi4>, pv_any<KvDtype::kKivi4>, 4};
+  }
   return by_format(t, []<KvDtype F>() { return DecodeFns{qk_any<F>, pv_any<F>, code_bits<F>()}; });
 }
 
@@ -614,7 +709,12 @@ inline void stream_rows(const HeadStream& s, int hh, const int64_t* base, const 
     return;
   }
   const uint8_t* meta = s.meta + hh * s.meta_head_stride;
-  for (int j = 0; j < n; ++j) metas[j] = meta + base[j] + slot[j] * s.meta_slot_stride;
+  if (s.meta_group == 1) {
+    for (int j = 0; j < n; ++j) metas[j] = meta + base[j] + slot[j] * s.meta_slot_stride;
+  } else {
+    for (int j = 0; j < n; ++j)
+      metas[j] = meta + base[j] + slot[j] / s.meta_group * s.meta_slot_stride;
+  }
 }
 
 void KvPrefetch::add_range(const uint8_t* p, const uint8_t* end) {
@@ -641,9 +741,9 @@ void KvPrefetch::add_stream(const HeadStream& s, int hh, const int64_t* base, co
     while (j1 < n && base[j1] == base[j0] && slot[j1] == slot[j1 - 1] + 1) ++j1;
     add_range(data + base[j0] + slot[j0] * s.slot_stride,
               data + base[j1 - 1] + slot[j1 - 1] * s.slot_stride + row_bytes);
-    if (meta != nullptr) {  // per-row metadata, or one per-block record (stride 0)
-      add_range(meta + base[j0] + slot[j0] * s.meta_slot_stride,
-                meta + base[j1 - 1] + slot[j1 - 1] * s.meta_slot_stride +
+    if (meta != nullptr) {  // per-row or per-group records, or one per block (stride 0)
+      add_range(meta + base[j0] + slot[j0] / s.meta_group * s.meta_slot_stride,
+                meta + base[j1 - 1] + slot[j1 - 1] / s.meta_group * s.meta_slot_stride +
                     std::max<int64_t>(s.meta_slot_stride, 1));
     }
     j0 = j1;
@@ -714,7 +814,8 @@ inline void chunk_rows(const TileArgs& a, const HeadStream& s, int32_t t0, int n
   for (int j = 0; j < n; ++j) {
     const int64_t base = a.block_table[blk] * a.block_stride;
     rows[j] = s.data + base + off * s.slot_stride;
-    metas[j] = s.meta == nullptr ? nullptr : s.meta + base + off * s.meta_slot_stride;
+    metas[j] =
+        s.meta == nullptr ? nullptr : s.meta + base + off / s.meta_group * s.meta_slot_stride;
     if (++off == a.block_size) {
       off = 0;
       ++blk;
@@ -734,9 +835,12 @@ KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
   if (kf.qk == nullptr || vf.pv == nullptr) return;  // validated by the caller
   // Scratch: qs, acc [n_vec, d]; s [n_vec, kChunk]; m, l, alpha [n_vec];
   // qsum [n_vec, n_groups]; wbuf [4, kChunk] + V int4 metadata [2, n_groups,
-  // kChunk]; kbuf: K int4 metadata [2, n_groups, kChunk].
-  float* qs = thread_scratch().get(static_cast<size_t>(n_vec) * (2 * d + kChunk + 3 + n_groups) +
-                                   4 * kChunk + 4 * static_cast<size_t>(n_groups) * kChunk);
+  // kChunk]; kbuf: K int4 metadata [2, n_groups, kChunk], or a KIVI K's
+  // scale, min and q * scale [2 + 4, d].
+  float* qs = thread_scratch().get(
+      static_cast<size_t>(n_vec) * (2 * d + kChunk + 3 + n_groups) + 4 * kChunk +
+      2 * static_cast<size_t>(n_groups) * kChunk +
+      std::max<size_t>(2 * static_cast<size_t>(n_groups) * kChunk, 6 * static_cast<size_t>(d)));
   float* acc = qs + static_cast<size_t>(n_vec) * d;
   float* s = acc + static_cast<size_t>(n_vec) * d;
   float* m = s + static_cast<size_t>(n_vec) * kChunk;

@@ -83,6 +83,10 @@ struct Item {
   int64_t k0 = 0;                                    // keys [k0, k1) of this piece
   int64_t k1 = std::numeric_limits<int64_t>::max();  // (split-K of one decode row)
   int64_t part = -1;  // >= 0: writes its partial state to partials + part, else the output
+  // Decode row on the shared AVX2 decode kernel: keys [k0, k1) of the
+  // blocks, or (residual) the whole visible residual.
+  bool decode = false;
+  bool residual = false;
 };
 
 // Split-K of decode rows: pieces of kSplitKeys keys at fixed absolute
@@ -159,6 +163,58 @@ void run_item(const KiviOps& ops, const PagedKvLayerView& kv, const AttnParams& 
       for (int i = 0; i < d; ++i) out[i] = w.acc[st * d + i] * inv;
     }
   }
+}
+
+// One piece of a decode row through attn_detail::decode_tile_avx2 (every
+// q head of KV head it.head together, one pass over each K/V row, the K
+// groups' scales folded into q): the blocks' keys [k0, k1), or the f16
+// residual, addressed as one block of f16 rows with positions relative to its
+// start. Writes the piece's partial state (m, l, acc) for the merge.
+void run_decode_piece(const PagedKvLayerView& kv, const AttnParams& p, const AttnSeq& s,
+                      const KvResidualView* res, int64_t q_start, const Item& it, float* partials) {
+  static const int32_t kOneBlock = 0;
+  const int d = p.head_dim;
+  const int g = p.n_q_heads / p.n_kv_heads;
+  attn_detail::TileArgs a;
+  if (it.residual) {
+    const int64_t row = int64_t{kv.n_kv_heads} * d * 2;  // bytes per residual position
+    auto stream = [&](const uint16_t* base) {
+      return attn_detail::HeadStream{reinterpret_cast<const uint8_t*>(base + int64_t{it.head} * d),
+                                     nullptr,
+                                     row,
+                                     0,
+                                     int64_t{d} * 2,
+                                     0,
+                                     KvDtype::kF16};
+    };
+    a.k = stream(res->k);
+    a.v = stream(res->v);
+    a.block_table = &kOneBlock;
+    a.block_size = std::numeric_limits<int32_t>::max();
+    a.pos0 = static_cast<int32_t>(s.n_past - res->start);
+    a.key_begin = 0;
+    a.key_end = static_cast<int32_t>(res->n_tokens);
+  } else {
+    a.k = attn_detail::k_stream(kv, it.head);
+    a.v = attn_detail::v_stream(kv, it.head);
+    a.block_table = s.block_table;
+    a.block_stride = kv.block_stride;
+    a.block_size = kv.block_size;
+    a.pos0 = s.n_past;
+    a.key_begin = static_cast<int32_t>(it.k0);
+    a.key_end = static_cast<int32_t>(std::min(it.k1, q_start));
+  }
+  a.head_dim = d;
+  a.q = s.q + int64_t{it.head} * g * d;
+  a.row_stride = int64_t{p.n_q_heads} * d;
+  a.n_rows = 1;
+  a.group = g;
+  a.window = p.window;
+  a.scale = p.scale;
+  a.part_m = partials + it.part;
+  a.part_l = a.part_m + g;
+  a.part_acc = a.part_l + g;
+  attn_detail::decode_tile_avx2(a);
 }
 
 // The split-K pieces of one decode row and KV head, merged in key order.
@@ -250,6 +306,26 @@ Status paged_attention_kivi_isa(Isa isa, const PagedKvLayerView& kv, const AttnP
     for (int h = 0; h < p.n_kv_heads; ++h) {
       const int64_t pos = s.n_past;
       const int64_t lo = first_visible(pos, p.window);
+      if (avx2 && s.n_new == 1) {
+        // Pieces of the blocks' keys at fixed positions, then the residual.
+        const int64_t q_start = blocks_end(s, residuals, i);
+        SplitRow sr{static_cast<int32_t>(i), h, n_partial_floats, 0};
+        auto add = [&](Item it) {
+          it.part = n_partial_floats;
+          it.decode = true;
+          items.push_back(it);
+          n_partial_floats += part_floats;
+          ++sr.n_parts;
+        };
+        for (int64_t k0 = lo / kSplitKeys * kSplitKeys; k0 < std::min(q_start, pos + 1);
+             k0 += kSplitKeys) {
+          add(Item{static_cast<int32_t>(i), h, 0, 1, k0, k0 + kSplitKeys});
+        }
+        if (q_start <= pos)
+          add(Item{static_cast<int32_t>(i), h, 0, 1, q_start, pos + 1, -1, true, true});
+        splits.push_back(sr);
+        continue;
+      }
       if (s.n_new == 1 && pos + 1 - lo > kSplitKeys) {
         // Pieces [k * kSplitKeys, (k + 1) * kSplitKeys) overlapping [lo, pos].
         SplitRow sr{static_cast<int32_t>(i), h, n_partial_floats, 0};
@@ -274,8 +350,12 @@ Status paged_attention_kivi_isa(Isa isa, const PagedKvLayerView& kv, const AttnP
       const Item& it = items[static_cast<size_t>(k)];
       const AttnSeq& s = seqs[static_cast<size_t>(it.seq)];
       const KvResidualView* res = residuals.empty() ? nullptr : &residuals[it.seq];
-      run_item(ops, kv, p, s, res, blocks_end(s, residuals, static_cast<size_t>(it.seq)), it,
-               scratch, partials.data());
+      const int64_t q_start = blocks_end(s, residuals, static_cast<size_t>(it.seq));
+      if (it.decode) {
+        run_decode_piece(kv, p, s, res, q_start, it, partials.data());
+      } else {
+        run_item(ops, kv, p, s, res, q_start, it, scratch, partials.data());
+      }
     }
   };
   const auto n = static_cast<int64_t>(items.size());

@@ -234,13 +234,15 @@ Status validate_attention_args(const PagedKvLayerView& kv, const AttnParams& p,
 namespace attn_detail {
 
 HeadStream k_stream(const PagedKvLayerView& kv, int h) {
+  const bool kivi = kv_dtype_is_kivi(kv.dtype);
   return HeadStream{kv.k + h * kv.head_stride,
                     kv.k_meta == nullptr ? nullptr : kv.k_meta + h * kv.k_meta_head_stride,
                     kv.slot_stride,
-                    kv.k_meta_slot_stride,
+                    kivi ? int64_t{kv.head_dim} * 4 : kv.k_meta_slot_stride,
                     kv.head_stride,
                     kv.k_meta_head_stride,
-                    kv.dtype};
+                    kv.dtype,
+                    kivi ? kv.kivi_group : 1};
 }
 
 HeadStream v_stream(const PagedKvLayerView& kv, int h) {
