@@ -44,26 +44,8 @@ using testing::kInt4MaxErr;
 using testing::kLogitTol;
 using testing::load_synthetic_model;
 using testing::logits_rel_err;
-
-// The stored row (decoded, still in the rotated basis) of position `pos`,
-// KV head `h`, K (which 0) or V.
-std::vector<float> stored_row(const PagedKvLayerView& v, const BlockTable& t, int pos, int h,
-                              int which) {
-  const int64_t b = t.ids()[pos / v.block_size];
-  const int s = pos % v.block_size;
-  const bool k = which == 0;
-  const uint8_t* row =
-      k ? v.k + b * v.block_stride + h * v.head_stride + s * v.slot_stride
-        : v.v + b * v.block_stride + h * v.value_head_stride() + s * v.value_slot_stride();
-  const uint8_t* meta = k ? v.k_meta : v.v_meta;
-  if (meta != nullptr) {
-    meta += b * v.block_stride + h * (k ? v.k_meta_head_stride : v.v_meta_head_stride) +
-            s * (k ? v.k_meta_slot_stride : v.v_meta_slot_stride);
-  }
-  std::vector<float> out(v.head_dim);
-  kv_decode_row(k ? v.dtype : v.value_dtype(), row, meta, v.head_dim, out.data());
-  return out;
-}
+using testing::run_prefill_decode_fork;
+using testing::stored_row;
 
 TEST(ForwardRotation, F32LogitsUnchangedAndCacheHoldsRotatedKeysAndValues) {
   SyntheticSpec spec;
@@ -197,42 +179,11 @@ TEST_P(RotatedQuantCache, PrefillDecodeAndForkMatchReferenceOverStoredRotatedKv)
     ASSERT_TRUE(pool_r.ok());
     BlockPool& pool = **pool_r;
     double worst = 0;
-    BlockTable junk(pool), seq(pool);
-    ASSERT_TRUE(junk.reserve(2 * block_size).ok());  // holes: scattered blocks
-    std::vector<float> logits;
-    for (int b = 0, chunk = 2; b < n_prompt; b += chunk, chunk += 3) {
-      const int e = std::min(n_prompt, b + chunk);
-      const StepSeq s{.table = &seq,
-                      .tokens = std::span<const int32_t>(prompt.data() + b, e - b),
-                      .logits = LogitsMode::kAll};
-      ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
-      if (b == 0) junk.release();
-      for (int j = b; j < e; ++j) {
-        const auto ref = rotated_reference(w, prompt, j + 1, pool, seq, &worst);
-        ASSERT_LT(logits_rel_err(logits.data() + (j - b) * spec.n_vocab, ref), kLogitTol)
-            << "prefill position " << j;
-      }
-    }
-    for (int i = 0; i < n_decode; ++i) {
-      const StepSeq s{.table = &seq, .tokens = std::span<const int32_t>(&prompt[n_prompt + i], 1)};
-      ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
-      const auto ref = rotated_reference(w, prompt, n_prompt + i + 1, pool, seq, &worst);
-      ASSERT_LT(logits_rel_err(logits.data(), ref), kLogitTol) << "decode step " << i;
-    }
-    // Fork: adopts the full blocks of `seq` (stored once, quantized, rotated).
-    const int n_shared = n_prompt / block_size;
-    std::vector<BlockRef> refs;
-    refs.reserve(n_shared);
-    for (int i = 0; i < n_shared; ++i) refs.push_back(seq.share_block(i));
-    BlockTable fork(pool);
-    fork.adopt_prefix(std::move(refs));
-    std::vector<int32_t> fork_tokens(prompt.begin(), prompt.begin() + n_shared * block_size);
-    fork_tokens.insert(fork_tokens.end(), fork_tail.begin(), fork_tail.end());
-    const StepSeq s{.table = &fork, .tokens = fork_tail, .logits = LogitsMode::kLast};
-    ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
-    const auto ref =
-        rotated_reference(w, fork_tokens, static_cast<int>(fork_tokens.size()), pool, fork, &worst);
-    ASSERT_LT(logits_rel_err(logits.data(), ref), kLogitTol) << "fork";
+    run_prefill_decode_fork(fwd, pool, spec.n_vocab, prompt, n_prompt, 2, fork_tail,
+                            [&](const std::vector<int32_t>& tokens, int n, const BlockTable& t) {
+                              return rotated_reference(w, tokens, n, pool, t, &worst);
+                            });
+    if (HasFatalFailure()) return;
     EXPECT_LE(worst, f.max_quant_err) << "stored rows are not the quantized R k / R v";
     EXPECT_GT(worst, 0.0) << "no quantization error at all: K/V not quantized?";
     pool.check_invariants();

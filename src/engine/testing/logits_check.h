@@ -1,8 +1,9 @@
 // Test helpers shared by the cache-equivalence tests (forward_test.cpp,
 // forward_quant_test.cpp, forward_rotation_test.cpp): a parameterised fixture
 // that loads a synthetic model with a Forward over it, the comparison of
-// float32 logits rows against the float64 reference (synthetic_model.h) and
-// the int4 storage error bound. Header-only: src/engine
+// float32 logits rows against the float64 reference (synthetic_model.h), the
+// int4 storage error bound, the decoded stored row of a position, and the
+// prefill / decode / fork driver of the quantized-cache tests. Header-only: src/engine
 // globs only its own folder into kvstack_engine, so nothing here is linked
 // into the library.
 #pragma once
@@ -21,6 +22,9 @@
 #include "engine/forward.h"
 #include "engine/model.h"
 #include "engine/testing/synthetic_model.h"
+#include "kv/block_pool.h"
+#include "kv/block_table.h"
+#include "kv/kv_codec.h"
 
 namespace kvstack::testing {
 
@@ -95,5 +99,83 @@ class SyntheticForwardTest : public ::testing::TestWithParam<SyntheticCase> {
   ThreadPool threads_{2};
   std::unique_ptr<Forward> fwd_;  // over *model_ and threads_
 };
+
+// The stored row of position `pos`, KV head `h`, K (which 0) or V of a
+// per-row format, decoded with the scalar reference codec.
+inline std::vector<float> stored_row(const PagedKvLayerView& v, const BlockTable& t, int pos, int h,
+                                     int which) {
+  const int64_t b = t.ids()[pos / v.block_size];
+  const int s = pos % v.block_size;
+  const bool k = which == 0;
+  const uint8_t* row =
+      k ? v.k + b * v.block_stride + h * v.head_stride + s * v.slot_stride
+        : v.v + b * v.block_stride + h * v.value_head_stride() + s * v.value_slot_stride();
+  const uint8_t* meta = k ? v.k_meta : v.v_meta;
+  if (meta != nullptr) {
+    meta += b * v.block_stride + h * (k ? v.k_meta_head_stride : v.v_meta_head_stride) +
+            s * (k ? v.k_meta_slot_stride : v.v_meta_slot_stride);
+  }
+  std::vector<float> out(v.head_dim);
+  kv_decode_row(k ? v.dtype : v.value_dtype(), row, meta, v.head_dim, out.data());
+  return out;
+}
+
+// One sequence through `pool` the way the cache-equivalence tests drive it:
+// chunked prefill of prompt[0, n_prompt) in chunks of first_chunk,
+// first_chunk + 3, ... (after a junk reservation of two blocks that is then
+// released, so blocks are scattered), decode of the rest of `prompt` one
+// token at a time, then, when the prompt fills at least one block, a fork
+// that adopts its full blocks (shared, stored once) and prefills fork_tail.
+// After every step each returned logits row must be within kLogitTol of
+// reference(tokens, n, table): the float64 logits of tokens[0, n) computed
+// over what `table` stores.
+template <class Reference>
+void run_prefill_decode_fork(Forward& fwd, BlockPool& pool, int n_vocab,
+                             const std::vector<int32_t>& prompt, int n_prompt, int first_chunk,
+                             const std::vector<int32_t>& fork_tail, const Reference& reference) {
+  const int block_size = pool.layout().block_size();
+  BlockTable junk(pool), seq(pool);
+  ASSERT_TRUE(junk.reserve(2 * block_size).ok());
+  std::vector<float> logits;
+  for (int b = 0, chunk = first_chunk; b < n_prompt; b += chunk, chunk += 3) {
+    const int e = std::min(n_prompt, b + chunk);
+    const StepSeq s{.table = &seq,
+                    .tokens = std::span<const int32_t>(prompt.data() + b, e - b),
+                    .logits = LogitsMode::kAll};
+    ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
+    if (b == 0) junk.release();
+    for (int j = b; j < e; ++j) {
+      const std::vector<double> ref = reference(prompt, j + 1, seq);
+      ASSERT_LT(logits_rel_err(logits.data() + static_cast<size_t>(j - b) * n_vocab, ref),
+                kLogitTol)
+          << "prefill position " << j;
+    }
+  }
+  const int n_total = static_cast<int>(prompt.size());
+  for (int pos = n_prompt; pos < n_total; ++pos) {
+    const StepSeq s{.table = &seq, .tokens = std::span<const int32_t>(&prompt[pos], 1)};
+    ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
+    ASSERT_LT(logits_rel_err(logits.data(), reference(prompt, pos + 1, seq)), kLogitTol)
+        << "decode step " << pos - n_prompt;
+  }
+  const int n_shared = n_prompt / block_size;
+  if (n_shared == 0) return;
+  std::vector<BlockRef> refs;
+  refs.reserve(static_cast<size_t>(n_shared));
+  for (int i = 0; i < n_shared; ++i) refs.push_back(seq.share_block(i));
+  BlockTable fork(pool);
+  fork.adopt_prefix(std::move(refs));
+  std::vector<int32_t> fork_tokens(prompt.begin(), prompt.begin() + n_shared * block_size);
+  fork_tokens.insert(fork_tokens.end(), fork_tail.begin(), fork_tail.end());
+  const StepSeq s{.table = &fork,
+                  .tokens = std::span<const int32_t>(fork_tail.data(), fork_tail.size()),
+                  .logits = LogitsMode::kLast};
+  ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
+  ASSERT_LT(logits_rel_err(logits.data(),
+                           reference(fork_tokens, static_cast<int>(fork_tokens.size()), fork)),
+            kLogitTol)
+      << "fork";
+  EXPECT_EQ(seq.length(), n_total);
+}
 
 }  // namespace kvstack::testing
