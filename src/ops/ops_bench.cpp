@@ -203,6 +203,73 @@ void BM_MemoryReadBandwidth(benchmark::State& state) {
 }
 BENCHMARK(BM_MemoryReadBandwidth)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 
+// Issue rate of one AVX2 instruction: 16 independent dependency chains (so
+// latency is hidden and throughput shows), kIters steps per iteration; the
+// counter is instructions per ns of one core. The attention kernels' per-key
+// instruction counts divided by these rates give their compute floor
+// (docs/benchmarks.md). Arg: 0 fma_ps, 1 add_ps, 2 maddubs_epi16,
+// 3 madd_epi16, 4 add_epi32.
+#define OPS_AVX2 __attribute__((target("avx2,fma")))
+
+// Keeps the 16 chains in registers and opaque to the optimiser.
+template <class V>
+OPS_AVX2 __attribute__((always_inline)) inline void keep16(V* r) {
+  __asm__ volatile(""
+                   : "+x"(r[0]), "+x"(r[1]), "+x"(r[2]), "+x"(r[3]), "+x"(r[4]), "+x"(r[5]),
+                     "+x"(r[6]), "+x"(r[7]));
+  __asm__ volatile(""
+                   : "+x"(r[8]), "+x"(r[9]), "+x"(r[10]), "+x"(r[11]), "+x"(r[12]), "+x"(r[13]),
+                     "+x"(r[14]), "+x"(r[15]));
+}
+
+constexpr int64_t kIssueIters = 1 << 16;
+
+template <int kOp>
+OPS_AVX2 void issue_chains() {
+  if constexpr (kOp <= 1) {
+    __m256 r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm256_set1_ps(0.001f * static_cast<float>(i));
+    const __m256 x = _mm256_set1_ps(0.9999f), y = _mm256_set1_ps(0.0001f);
+    for (int64_t n = 0; n < kIssueIters; ++n) {
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        r[i] = kOp == 0 ? _mm256_fmadd_ps(r[i], x, y) : _mm256_add_ps(r[i], x);
+      }
+      keep16(r);
+    }
+    benchmark::DoNotOptimize(r[0]);
+  } else {
+    __m256i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm256_set1_epi8(static_cast<char>(i));
+    const __m256i u = _mm256_set1_epi8(3), o = _mm256_set1_epi16(1);
+    for (int64_t n = 0; n < kIssueIters; ++n) {
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        r[i] = kOp == 2   ? _mm256_maddubs_epi16(r[i], u)
+               : kOp == 3 ? _mm256_madd_epi16(r[i], o)
+                          : _mm256_add_epi32(r[i], o);
+      }
+      keep16(r);
+    }
+    benchmark::DoNotOptimize(r[0]);
+  }
+}
+
+void BM_Avx2IssueRate(benchmark::State& state) {
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
+    state.SkipWithError("no AVX2/FMA");
+    return;
+  }
+  using Fn = void (*)();
+  constexpr Fn kFns[] = {issue_chains<0>, issue_chains<1>, issue_chains<2>, issue_chains<3>,
+                         issue_chains<4>};
+  const Fn fn = kFns[state.range(0)];
+  for (auto _ : state) fn();
+  state.counters["instr/ns"] = benchmark::Counter(static_cast<double>(16 * kIssueIters) * 1e-9,
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_Avx2IssueRate)->ArgName("op")->DenseRange(0, 4)->Unit(benchmark::kMicrosecond);
+
 }  // namespace
 }  // namespace kvstack
 
