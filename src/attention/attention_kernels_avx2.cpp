@@ -170,6 +170,28 @@ constexpr bool kRowScaled = F == KvDtype::kInt8 || F == KvDtype::kFp8;
 template <KvDtype F>
 constexpr bool kGroupScaled = F == KvDtype::kInt4 || F == KvDtype::kKivi4 || F == KvDtype::kKivi2;
 
+// KIVI K metadata: the (scale, min) f16 pairs of channels [c, c + 8) of a
+// key group's record, widened.
+KV_AVX2 inline void kivi_pairs8(const uint8_t* meta, int c, __m256* sc, __m256* mn) {
+  const __m256 lo =
+      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 4 * c)));
+  const __m256 hi =
+      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 4 * c + 16)));
+  // lo = s0 m0 s1 m1 | s2 m2 s3 m3, hi = s4 m4 s5 m5 | s6 m6 s7 m7
+  const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  *sc = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(lo, hi, 0x88), order);
+  *mn = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(lo, hi, 0xDD), order);
+}
+
+// Elements [c, c + 8) of a KIVI K row (codes at row, its group's record at
+// meta), decoded as kivi_decode_key_row() does: fma(scale, code, min).
+template <KvDtype F>
+KV_AVX2 inline __m256 kivi_key_deq8(const uint8_t* row, const uint8_t* meta, int c) {
+  __m256 sc, mn;
+  kivi_pairs8(meta, c, &sc, &mn);
+  return _mm256_fmadd_ps(sc, raw8<F>(row, c), mn);
+}
+
 // Elements [c, c + 8) decoded exactly as kv_decode_row() does (prefill tiles).
 template <KvDtype F>
 KV_AVX2 inline __m256 deq8(const uint8_t* row, const uint8_t* meta, int c) {
@@ -180,7 +202,7 @@ KV_AVX2 inline __m256 deq8(const uint8_t* row, const uint8_t* meta, int c) {
     std::memcpy(&scale, meta, 4);
     return _mm256_mul_ps(_mm256_mul_ps(fp8_raw8(row + c), _mm256_set1_ps(256.0f)),
                          _mm256_set1_ps(scale));
-  } else if constexpr (F == KvDtype::kInt4) {
+  } else if constexpr (kGroupScaled<F>) {  // int4, or a KIVI V
     const int g = c >> 5;
     return _mm256_fmadd_ps(_mm256_set1_ps(f16_scalar(meta + 4 * g)), raw8<F>(row, c),
                            _mm256_set1_ps(f16_scalar(meta + 4 * g + 2)));
@@ -550,17 +572,11 @@ KV_AVX2 void qk_any(int sg, const float* qs, int d, const uint8_t** kp, const ui
 // bias q . min are formed once (buf: [2 + SG, d] floats), then the codes are
 // dotted with q' as the float formats' rows are.
 KV_AVX2 inline void kivi_key_meta(const uint8_t* meta, int d, float* sc, float* mn) {
-  for (int c = 0; c < d; c += 8) {  // 8 (scale, min) f16 pairs
-    const __m256 lo =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 4 * c)));
-    const __m256 hi =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 4 * c + 16)));
-    // lo = s0 m0 s1 m1 | s2 m2 s3 m3, hi = s4 m4 s5 m5 | s6 m6 s7 m7
-    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
-    const __m256 s_ = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(lo, hi, 0x88), order);
-    const __m256 m_ = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(lo, hi, 0xDD), order);
-    _mm256_storeu_ps(sc + c, s_);
-    _mm256_storeu_ps(mn + c, m_);
+  for (int c = 0; c < d; c += 8) {
+    __m256 s8, m8;
+    kivi_pairs8(meta, c, &s8, &m8);
+    _mm256_storeu_ps(sc + c, s8);
+    _mm256_storeu_ps(mn + c, m8);
   }
 }
 
@@ -786,6 +802,22 @@ KV_AVX2 void k_tile(const uint8_t* const* rows, const uint8_t* const* metas, int
   }
 }
 
+// k_tile for a KIVI K (metas: each row's key-group record).
+template <KvDtype F>
+KV_AVX2 void k_tile_kivi(const uint8_t* const* rows, const uint8_t* const* metas, int d,
+                         float* kt) {
+  for (int j0 = 0; j0 < kChunk; j0 += 8) {
+    for (int c = 0; c < d; c += 8) {
+      __m256 r[8];
+#pragma GCC unroll 8
+      for (int x = 0; x < 8; ++x) r[x] = kivi_key_deq8<F>(rows[j0 + x], metas[j0 + x], c);
+      transpose8(r);
+#pragma GCC unroll 8
+      for (int x = 0; x < 8; ++x) _mm256_storeu_ps(kt + (c + x) * kChunk + j0, r[x]);
+    }
+  }
+}
+
 // vc[j * d + c] = V_j[c] for j < n.
 template <KvDtype F>
 KV_AVX2 void v_tile(const uint8_t* const* rows, const uint8_t* const* metas, int n, int d,
@@ -798,11 +830,16 @@ KV_AVX2 void v_tile(const uint8_t* const* rows, const uint8_t* const* metas, int
 using KTileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int, float*);
 using VTileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int, int, float*);
 
+// A KIVI format as K decodes per-channel key groups, as V per-token groups.
 KTileFn k_tile_fn(KvDtype t) {
+  if (t == KvDtype::kKivi2) return k_tile_kivi<KvDtype::kKivi2>;
+  if (t == KvDtype::kKivi4) return k_tile_kivi<KvDtype::kKivi4>;
   return by_format(t, []<KvDtype F>() { return KTileFn{k_tile<F>}; });
 }
 
 VTileFn v_tile_fn(KvDtype t) {
+  if (t == KvDtype::kKivi2) return v_tile<KvDtype::kKivi2>;
+  if (t == KvDtype::kKivi4) return v_tile<KvDtype::kKivi4>;
   return by_format(t, []<KvDtype F>() { return VTileFn{v_tile<F>}; });
 }
 

@@ -83,9 +83,9 @@ struct Item {
   int64_t k0 = 0;                                    // keys [k0, k1) of this piece
   int64_t k1 = std::numeric_limits<int64_t>::max();  // (split-K of one decode row)
   int64_t part = -1;  // >= 0: writes its partial state to partials + part, else the output
-  // Decode row on the shared AVX2 decode kernel: keys [k0, k1) of the
+  // Rows [r0, r1) on the shared AVX2 tile kernels: keys [k0, k1) of the
   // blocks, or (residual) the whole visible residual.
-  bool decode = false;
+  bool shared = false;
   bool residual = false;
 };
 
@@ -165,16 +165,19 @@ void run_item(const KiviOps& ops, const PagedKvLayerView& kv, const AttnParams& 
   }
 }
 
-// One piece of a decode row through attn_detail::decode_tile_avx2 (every
-// q head of KV head it.head together, one pass over each K/V row, the K
-// groups' scales folded into q): the blocks' keys [k0, k1), or the f16
-// residual, addressed as one block of f16 rows with positions relative to its
-// start. Writes the piece's partial state (m, l, acc) for the merge.
-void run_decode_piece(const PagedKvLayerView& kv, const AttnParams& p, const AttnSeq& s,
+// One piece of query rows [it.r0, it.r1) of KV head it.head through the
+// shared AVX2 kernels (attention_kernels.h: decode_tile_avx2 for one row,
+// prefill_tile_avx2 for more; every q head of the KV head together, each K/V
+// row read once per chunk): the blocks' keys [k0, k1), or the f16 residual,
+// addressed as one block of f16 rows with positions relative to its start.
+// Writes the piece's partial state (m, l, acc per query vector) for the
+// merge.
+void run_shared_piece(const PagedKvLayerView& kv, const AttnParams& p, const AttnSeq& s,
                       const KvResidualView* res, int64_t q_start, const Item& it, float* partials) {
   static const int32_t kOneBlock = 0;
   const int d = p.head_dim;
   const int g = p.n_q_heads / p.n_kv_heads;
+  const int rows = it.r1 - it.r0;
   attn_detail::TileArgs a;
   if (it.residual) {
     const int64_t row = int64_t{kv.n_kv_heads} * d * 2;  // bytes per residual position
@@ -191,7 +194,7 @@ void run_decode_piece(const PagedKvLayerView& kv, const AttnParams& p, const Att
     a.v = stream(res->v);
     a.block_table = &kOneBlock;
     a.block_size = std::numeric_limits<int32_t>::max();
-    a.pos0 = static_cast<int32_t>(s.n_past - res->start);
+    a.pos0 = static_cast<int32_t>(s.n_past + it.r0 - res->start);
     a.key_begin = 0;
     a.key_end = static_cast<int32_t>(res->n_tokens);
   } else {
@@ -200,29 +203,38 @@ void run_decode_piece(const PagedKvLayerView& kv, const AttnParams& p, const Att
     a.block_table = s.block_table;
     a.block_stride = kv.block_stride;
     a.block_size = kv.block_size;
-    a.pos0 = s.n_past;
+    a.pos0 = s.n_past + it.r0;
     a.key_begin = static_cast<int32_t>(it.k0);
     a.key_end = static_cast<int32_t>(std::min(it.k1, q_start));
   }
   a.head_dim = d;
-  a.q = s.q + int64_t{it.head} * g * d;
   a.row_stride = int64_t{p.n_q_heads} * d;
-  a.n_rows = 1;
+  a.q = s.q + it.r0 * a.row_stride + int64_t{it.head} * g * d;
+  a.n_rows = rows;
   a.group = g;
   a.window = p.window;
   a.scale = p.scale;
+  const int n_vec = rows * g;
   a.part_m = partials + it.part;
-  a.part_l = a.part_m + g;
-  a.part_acc = a.part_l + g;
-  attn_detail::decode_tile_avx2(a);
+  a.part_l = a.part_m + n_vec;
+  a.part_acc = a.part_l + n_vec;
+  if (rows == 1) {
+    attn_detail::decode_tile_avx2(a);
+  } else {
+    attn_detail::prefill_tile_avx2(a);
+  }
 }
 
-// The split-K pieces of one decode row and KV head, merged in key order.
+// The pieces of query rows [r0, r0 + n_rows) of one KV head (split-K of a
+// decode row, or blocks + residual), merged in key order.
 struct SplitRow {
   int32_t seq;
   int32_t head;
   int64_t first_part;  // offset of piece 0 in the partials
   int n_parts;
+  int32_t r0 = 0;
+  int32_t n_rows = 1;
+  int64_t part_floats = 0;  // floats per piece: n_rows * group * (head_dim + 2)
 };
 
 }  // namespace
@@ -295,7 +307,7 @@ Status paged_attention_kivi_isa(Isa isa, const PagedKvLayerView& kv, const AttnP
                                 std::span<const KvResidualView> residuals, ThreadPool* pool) {
   KV_TRY_STATUS(validate_kivi_attention_args(kv, p, seqs, residuals));
   const bool avx2 = isa >= Isa::kAvx2 && best_isa() >= Isa::kAvx2 && cpu_features().f16c;
-  const KiviOps& ops = avx2 ? kivi_detail::avx2_ops() : kivi_detail::scalar_ops();
+  const KiviOps& ops = kivi_detail::scalar_ops();  // rows not on the shared AVX2 kernels
   const int n_rep = p.n_q_heads / p.n_kv_heads;
   const int64_t part_floats = int64_t{n_rep} * (p.head_dim + 2);
   std::vector<Item> items;
@@ -306,29 +318,44 @@ Status paged_attention_kivi_isa(Isa isa, const PagedKvLayerView& kv, const AttnP
     for (int h = 0; h < p.n_kv_heads; ++h) {
       const int64_t pos = s.n_past;
       const int64_t lo = first_visible(pos, p.window);
-      if (avx2 && s.n_new == 1) {
-        // Pieces of the blocks' keys at fixed positions, then the residual.
+      if (avx2) {
+        // Blocks of kRowsPerItem rows; each: the blocks' keys (a decode row
+        // in pieces at fixed positions), then the residual.
         const int64_t q_start = blocks_end(s, residuals, i);
-        SplitRow sr{static_cast<int32_t>(i), h, n_partial_floats, 0};
-        auto add = [&](Item it) {
-          it.part = n_partial_floats;
-          it.decode = true;
-          items.push_back(it);
-          n_partial_floats += part_floats;
-          ++sr.n_parts;
-        };
-        for (int64_t k0 = lo / kSplitKeys * kSplitKeys; k0 < std::min(q_start, pos + 1);
-             k0 += kSplitKeys) {
-          add(Item{static_cast<int32_t>(i), h, 0, 1, k0, k0 + kSplitKeys});
+        for (int r0 = 0; r0 < s.n_new; r0 += kRowsPerItem) {
+          const int r1 = std::min(s.n_new, r0 + kRowsPerItem);
+          const int64_t lo0 = first_visible(int64_t{s.n_past} + r0, p.window);  // smallest
+          SplitRow sr{static_cast<int32_t>(i),
+                      h,
+                      n_partial_floats,
+                      0,
+                      r0,
+                      r1 - r0,
+                      int64_t{r1 - r0} * n_rep * (p.head_dim + 2)};
+          auto add = [&](Item it) {
+            it.part = n_partial_floats;
+            it.shared = true;
+            items.push_back(it);
+            n_partial_floats += sr.part_floats;
+            ++sr.n_parts;
+          };
+          const int64_t blocks_hi = std::min(q_start, int64_t{s.n_past} + r1);
+          const int64_t step = s.n_new == 1 ? kSplitKeys : std::max<int64_t>(blocks_hi, 1);
+          for (int64_t k0 = s.n_new == 1 ? lo0 / kSplitKeys * kSplitKeys : 0; k0 < blocks_hi;
+               k0 += step) {
+            if (k0 + step > lo0) add(Item{static_cast<int32_t>(i), h, r0, r1, k0, k0 + step});
+          }
+          if (q_start < int64_t{s.n_past} + r1) {
+            add(Item{static_cast<int32_t>(i), h, r0, r1, q_start, int64_t{s.n_past} + r1, -1, true,
+                     true});
+          }
+          splits.push_back(sr);
         }
-        if (q_start <= pos)
-          add(Item{static_cast<int32_t>(i), h, 0, 1, q_start, pos + 1, -1, true, true});
-        splits.push_back(sr);
         continue;
       }
       if (s.n_new == 1 && pos + 1 - lo > kSplitKeys) {
         // Pieces [k * kSplitKeys, (k + 1) * kSplitKeys) overlapping [lo, pos].
-        SplitRow sr{static_cast<int32_t>(i), h, n_partial_floats, 0};
+        SplitRow sr{static_cast<int32_t>(i), h, n_partial_floats, 0, 0, 1, part_floats};
         for (int64_t k0 = lo / kSplitKeys * kSplitKeys; k0 <= pos; k0 += kSplitKeys) {
           items.push_back(
               Item{static_cast<int32_t>(i), h, 0, 1, k0, k0 + kSplitKeys, n_partial_floats});
@@ -351,8 +378,8 @@ Status paged_attention_kivi_isa(Isa isa, const PagedKvLayerView& kv, const AttnP
       const AttnSeq& s = seqs[static_cast<size_t>(it.seq)];
       const KvResidualView* res = residuals.empty() ? nullptr : &residuals[it.seq];
       const int64_t q_start = blocks_end(s, residuals, static_cast<size_t>(it.seq));
-      if (it.decode) {
-        run_decode_piece(kv, p, s, res, q_start, it, partials.data());
+      if (it.shared) {
+        run_shared_piece(kv, p, s, res, q_start, it, partials.data());
       } else {
         run_item(ops, kv, p, s, res, q_start, it, scratch, partials.data());
       }
@@ -367,9 +394,13 @@ Status paged_attention_kivi_isa(Isa isa, const PagedKvLayerView& kv, const AttnP
   const int d = p.head_dim;
   for (const SplitRow& sr : splits) {
     const AttnSeq& s = seqs[static_cast<size_t>(sr.seq)];
-    for (int j = 0; j < n_rep; ++j) {
-      attn_detail::merge_split_k(partials.data() + sr.first_part, sr.n_parts, part_floats, n_rep, j,
-                                 d, s.out + (int64_t{sr.head} * n_rep + j) * d);
+    const int n_vec = sr.n_rows * n_rep;  // vector v: row r0 + v / n_rep, q head v % n_rep
+    for (int v = 0; v < n_vec; ++v) {
+      float* dst =
+          s.out +
+          ((int64_t{sr.r0} + v / n_rep) * p.n_q_heads + int64_t{sr.head} * n_rep + v % n_rep) * d;
+      attn_detail::merge_split_k(partials.data() + sr.first_part, sr.n_parts, sr.part_floats, n_vec,
+                                 v, d, dst);
     }
   }
   return {};

@@ -4,25 +4,24 @@
 // residual start come from the blocks (final quantized form), positions from
 // the start on come from its residual rows.
 //
-// Decode rows on AVX2 run on the shared decode kernel (attention_kernels.h,
-// decode_tile_avx2): the blocks' keys in split-K pieces of 512 positions,
-// each KIVI key group's codes dotted with q * scale (+ q . min), and the f16
-// residual as one more piece, merged in key order.
+// On AVX2, rows run on the shared tile kernels (attention_kernels.h) in
+// blocks of 16 query rows: decode_tile_avx2 for a decode row (the blocks'
+// keys in split-K pieces of 512 positions, each KIVI key group's codes
+// dotted with q * scale, + q . min), prefill_tile_avx2 for more rows (K tiles
+// decoded with the group's scale and min); the f16 residual is one more
+// piece; the pieces are merged in key order.
 //
-// Prefill rows, and every row of the scalar path, walk the keys tile by
-// tile: a KIVI key group (G tokens sharing per-channel scale/min) or up to 32
-// residual rows of one KV head are decoded into a [tile, head_dim] float tile
-// in L1 (K and V), used there by every query row and q head of the KV head
-// group (online softmax), then dropped; no full-precision copy of a block
-// list or of the cache is materialised. Work is split over (sequence, KV
-// head, block of 16 query rows).
+// The scalar path walks the keys tile by tile: a KIVI key group (G tokens sharing per-channel
+// scale/min) or up to 32 residual rows of one KV head are decoded into a [tile, head_dim] float
+// tile in L1 (K and V), used there by every query row and q head of the KV head group (online
+// softmax), then dropped; no full-precision copy of a block list or of the cache is materialised.
+// Work is split over (sequence, KV head, block of 16 query rows).
 //
-// The scalar kernel decodes with the kivi_codec.h reference decoders; the
-// AVX2+FMA+F16C tile kernel decodes codes with integer widening and FMA and
-// produces the same K/V values bit for bit, so the two paths differ only in
-// accumulation order (the decode kernel applies scale and min to q and to
-// the softmax weights instead, a float rounding difference). A non-KIVI side (e.g. K kivi2, V int8)
-// is decoded with the kv_codec.h reference decoder in both paths.
+// The scalar path decodes with the kivi_codec.h reference decoders. The
+// AVX2 kernels decode K tiles (prefill) and V the same way, fma(scale, code,
+// min), while decode applies a K group's scale and min to q instead: the
+// paths differ by float rounding and accumulation order. A non-KIVI side
+// (e.g. K kivi2, V int8) is read as that format always is.
 #pragma once
 
 #include <span>

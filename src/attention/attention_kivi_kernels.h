@@ -1,6 +1,6 @@
-// Internal: the per-ISA primitives of the KIVI attention kernel
-// (attention_kivi.cpp drives them). Every primitive of one table yields the
-// same decoded values; only dot/axpy accumulation order may differ.
+// Internal: the primitives of the scalar KIVI attention kernel
+// (attention_kivi.cpp drives them; on AVX2 the shared kernels of
+// attention_kernels.h read KIVI instead).
 #pragma once
 
 #include <cstdint>
@@ -26,6 +26,5 @@ struct KiviOps {
 };
 
 const KiviOps& scalar_ops();
-const KiviOps& avx2_ops();  // REQUIRES the CPU has AVX2+FMA+F16C
 
 }  // namespace kvstack::kivi_detail
