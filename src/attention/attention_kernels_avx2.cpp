@@ -788,29 +788,17 @@ void KvPrefetch::start(const TileArgs& a, const int64_t* base, const int32_t* sl
 // --------------------------------------------------------------- prefill --
 
 // kt[c * kChunk + j] = K_j[c] for the kChunk rows (padding rows included).
-template <KvDtype F>
+// kKiviKey: F is a KIVI K, metas[j] the row's key-group record.
+template <KvDtype F, bool kKiviKey = false>
 KV_AVX2 void k_tile(const uint8_t* const* rows, const uint8_t* const* metas, int d, float* kt) {
   for (int j0 = 0; j0 < kChunk; j0 += 8) {
     for (int c = 0; c < d; c += 8) {
       __m256 r[8];
 #pragma GCC unroll 8
-      for (int x = 0; x < 8; ++x) r[x] = deq8<F>(rows[j0 + x], metas[j0 + x], c);
-      transpose8(r);
-#pragma GCC unroll 8
-      for (int x = 0; x < 8; ++x) _mm256_storeu_ps(kt + (c + x) * kChunk + j0, r[x]);
-    }
-  }
-}
-
-// k_tile for a KIVI K (metas: each row's key-group record).
-template <KvDtype F>
-KV_AVX2 void k_tile_kivi(const uint8_t* const* rows, const uint8_t* const* metas, int d,
-                         float* kt) {
-  for (int j0 = 0; j0 < kChunk; j0 += 8) {
-    for (int c = 0; c < d; c += 8) {
-      __m256 r[8];
-#pragma GCC unroll 8
-      for (int x = 0; x < 8; ++x) r[x] = kivi_key_deq8<F>(rows[j0 + x], metas[j0 + x], c);
+      for (int x = 0; x < 8; ++x) {
+        r[x] = kKiviKey ? kivi_key_deq8<F>(rows[j0 + x], metas[j0 + x], c)
+                        : deq8<F>(rows[j0 + x], metas[j0 + x], c);
+      }
       transpose8(r);
 #pragma GCC unroll 8
       for (int x = 0; x < 8; ++x) _mm256_storeu_ps(kt + (c + x) * kChunk + j0, r[x]);
@@ -832,8 +820,8 @@ using VTileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int, int,
 
 // A KIVI format as K decodes per-channel key groups, as V per-token groups.
 KTileFn k_tile_fn(KvDtype t) {
-  if (t == KvDtype::kKivi2) return k_tile_kivi<KvDtype::kKivi2>;
-  if (t == KvDtype::kKivi4) return k_tile_kivi<KvDtype::kKivi4>;
+  if (t == KvDtype::kKivi2) return k_tile<KvDtype::kKivi2, true>;
+  if (t == KvDtype::kKivi4) return k_tile<KvDtype::kKivi4, true>;
   return by_format(t, []<KvDtype F>() { return KTileFn{k_tile<F>}; });
 }
 
