@@ -45,6 +45,7 @@
 #include "core/cpu_features.h"
 #include "kv/kv_codec.h"
 #include "kv/kv_write.h"
+#include "kv/layout.h"
 
 namespace kvstack {
 namespace {
@@ -96,9 +97,10 @@ int64_t align64(int64_t x) {
   return (x + 63) / 64 * 64;
 }
 
-// One layer of one sequence of `ctx` tokens in blocks of `block_size`:
-// per block [K codes: H x P rows][V codes][K metadata: H x (P rows + block
-// metadata)][V metadata], the layout the block pool uses.
+// One layer of one sequence of `ctx` tokens. Paged: blocks of `block_size`
+// tokens laid out by KvLayout, exactly as the block pool lays them out (per
+// KV head a K tile then its V tile, then the metadata regions). Contiguous:
+// one block as long as the context, so each head's K and V are one run each.
 struct KvSetup {
   Bytes pool;
   PagedKvLayerView view;
@@ -106,33 +108,41 @@ struct KvSetup {
   int64_t payload_bytes = 0;  // K + V codes and metadata the step reads
 };
 
-KvSetup make_kv(const Shape& sh, KvDtype dtype, int ctx, int block_size, bool shuffle) {
+KvSetup make_kv(const Shape& sh, KvDtype dtype, int ctx, bool paged) {
   KvSetup s;
+  const int block_size = paged ? 16 : ctx;
   const int n_blocks = (ctx + block_size - 1) / block_size;
   const KvRowGeometry geo = *kv_row_geometry(dtype, sh.head_dim);
-  const int64_t data_bytes = align64(geo.row_bytes * block_size * sh.n_kv_heads);
-  const int64_t meta_head = geo.meta_row_bytes * block_size + geo.meta_block_bytes;
-  const int64_t meta_bytes = align64(meta_head * sh.n_kv_heads);
   PagedKvLayerView& v = s.view;
-  v.dtype = dtype;
-  v.block_size = block_size;
-  v.n_kv_heads = sh.n_kv_heads;
-  v.head_dim = sh.head_dim;
-  v.slot_stride = geo.row_bytes;
-  v.head_stride = geo.row_bytes * block_size;
-  v.block_stride = 2 * data_bytes + (kv_dtype_is_quantized(dtype) ? 2 * meta_bytes : 0);
-  s.pool = alloc_bytes(static_cast<size_t>(v.block_stride) * n_blocks);
-  v.k = s.pool.get();
-  v.v = s.pool.get() + data_bytes;
-  if (kv_dtype_is_quantized(dtype)) {
-    v.k_meta = s.pool.get() + 2 * data_bytes;
-    v.v_meta = v.k_meta + meta_bytes;
-    v.k_meta_head_stride = v.v_meta_head_stride = meta_head;
-    v.k_meta_slot_stride = v.v_meta_slot_stride = geo.meta_row_bytes;
+  if (paged) {
+    const KvLayout layout = *KvLayout::uniform(1, sh.n_kv_heads, sh.head_dim, dtype, block_size);
+    s.pool = alloc_bytes(static_cast<size_t>(layout.block_bytes()) * n_blocks);
+    v = layout.layer_view(0, s.pool.get());
+  } else {
+    const int64_t tile = geo.row_bytes * block_size;
+    const int64_t data_bytes = align64(2 * tile * sh.n_kv_heads);
+    const int64_t meta_head = geo.meta_row_bytes * block_size + geo.meta_block_bytes;
+    const int64_t meta_bytes = align64(meta_head * sh.n_kv_heads);
+    v.dtype = dtype;
+    v.block_size = block_size;
+    v.n_kv_heads = sh.n_kv_heads;
+    v.head_dim = sh.head_dim;
+    v.slot_stride = geo.row_bytes;
+    v.head_stride = 2 * tile;
+    v.block_stride = data_bytes + (kv_dtype_is_quantized(dtype) ? 2 * meta_bytes : 0);
+    s.pool = alloc_bytes(static_cast<size_t>(v.block_stride) * n_blocks);
+    v.k = s.pool.get();
+    v.v = s.pool.get() + tile;
+    if (kv_dtype_is_quantized(dtype)) {
+      v.k_meta = s.pool.get() + data_bytes;
+      v.v_meta = v.k_meta + meta_bytes;
+      v.k_meta_head_stride = v.v_meta_head_stride = meta_head;
+      v.k_meta_slot_stride = v.v_meta_slot_stride = geo.meta_row_bytes;
+    }
   }
   s.table.resize(n_blocks);
   std::iota(s.table.begin(), s.table.end(), 0);
-  if (shuffle) std::shuffle(s.table.begin(), s.table.end(), std::mt19937(7));
+  if (paged) std::shuffle(s.table.begin(), s.table.end(), std::mt19937(7));
   uint32_t x = 11;  // xorshift: values in [-1, 1); the kernels' speed does not depend on them
   auto next = [&x] {
     x ^= x << 13;
@@ -209,11 +219,10 @@ void BM_DecodeAttention(benchmark::State& state) {
     state.SkipWithError("needs AVX2 (memory read loop)");
     return;
   }
-  KvSetup paged = make_kv(sh, fmt, ctx, 16, true);
-  KvSetup contig = make_kv(sh, fmt, ctx, ctx, false);
+  KvSetup paged = make_kv(sh, fmt, ctx, true);
+  KvSetup contig = make_kv(sh, fmt, ctx, false);
   std::unique_ptr<KvSetup> f16;
-  if (fmt != KvDtype::kF16)
-    f16 = std::make_unique<KvSetup>(make_kv(sh, KvDtype::kF16, ctx, 16, true));
+  if (fmt != KvDtype::kF16) f16 = std::make_unique<KvSetup>(make_kv(sh, KvDtype::kF16, ctx, true));
   MemReader mem;
   std::vector<float> q(static_cast<size_t>(sh.n_q_heads) * sh.head_dim);
   std::vector<float> out(q.size());

@@ -23,11 +23,13 @@ TEST(KvLayout, SmolLm2PayloadAndBlockBytes) {
   // Block of P=16: per layer K = 3 heads x 16 slots x 64 dims x 2 B = 6144 (64-aligned), V same.
   EXPECT_EQ(l.block_bytes(), 30 * (6144 + 6144));
   EXPECT_EQ(l.block_bytes(), 368640);
-  // Layer 2: two previous layers of 12288 bytes each.
+  // Layer 2: two previous layers of 12288 bytes each. Per head a K tile of
+  // 16 x 128 bytes, then its V tile: V of head 0 follows K of head 0.
   EXPECT_EQ(l.placement(2).k_offset, 2 * 12288);
-  EXPECT_EQ(l.placement(2).v_offset, 2 * 12288 + 6144);
+  EXPECT_EQ(l.placement(2).v_offset, 2 * 12288 + 2048);
   EXPECT_EQ(l.placement(2).slot_stride, 64 * 2);
-  EXPECT_EQ(l.placement(2).head_stride, 16 * 64 * 2);
+  EXPECT_EQ(l.placement(2).head_stride, 2 * 16 * 64 * 2);
+  EXPECT_EQ(l.placement(2).v_head_stride, 2 * 16 * 64 * 2);
   EXPECT_EQ(l.placement(29).end_offset, l.block_bytes());
 }
 
@@ -48,10 +50,10 @@ TEST(KvLayout, EveryBlockSizeFrom1To256) {
     const PagedKvLayerView v = l.layer_view(3, reinterpret_cast<uint8_t*>(uintptr_t{4096}));
     EXPECT_EQ(v.block_size, p);
     EXPECT_EQ(v.block_stride, 23040 * p);
-    EXPECT_EQ(v.head_stride, p * 128);
+    EXPECT_EQ(v.head_stride, p * 256);  // a K tile and a V tile of p x 128 bytes
     EXPECT_EQ(v.slot_stride, 128);
     EXPECT_EQ(v.k, reinterpret_cast<uint8_t*>(uintptr_t{4096}) + 3 * 2 * 384 * p);
-    EXPECT_EQ(v.v, v.k + 384 * p);
+    EXPECT_EQ(v.v, v.k + 128 * p);
   }
   for (int bad : {0, -1, 3, 6, 24, 100, 512}) {
     auto r = KvLayout::uniform(2, 1, 64, KvDtype::kF16, bad);
@@ -62,19 +64,17 @@ TEST(KvLayout, EveryBlockSizeFrom1To256) {
 }
 
 TEST(KvLayout, PaddingTo64Bytes) {
-  // 1 head x 3 dims x f16 = 6 bytes per slot; P = 4 -> K region 24 bytes,
-  // padded to 64; V likewise -> 128 bytes per layer, 2 layers -> 256.
+  // 1 head x 3 dims x f16 = 6 bytes per slot; P = 4 -> K tile 24 bytes, V
+  // tile right after it; the layer takes what K and V regions padded to 64
+  // bytes each would: 128 bytes per layer, 2 layers -> 256.
   const KvLayout l = must(KvLayout::uniform(2, 1, 3, KvDtype::kF16, 4));
   EXPECT_EQ(l.payload_bytes_per_token(), 2 * 2 * 1 * 3 * 2);  // 24, unpadded
   EXPECT_EQ(l.placement(0).k_bytes, 24);
-  EXPECT_EQ(l.placement(0).v_offset, 64);
+  EXPECT_EQ(l.placement(0).v_offset, 24);
   EXPECT_EQ(l.placement(1).k_offset, 128);
-  EXPECT_EQ(l.placement(1).v_offset, 192);
+  EXPECT_EQ(l.placement(1).v_offset, 128 + 24);
   EXPECT_EQ(l.block_bytes(), 256);
-  for (int i = 0; i < l.n_layers(); ++i) {
-    EXPECT_EQ(l.placement(i).k_offset % 64, 0);
-    EXPECT_EQ(l.placement(i).v_offset % 64, 0);
-  }
+  for (int i = 0; i < l.n_layers(); ++i) EXPECT_EQ(l.placement(i).k_offset % 64, 0);
 }
 
 TEST(KvLayout, MixedLayersAndMla) {
@@ -93,7 +93,8 @@ TEST(KvLayout, MixedLayersAndMla) {
   EXPECT_EQ(l.layer_payload_bytes_per_token(2), 2 * 1 * 16 * 2);  // 64
   EXPECT_EQ(l.payload_bytes_per_token(), 128 + 40 + 64);
   EXPECT_EQ(l.placement(0).k_offset, 0);
-  EXPECT_EQ(l.placement(0).v_offset, 256);
+  EXPECT_EQ(l.placement(0).v_offset, 128);  // after head 0's K tile of 4 x 32 bytes
+  EXPECT_EQ(l.placement(0).head_stride, 256);
   EXPECT_EQ(l.placement(1).k_offset, 512);
   EXPECT_EQ(l.placement(1).v_offset, -1);
   EXPECT_EQ(l.placement(2).k_offset, 512 + 192);

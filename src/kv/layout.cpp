@@ -132,16 +132,20 @@ Result<KvLayout> KvLayout::create(std::vector<KvLayerSpec> layers, int block_siz
                     ? kivi_value_geometry(s.value_dtype(), s.head_dim_v)
                     : kv_row_geometry(s.value_dtype(), s.head_dim_v);
       if (!gv) return layer_error(Errc::kUnsupported, l, "V: " + gv.error().message);
+      // Per KV head: its P K rows, then its P V rows (see layout.h).
       const int64_t h = s.n_kv_heads;
       p.slot_stride = gk->row_bytes;
-      p.head_stride = p.slot_stride * block_size;
       p.v_slot_stride = gv->row_bytes;
-      p.v_head_stride = p.v_slot_stride * block_size;
-      p.k_bytes = p.head_stride * h;
-      p.v_bytes = p.v_head_stride * h;
+      const int64_t k_tile = p.slot_stride * block_size;
+      const int64_t v_tile = p.v_slot_stride * block_size;
+      p.head_stride = p.v_head_stride = k_tile + v_tile;
+      p.k_bytes = k_tile * h;
+      p.v_bytes = v_tile * h;
       p.k_offset = offset;
-      p.v_offset = offset + align_up(p.k_bytes, kAlign);
-      int64_t end = p.v_offset + align_up(p.v_bytes, kAlign);
+      p.v_offset = offset + k_tile;
+      // Same padded size as separate K and V regions would take, so the
+      // planner's block_bytes formula is unchanged.
+      int64_t end = offset + align_up(p.k_bytes, kAlign) + align_up(p.v_bytes, kAlign);
       p.k_meta_slot_stride = gk->meta_row_bytes;
       p.k_meta_block_bytes = gk->meta_block_bytes;
       p.k_meta_head_stride = gk->meta_row_bytes * block_size + gk->meta_block_bytes;

@@ -12,20 +12,26 @@
 // that tiers move and that disaggregated transfer ships. Layer l of block b
 // starts at `pool_base + b * block_bytes + placement(l).k_offset`.
 //
-// Inside a block, per standard layer:
-//   K region: [n_kv_heads][P][head_dim] elements, padded to 64 bytes
-//   V region: [n_kv_heads][P][head_dim] elements, padded to 64 bytes
-// so one KV head of one block is a contiguous [P, head_dim] tile (what a
-// paged attention kernel streams), and every region starts 64-byte aligned
-// (the pool aligns every block to 64 bytes and block_bytes is a multiple of
-// 64). PagedKvLayerView (kv_view.h) exposes exactly this addressing.
+// Inside a block, per standard layer, KV head by KV head:
+//   [n_kv_heads] x ( K tile: [P][head_dim] elements, V tile: [P][head_dim] elements )
+// then padding to 64 bytes, as much as separate K and V regions padded to 64
+// bytes each would take. So one KV head of one block is a contiguous
+// [P, head_dim] K tile (what a paged attention kernel streams) directly
+// followed by its V tile: decode reads both, and one run of 2 * P rows per
+// head and block instead of two runs of P rows in different places made
+// paged decode attention 15-20% faster at 16K-32K tokens with scattered
+// blocks (docs/benchmarks.md, "Kernel tuning"). The layer and its metadata
+// regions start 64-byte aligned (the pool aligns every block to 64 bytes and
+// block_bytes is a multiple of 64); a head's tiles are aligned when P rows
+// are a multiple of 64 bytes. PagedKvLayerView (kv_view.h) exposes exactly
+// this addressing: head_stride (= v_head_stride) steps over both tiles.
 //
 // Quantized formats (int8/fp8/int4/KIVI). A quantized dtype is a new KvDtype
-// plus, per layer, a metadata region placed after the V region inside the
+// plus, per layer, a metadata region placed after the K/V tiles inside the
 // same block: [n_kv_heads][n_groups] scales/zeros for K and for V, with the
 // group shape fixed by the format (per-token groups for V, per-channel groups
 // along the block's P tokens for K). Implemented for fp8/int8/int4 (region
-// order K codes, V codes, K meta, V meta, each padded to 64 bytes; row
+// order K/V code tiles, K meta, V meta, each region padded to 64 bytes; row
 // geometry in kv_codec.h); K and V may use different dtypes (dtype_v). KvLayerPlacement gains
 // k_meta_offset / v_meta_offset and the view gains the matching pointers/strides; the block is
 // still one opaque run of block_bytes, so the pool, tables and prefix index are unchanged, and a
@@ -101,19 +107,22 @@ struct KvLayerSpec {
 };
 
 // Byte offsets of one layer's regions inside a block (relative to the block
-// start) and its in-block strides. All offsets are multiples of 64.
+// start) and its in-block strides. k_offset and the metadata offsets are
+// multiples of 64; v_offset = k_offset + P * slot_stride (V tiles follow
+// their head's K tile).
 struct KvLayerPlacement {
   int64_t k_offset = 0;     // start of the K region (MLA: latent region)
-  int64_t v_offset = -1;    // start of the V region; -1 for MLA (no V)
-  int64_t head_stride = 0;  // bytes between KV heads (0 for MLA)
+  int64_t v_offset = -1;    // start of head 0's V tile; -1 for MLA (no V)
+  int64_t head_stride = 0;  // bytes between KV heads, K and V tiles (0 for MLA)
   int64_t slot_stride = 0;  // bytes between consecutive slots (tokens)
-  int64_t k_bytes = 0;      // K region size before padding
-  int64_t v_bytes = 0;      // V region size before padding (0 for MLA)
+  int64_t k_bytes = 0;      // K bytes of all heads, before padding
+  int64_t v_bytes = 0;      // V bytes of all heads, before padding (0 for MLA)
   int64_t end_offset = 0;   // first byte after this layer's padded regions
-  // V strides (differ from K's when V has another dtype).
+  // V strides: v_head_stride == head_stride; v_slot_stride differs from
+  // slot_stride when V has another dtype.
   int64_t v_head_stride = 0;
   int64_t v_slot_stride = 0;
-  // Quantization metadata regions (kv_codec.h), after the V region:
+  // Quantization metadata regions (kv_codec.h), after the K/V tiles:
   // [n_kv_heads][meta_head_stride] bytes each; offset -1 when absent.
   int64_t k_meta_offset = -1;
   int64_t v_meta_offset = -1;
