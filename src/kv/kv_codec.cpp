@@ -6,7 +6,10 @@
 #include <cstring>
 #include <string>
 
+#include <immintrin.h>
+
 #include "core/check.h"
+#include "core/cpu_features.h"
 #include "core/half.h"
 
 namespace kvstack {
@@ -229,15 +232,86 @@ namespace {
 
 // Codes of n values (stride apart) for (scale, min) = (s, m), and the
 // squared error of their decoded values fma(s, q, m).
-double asym_codes(const float* x, int64_t stride, int n, float s, float m, int qmax, uint8_t* q) {
+// The per-element work of asym_quant_fit's two loops, on contiguous x, in
+// arrays: scalar, and AVX2 with the same IEEE operations per element
+// (vdivps/vroundps/vfmadd are correctly rounded like their scalar
+// counterparts), so both give the same bits. The double sums over the
+// arrays stay sequential in the caller, in the same order.
+
+// l[i] = clamp(nearbyint(iscale * (x[i] - mn)), 0, qmax).
+void fit_codes_scalar(const float* x, int n, float iscale, float mn, float qmax, float* l) {
+  for (int i = 0; i < n; ++i) l[i] = std::clamp(std::nearbyint(iscale * (x[i] - mn)), 0.0f, qmax);
+}
+
+// c[i] = clamp(nearbyint((x[i] - m) / s), 0, qmax), e2[i] = (fma(s, c, m) - x[i])^2 in
+// double. REQUIRES s > 0.
+void asym_codes_scalar(const float* x, int n, float s, float m, float qmax, float* c, double* e2) {
+  for (int i = 0; i < n; ++i) {
+    c[i] = std::clamp(std::nearbyint((x[i] - m) / s), 0.0f, qmax);
+    const double e = static_cast<double>(std::fma(s, c[i], m)) - x[i];
+    e2[i] = e * e;
+  }
+}
+
+#define KV_CODEC_AVX2 __attribute__((target("avx2,fma")))
+
+KV_CODEC_AVX2 inline __m256 clamp_round8(__m256 v, __m256 qmax) {
+  v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // std::clamp(v, 0, qmax): v < 0 -> 0, qmax < v -> qmax (v is never NaN).
+  return _mm256_min_ps(_mm256_max_ps(v, _mm256_setzero_ps()), qmax);
+}
+
+KV_CODEC_AVX2 void fit_codes_avx2(const float* x, int n, float iscale, float mn, float qmax,
+                                  float* l) {
+  const __m256 is = _mm256_set1_ps(iscale), mv = _mm256_set1_ps(mn), qv = _mm256_set1_ps(qmax);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_mul_ps(is, _mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    _mm256_storeu_ps(l + i, clamp_round8(v, qv));
+  }
+  fit_codes_scalar(x + i, n - i, iscale, mn, qmax, l + i);
+}
+
+KV_CODEC_AVX2 void asym_codes_avx2(const float* x, int n, float s, float m, float qmax, float* c,
+                                   double* e2) {
+  const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(m), qv = _mm256_set1_ps(qmax);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 ci = clamp_round8(_mm256_div_ps(_mm256_sub_ps(v, mv), sv), qv);
+    _mm256_storeu_ps(c + i, ci);
+    const __m256 r = _mm256_fmadd_ps(sv, ci, mv);
+    const __m256d lo = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(r)),
+                                     _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+    const __m256d hi = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(r, 1)),
+                                     _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+    _mm256_storeu_pd(e2 + i, _mm256_mul_pd(lo, lo));
+    _mm256_storeu_pd(e2 + i + 4, _mm256_mul_pd(hi, hi));
+  }
+  asym_codes_scalar(x + i, n - i, s, m, qmax, c + i, e2 + i);
+}
+
+// Squared error of the codes of x for (s, m), codes to q.
+double asym_codes(bool avx2, const float* x, int n, float s, float m, int qmax, uint8_t* q) {
+  float c[kAsymQuantMaxN];
+  double e2[kAsymQuantMaxN];
+  if (s > 0.0f) {
+    if (avx2) {
+      asym_codes_avx2(x, n, s, m, static_cast<float>(qmax), c, e2);
+    } else {
+      asym_codes_scalar(x, n, s, m, static_cast<float>(qmax), c, e2);
+    }
+  } else {
+    for (int i = 0; i < n; ++i) {
+      c[i] = 0.0f;
+      const double e = static_cast<double>(m) - x[i];  // fma(0, 0, m) = m
+      e2[i] = e * e;
+    }
+  }
   double err = 0.0;
   for (int i = 0; i < n; ++i) {
-    const float v = x[i * stride];
-    const float c =
-        s > 0.0f ? std::clamp(std::nearbyint((v - m) / s), 0.0f, static_cast<float>(qmax)) : 0.0f;
-    q[i] = static_cast<uint8_t>(c);
-    const double e = static_cast<double>(std::fma(s, c, m)) - v;
-    err += e * e;
+    q[i] = static_cast<uint8_t>(c[i]);
+    err += e2[i];
   }
   return err;
 }
@@ -246,38 +320,50 @@ double asym_codes(const float* x, int64_t stride, int n, float s, float m, int q
 
 void asym_quant_fit(int bits, const float* x, int64_t stride, int n, uint16_t* scale, uint16_t* min,
                     uint8_t* q) {
+  asym_quant_fit_isa(best_isa(), bits, x, stride, n, scale, min, q);
+}
+
+void asym_quant_fit_isa(Isa isa, int bits, const float* xs, int64_t stride, int n, uint16_t* scale,
+                        uint16_t* min, uint8_t* q) {
   KV_CHECK(n >= 1 && n <= kAsymQuantMaxN && bits >= 1 && bits <= 8, "asym_quant_fit: bad shape");
+  const bool avx2 = isa >= Isa::kAvx2 && cpu_features().avx2 && cpu_features().fma;
+  float x[kAsymQuantMaxN];  // contiguous copy (KIVI keys run along tokens)
+  for (int i = 0; i < n; ++i) x[i] = xs[i * stride];
   const int qmax = (1 << bits) - 1;
   float mn = x[0], mx = x[0];
   for (int i = 1; i < n; ++i) {
-    mn = std::min(mn, x[i * stride]);
-    mx = std::max(mx, x[i * stride]);
+    mn = std::min(mn, x[i]);
+    mx = std::max(mx, x[i]);
   }
   // Min-max: min rounded down and scale up, so that no code clamps.
   uint16_t best_m = f16_round_down(mn);
   const float range = (mx - f16_to_f32(best_m)) / static_cast<float>(qmax);
   uint16_t best_s = range > 0.0f ? f16_round_up(range) : 0;
   if (range > 0.0f && best_s == 0) best_s = 1;
-  double best = asym_codes(x, stride, n, f16_to_f32(best_s), f16_to_f32(best_m), qmax, q);
+  double best = asym_codes(avx2, x, n, f16_to_f32(best_s), f16_to_f32(best_m), qmax, q);
   if (!(mx > mn) || best == 0.0) {  // constant or exactly representable group
     *scale = best_s;
     *min = best_m;
     return;
   }
   double sx = 0;
-  for (int i = 0; i < n; ++i) sx += x[i * stride];
+  for (int i = 0; i < n; ++i) sx += x[i];
   uint8_t t[kAsymQuantMaxN];
+  float lv[kAsymQuantMaxN];
   // Ranges of qmax - 1 .. qmax + 1 steps over [mn, mx].
   for (int k = -10; k <= 10; ++k) {
     const float iscale = (static_cast<float>(qmax) + 0.1f * static_cast<float>(k)) / (mx - mn);
+    if (avx2) {
+      fit_codes_avx2(x, n, iscale, mn, static_cast<float>(qmax), lv);
+    } else {
+      fit_codes_scalar(x, n, iscale, mn, static_cast<float>(qmax), lv);
+    }
     double sl = 0, sll = 0, slx = 0;
     for (int i = 0; i < n; ++i) {
-      const float v = x[i * stride];
-      const double l =
-          std::clamp(std::nearbyint(iscale * (v - mn)), 0.0f, static_cast<float>(qmax));
+      const double l = lv[i];
       sl += l;
       sll += l * l;
-      slx += l * v;
+      slx += l * x[i];
     }
     const double det = n * sll - sl * sl;  // 0 when every code is equal
     if (!(det > 0.0)) continue;
@@ -286,7 +372,7 @@ void asym_quant_fit(int bits, const float* x, int64_t stride, int n, uint16_t* s
     if (!(s_fit > 0.0) || s_fit > kF16Max || std::fabs(m_fit) > kF16Max) continue;
     const uint16_t s16 = f32_to_f16(static_cast<float>(s_fit));
     const uint16_t m16 = f32_to_f16(static_cast<float>(m_fit));
-    const double e = asym_codes(x, stride, n, f16_to_f32(s16), f16_to_f32(m16), qmax, t);
+    const double e = asym_codes(avx2, x, n, f16_to_f32(s16), f16_to_f32(m16), qmax, t);
     if (e < best) {
       best = e;
       best_s = s16;

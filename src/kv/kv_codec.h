@@ -19,6 +19,7 @@
 
 #include <cstdint>
 
+#include "core/cpu_features.h"
 #include "core/result.h"
 #include "kv/kv_view.h"
 
@@ -83,6 +84,10 @@ void int4_encode_row(const float* x, int d, uint8_t* codes, uint8_t* meta);
 inline constexpr int kAsymQuantMaxN = 64;
 void asym_quant_fit(int bits, const float* x, int64_t stride, int n, uint16_t* scale, uint16_t* min,
                     uint8_t* q);
+// The same with the ISA chosen by the caller (tests): kAvx2 and above run the
+// per-element loops with AVX2 when the CPU has it, bit-identical to kScalar.
+void asym_quant_fit_isa(Isa isa, int bits, const float* x, int64_t stride, int n, uint16_t* scale,
+                        uint16_t* min, uint8_t* q);
 
 // Scalar reference decoder for every dtype: out[i] = value of element i of
 // the row at `row` whose metadata is at `meta` (fp8: the block's f32 scale;

@@ -266,6 +266,39 @@ INSTANTIATE_TEST_SUITE_P(Formats, CodecRoundTrip,
                          ::testing::Values(KvDtype::kFp8, KvDtype::kInt8, KvDtype::kInt4),
                          [](const auto& info) { return std::string(kv_dtype_name(info.param)); });
 
+// The AVX2 loops of asym_quant_fit give the scalar loops' bits: every
+// group size up to kAsymQuantMaxN (vector body and scalar tail), strided
+// input, Gaussian, outlier, constant and tiny-range groups.
+TEST(AsymQuantFit, Avx2MatchesScalarBitForBit) {
+  if (!cpu_features().avx2 || !cpu_features().fma) GTEST_SKIP() << "no AVX2/FMA";
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd;
+  int checked = 0;
+  for (int bits : {2, 4, 8}) {
+    for (int n = 1; n <= kAsymQuantMaxN; ++n) {
+      for (int kind = 0; kind < 4; ++kind) {
+        for (int stride : {1, 3}) {
+          std::vector<float> x(static_cast<size_t>(n) * stride);
+          for (float& e : x) e = nd(rng);
+          if (kind == 1) x[0] = 40.0f;                          // outlier
+          if (kind == 2) std::fill(x.begin(), x.end(), 0.75f);  // constant
+          if (kind == 3)
+            for (float& e : x) e = 1.0f + 1e-3f * e;  // tiny range
+          uint16_t s0, m0, s1, m1;
+          uint8_t q0[kAsymQuantMaxN], q1[kAsymQuantMaxN];
+          asym_quant_fit_isa(Isa::kScalar, bits, x.data(), stride, n, &s0, &m0, q0);
+          asym_quant_fit_isa(Isa::kAvx2, bits, x.data(), stride, n, &s1, &m1, q1);
+          ASSERT_EQ(s0, s1) << bits << " bits, n " << n << ", kind " << kind;
+          ASSERT_EQ(m0, m1) << bits << " bits, n " << n << ", kind " << kind;
+          ASSERT_EQ(0, std::memcmp(q0, q1, static_cast<size_t>(n))) << bits << " bits, n " << n;
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 3 * kAsymQuantMaxN * 4 * 2);
+}
+
 // The (scale, min) search of int4 and KIVI (asym_quant_fit) must pay: on
 // Gaussian groups (what K and V look like after --kv-rotate) its squared
 // error is clearly below the min-max fit's, computed here independently.
