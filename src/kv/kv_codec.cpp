@@ -230,8 +230,6 @@ void int8_encode_row(const float* x, int d, uint8_t* codes, uint8_t* meta) {
 
 namespace {
 
-// Codes of n values (stride apart) for (scale, min) = (s, m), and the
-// squared error of their decoded values fma(s, q, m).
 // The per-element work of asym_quant_fit's two loops, on contiguous x, in
 // arrays: scalar, and AVX2 with the same IEEE operations per element
 // (vdivps/vroundps/vfmadd are correctly rounded like their scalar
@@ -243,11 +241,11 @@ void fit_codes_scalar(const float* x, int n, float iscale, float mn, float qmax,
   for (int i = 0; i < n; ++i) l[i] = std::clamp(std::nearbyint(iscale * (x[i] - mn)), 0.0f, qmax);
 }
 
-// c[i] = clamp(nearbyint((x[i] - m) / s), 0, qmax), e2[i] = (fma(s, c, m) - x[i])^2 in
-// double. REQUIRES s > 0.
+// c[i] = clamp(nearbyint((x[i] - m) / s), 0, qmax) (0 when s is 0),
+// e2[i] = (fma(s, c, m) - x[i])^2 in double.
 void asym_codes_scalar(const float* x, int n, float s, float m, float qmax, float* c, double* e2) {
   for (int i = 0; i < n; ++i) {
-    c[i] = std::clamp(std::nearbyint((x[i] - m) / s), 0.0f, qmax);
+    c[i] = s > 0.0f ? std::clamp(std::nearbyint((x[i] - m) / s), 0.0f, qmax) : 0.0f;
     const double e = static_cast<double>(std::fma(s, c[i], m)) - x[i];
     e2[i] = e * e;
   }
@@ -272,6 +270,7 @@ KV_CODEC_AVX2 void fit_codes_avx2(const float* x, int n, float iscale, float mn,
   fit_codes_scalar(x + i, n - i, iscale, mn, qmax, l + i);
 }
 
+// asym_codes_scalar for s > 0.
 KV_CODEC_AVX2 void asym_codes_avx2(const float* x, int n, float s, float m, float qmax, float* c,
                                    double* e2) {
   const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(m), qv = _mm256_set1_ps(qmax);
@@ -291,22 +290,15 @@ KV_CODEC_AVX2 void asym_codes_avx2(const float* x, int n, float s, float m, floa
   asym_codes_scalar(x + i, n - i, s, m, qmax, c + i, e2 + i);
 }
 
-// Squared error of the codes of x for (s, m), codes to q.
+// Codes of the n values of x for (scale, min) = (s, m) to q, and the squared
+// error of their decoded values fma(s, q, m).
 double asym_codes(bool avx2, const float* x, int n, float s, float m, int qmax, uint8_t* q) {
   float c[kAsymQuantMaxN];
   double e2[kAsymQuantMaxN];
-  if (s > 0.0f) {
-    if (avx2) {
-      asym_codes_avx2(x, n, s, m, static_cast<float>(qmax), c, e2);
-    } else {
-      asym_codes_scalar(x, n, s, m, static_cast<float>(qmax), c, e2);
-    }
+  if (avx2 && s > 0.0f) {
+    asym_codes_avx2(x, n, s, m, static_cast<float>(qmax), c, e2);
   } else {
-    for (int i = 0; i < n; ++i) {
-      c[i] = 0.0f;
-      const double e = static_cast<double>(m) - x[i];  // fma(0, 0, m) = m
-      e2[i] = e * e;
-    }
+    asym_codes_scalar(x, n, s, m, static_cast<float>(qmax), c, e2);
   }
   double err = 0.0;
   for (int i = 0; i < n; ++i) {
