@@ -796,23 +796,12 @@ void KvPrefetch::start(const TileArgs& a, const int64_t* base, const int32_t* sl
 template <KvDtype F, bool kKiviKey = false>
 KV_AVX2 void k_tile(const uint8_t* const* rows, const uint8_t* const* metas, int d, float* kt) {
   for (int j0 = 0; j0 < kChunk; j0 += 8) {
-    // All 8 rows on one key-group record (the common case for KIVI keys):
-    // its scale/min pairs are widened once for the 8 keys.
-    bool one_group = kKiviKey;
-    for (int x = 1; x < 8 && one_group; ++x) one_group = metas[j0 + x] == metas[j0];
     for (int c = 0; c < d; c += 8) {
       __m256 r[8];
-      if (one_group) {
-        __m256 sc, mn;
-        kivi_pairs8(metas[j0], c, &sc, &mn);
 #pragma GCC unroll 8
-        for (int x = 0; x < 8; ++x) r[x] = _mm256_fmadd_ps(sc, raw8<F>(rows[j0 + x], c), mn);
-      } else {
-#pragma GCC unroll 8
-        for (int x = 0; x < 8; ++x) {
-          r[x] = kKiviKey ? kivi_key_deq8<F>(rows[j0 + x], metas[j0 + x], c)
-                          : deq8<F>(rows[j0 + x], metas[j0 + x], c);
-        }
+      for (int x = 0; x < 8; ++x) {
+        r[x] = kKiviKey ? kivi_key_deq8<F>(rows[j0 + x], metas[j0 + x], c)
+                        : deq8<F>(rows[j0 + x], metas[j0 + x], c);
       }
       transpose8(r);
 #pragma GCC unroll 8
