@@ -18,9 +18,10 @@
 // bytes each would take. So one KV head of one block is a contiguous
 // [P, head_dim] K tile (what a paged attention kernel streams) directly
 // followed by its V tile: decode reads both, and one run of 2 * P rows per
-// head and block instead of two runs of P rows in different places made
-// paged decode attention 15-20% faster at 16K-32K tokens with scattered
-// blocks (docs/benchmarks.md, "Kernel tuning"). The layer and its metadata
+// head and block instead of two runs of P rows in different places took
+// paged decode attention at 16K-32K tokens with scattered blocks from
+// 0.75-0.81 to 0.91-0.95 of contiguous speed (docs/benchmarks.md, "Kernel
+// tuning"). The layer and its metadata
 // regions start 64-byte aligned (the pool aligns every block to 64 bytes and
 // block_bytes is a multiple of 64); a head's tiles are aligned when P rows
 // are a multiple of 64 bytes. PagedKvLayerView (kv_view.h) exposes exactly
