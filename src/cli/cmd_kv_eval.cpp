@@ -3,9 +3,10 @@
 // KL divergence of the next-token distributions, top-1 agreement, and
 // greedy-continuation agreement over --gen tokens for a set of prompts.
 // A format written X+rot runs with --kv-rotate (Hadamard rotation of Q, K and
-// V), so one invocation can compare a format with and without rotation; K/V
-// (e.g. int8/int4, int8/int4+rot) gives K and V different formats. The f32
-// baseline is never rotated.
+// V) and X+ctr with --kv-center (calibrated key means subtracted; both:
+// X+ctr+rot), so one invocation can compare a format with and without them;
+// K/V (e.g. int8/int4, int8/int4+rot) gives K and V different formats. The
+// f32 baseline is never rotated or centered.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -38,19 +39,26 @@ int64_t argmax(const float* row, int64_t n) {
   return std::max_element(row, row + n) - row;
 }
 
-// One entry of --kv-dtype: K[/V][+rot].
+// One entry of --kv-dtype: K[/V][+ctr][+rot] (the suffixes in any order).
 struct FormatSpec {
   KvDtype k = KvDtype::kF32;
   std::optional<KvDtype> v;  // V's format when it differs from K's
   bool rotate = false;
+  bool center = false;
 };
 
 Result<FormatSpec> parse_format(std::string_view f) {
   FormatSpec spec;
-  constexpr std::string_view kRot = "+rot";
-  if (f.size() > kRot.size() && f.substr(f.size() - kRot.size()) == kRot) {
-    spec.rotate = true;
-    f.remove_suffix(kRot.size());
+  for (bool found = true; found;) {
+    found = false;
+    for (auto [suffix, flag] : {std::pair<std::string_view, bool*>{"+rot", &spec.rotate},
+                                std::pair<std::string_view, bool*>{"+ctr", &spec.center}}) {
+      if (f.size() > suffix.size() && f.substr(f.size() - suffix.size()) == suffix) {
+        *flag = true;
+        f.remove_suffix(suffix.size());
+        found = true;
+      }
+    }
   }
   const size_t slash = f.find('/');
   auto k = parse_kv_dtype(f.substr(0, slash));
@@ -132,7 +140,8 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
                     "and p99 KL(f32 || X) of next-token distributions, top-1 agreement, and "
                     "agreement of --gen greedy tokens after --prompts prompts of --prompt-len "
                     "tokens (taken at evenly spaced offsets of FILE). X+rot (e.g. int4+rot) runs X "
-                    "with --kv-rotate; --kv-rotate rotates every listed format. K/V (e.g. "
+                    "with --kv-rotate, X+ctr with --kv-center (both: X+ctr+rot); --kv-rotate and "
+                    "--kv-center apply to every listed format. K/V (e.g. "
                     "int8/int4, int8/int4+rot) stores K as K and V as V; --kv-dtype-k/-v "
                     "override that side of every listed format.",
                     specs)
@@ -162,6 +171,8 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
   // to the f32 baseline.
   const bool rotate_all = base_cfg->kv_rotation != KvRotation::kNone;
   base_cfg->kv_rotation = KvRotation::kNone;
+  const bool center_all = base_cfg->kv_center;
+  base_cfg->kv_center = false;
   // --kv-dtype-k/-v likewise override one side of every listed format only.
   const std::optional<KvDtype> k_all = base_cfg->kv_dtype_k, v_all = base_cfg->kv_dtype_v;
   base_cfg->kv_dtype_k.reset();
@@ -185,13 +196,17 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
     cfg.kv_dtype_v = v != k ? std::optional<KvDtype>(v) : std::nullopt;
     const bool rotate = fi > 0 && (spec->rotate || rotate_all);
     if (rotate) cfg.kv_rotation = KvRotation::kHadamard;
+    const bool center = fi > 0 && (spec->center || center_all);
+    cfg.kv_center = center;
     auto e = Engine::create(cfg);
     if (!e) return fail("kv-eval", "--kv-dtype " + f + ": " + e.error().message);
     FormatStats s;
-    // The name says what ran: K/V when they differ, +rot when rotated.
+    // The name says what ran: K/V when they differ, +ctr when centered, +rot
+    // when rotated.
     s.name = kv_dtype_name(cfg.key_dtype());
     if (cfg.value_dtype() != cfg.key_dtype())
       s.name += std::string("/") + kv_dtype_name(cfg.value_dtype());
+    if (center) s.name += "+ctr";
     if (rotate) s.name += "+rot";
     s.bytes_per_token = (*e)->layout().payload_bytes_per_token();
     s.block_bytes = (*e)->layout().block_bytes();
@@ -314,7 +329,8 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
         1073741824.0 * engines[fi]->layout().block_size() / static_cast<double>(s.block_bytes);
     if (json) {
       std::printf(
-          "{\"kv_dtype\": \"%s\", \"kv_rotate\": %s, \"bytes_per_element\": %.4f, "
+          "{\"kv_dtype\": \"%s\", \"kv_rotate\": %s, \"kv_center\": %s, "
+          "\"bytes_per_element\": %.4f, "
           "\"bytes_per_token\": %lld, \"block_bytes\": %lld, "
           "\"tokens_per_gib\": %.0f, \"ppl_f32\": %.6f, \"ppl\": %.6f, "
           "\"ppl_rel_change\": %.6f, \"kld_mean\": %.8f, \"kld_p99\": %.8f, "
@@ -322,11 +338,12 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
           "\"greedy_tokens_before_divergence\": %.2f, \"ctx\": %lld, \"n_windows\": %lld, "
           "\"n_scored\": %lld, \"n_prompts\": %lld, \"gen\": %lld, \"seconds\": %.1f}\n",
           s.name.c_str(), engines[fi]->config().kv_rotation != KvRotation::kNone ? "true" : "false",
-          s.bytes_per_element, static_cast<long long>(s.bytes_per_token),
-          static_cast<long long>(s.block_bytes), tokens_per_gib, ppl_base, ppl, ppl / ppl_base - 1,
-          mean_kld, p99, top1, greedy_frac, first_div, static_cast<long long>(*ctx),
-          static_cast<long long>(n_windows), static_cast<long long>(n_scored),
-          static_cast<long long>(n_prompts_run), static_cast<long long>(*n_gen), secs);
+          engines[fi]->config().kv_center ? "true" : "false", s.bytes_per_element,
+          static_cast<long long>(s.bytes_per_token), static_cast<long long>(s.block_bytes),
+          tokens_per_gib, ppl_base, ppl, ppl / ppl_base - 1, mean_kld, p99, top1, greedy_frac,
+          first_div, static_cast<long long>(*ctx), static_cast<long long>(n_windows),
+          static_cast<long long>(n_scored), static_cast<long long>(n_prompts_run),
+          static_cast<long long>(*n_gen), secs);
     } else {
       char greedy_col[32] = "-", first_div_col[32] = "-";  // "-": no prompts were run
       if (n_prompts_run > 0) {

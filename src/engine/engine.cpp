@@ -15,7 +15,7 @@ namespace {
 constexpr const char* kForwardRevision = "forward-r1";
 
 Result<CacheIdentity> engine_cache_identity(const Model& model, const EngineConfig& config,
-                                            const KvLayout& layout) {
+                                            const KvLayout& layout, const KeyCenter* center) {
   CacheIdentity id;
   if (config.prefix_cache) {
     auto digest = weights_digest(config.model_path, config.digest_cache_dir);
@@ -29,6 +29,10 @@ Result<CacheIdentity> engine_cache_identity(const Model& model, const EngineConf
                      ";eps=" + std::to_string(c.norm_eps) + ";bias=" + std::to_string(c.qkv_bias);
   id.kv_format = kv_format_key(layout);
   id.kv_transform = kv_rotation_key(config.kv_rotation);
+  if (center != nullptr) {
+    if (!id.kv_transform.empty()) id.kv_transform.push_back(';');
+    id.kv_transform.append(center->key());
+  }
   id.position = "rope;n_rot=" + std::to_string(c.n_rot) + ";neox=" + std::to_string(c.rope_neox) +
                 ";base=" + std::to_string(c.rope_freq_base) +
                 ";scale=" + std::to_string(c.rope_freq_scale) + ";type=" + c.rope_scaling_type;
@@ -88,7 +92,18 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
                                                                   : default_thread_count());
   KV_TRY_STATUS(kv_rotation_check(config.kv_rotation, c.head_dim));
   e->forward_ = std::make_unique<Forward>(*e->model_, *e->threads_, config.kv_rotation);
-  auto identity = engine_cache_identity(*e->model_, config, e->pool_->layout());
+  if (config.kv_center) {
+    const std::string_view text =
+        config.kv_center_text.empty() ? key_center_builtin_text() : config.kv_center_text;
+    const std::vector<int32_t> tokens =
+        e->tokenizer_->tokenize(text, {.add_special = true, .parse_special = false});
+    auto center = calibrate_key_center(*e->model_, *e->threads_, tokens, config.prefill_chunk);
+    if (!center) return make_error(center.error().code, "--kv-center: " + center.error().message);
+    e->key_center_ = std::make_unique<KeyCenter>(std::move(*center));
+    e->forward_->set_key_center(e->key_center_.get());
+  }
+  auto identity =
+      engine_cache_identity(*e->model_, config, e->pool_->layout(), e->key_center_.get());
   if (!identity) return identity.error();
   e->kv_ =
       std::make_unique<KvManager>(*e->pool_, std::move(*identity),

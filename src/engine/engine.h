@@ -16,6 +16,7 @@
 #include "core/result.h"
 #include "core/thread_pool.h"
 #include "engine/forward.h"
+#include "engine/key_center.h"
 #include "engine/model.h"
 #include "engine/sequence.h"
 #include "kv/block_pool.h"
@@ -39,7 +40,12 @@ struct EngineConfig {
   KvDtype key_dtype() const { return kv_dtype_k.value_or(kv_dtype); }
   KvDtype value_dtype() const { return kv_dtype_v.value_or(kv_dtype); }
   KvRotation kv_rotation = KvRotation::kNone;  // --kv-rotate: Q/K/V rotation before K/V are stored
-  uint64_t kv_cache_mem = 0;                   // bytes for the pool (0 = use kv_cache_tokens)
+  // --kv-center (key_center.h): subtract a calibrated per-channel key mean
+  // before K is stored; calibrated at create() on kv_center_text, or on the
+  // built-in text when that is empty.
+  bool kv_center = false;
+  std::string kv_center_text;
+  uint64_t kv_cache_mem = 0;    // bytes for the pool (0 = use kv_cache_tokens)
   int64_t kv_cache_tokens = 0;  // tokens for the pool (0 = the model's context length)
   int prefill_chunk = 512;      // max tokens per prefill step
   // Prefix cache (sequence.h): off = every request computes its own K/V.
@@ -80,6 +86,8 @@ class Engine {
   BlockPool& pool() { return *pool_; }
   ThreadPool& threads() { return *threads_; }
   Forward& forward() { return *forward_; }
+  // The key means subtracted under --kv-center (nullptr when off).
+  const KeyCenter* key_center() const { return key_center_.get(); }
   const KvLayout& layout() const { return pool_->layout(); }
 
   KvManager& kv() { return *kv_; }
@@ -125,7 +133,8 @@ class Engine {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<ThreadPool> threads_;
   std::unique_ptr<BlockPool> pool_;
-  std::unique_ptr<KvManager> kv_;  // destroyed before pool_
+  std::unique_ptr<KvManager> kv_;          // destroyed before pool_
+  std::unique_ptr<KeyCenter> key_center_;  // outlives forward_'s use of it
   std::unique_ptr<Forward> forward_;
 
   Status prefill_chunks(BlockTable& table, std::span<const int32_t> tokens, LogitsMode mode,

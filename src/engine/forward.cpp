@@ -5,6 +5,7 @@
 
 #include "attention/attention_kivi.h"
 #include "attention/paged_attention.h"
+#include "engine/key_center.h"
 #include "kv/kv_codec.h"
 #include "ops/elementwise.h"
 
@@ -144,6 +145,22 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
                       .freq_scale = c.rope_freq_scale};
   rope(q_.data(), pos_.data(), n_tok, c.n_heads, c.head_dim, rp);
   rope(k_.data(), pos_.data(), n_tok, c.n_kv_heads, c.head_dim, rp);
+  if (key_sums_ != nullptr) {
+    double* sums = key_sums_->data() + l * kv_dim;
+    for (int64_t t = 0; t < n_tok; ++t) {
+      const float* kr = k_.data() + t * kv_dim;
+      for (int64_t i = 0; i < kv_dim; ++i) sums[i] += kr[i];
+    }
+  }
+  // --kv-center: every key of a head moves by the same mu, so each query's
+  // scores shift by one constant (q.mu), which softmax removes.
+  if (key_center_ != nullptr) {
+    const float* mu = key_center_->layer(l);
+    for (int64_t t = 0; t < n_tok; ++t) {
+      float* kr = k_.data() + t * kv_dim;
+      for (int64_t i = 0; i < kv_dim; ++i) kr[i] -= mu[i];
+    }
+  }
   // --kv-rotate: q.k is unchanged; K and V are stored (quantized) in the
   // rotated basis, and the attention output is rotated back below.
   kv_rotate(rotation_, q_.data(), n_tok * c.n_heads, c.head_dim);

@@ -23,6 +23,8 @@
 
 namespace kvstack {
 
+struct KeyCenter;
+
 enum class LogitsMode : uint8_t {
   kNone,  // intermediate prefill chunk: no logits
   kLast,  // logits of the last new token (prefill end, decode)
@@ -59,6 +61,17 @@ class Forward {
 
   int64_t n_vocab() const { return model_.config().n_vocab; }
 
+  // --kv-center (key_center.h): subtract center->layer(l) from every key
+  // head of layer l after RoPE, before the rotation and before K is stored.
+  // nullptr (the default) turns it off. REQUIRES: `center` matches the model
+  // (n_layers, n_kv_heads * head_dim) and outlives its use here.
+  void set_key_center(const KeyCenter* center) { key_center_ = center; }
+
+  // Calibration: when non-null, each step adds every layer's keys after RoPE
+  // (before centering) into (*sums)[l * n_kv_heads * head_dim + i].
+  // REQUIRES: sums->size() == n_layers * n_kv_heads * head_dim.
+  void set_key_sums(std::vector<double>* sums) { key_sums_ = sums; }
+
   // Batch index of the entry whose K/V row made the last step fail (-1 when
   // the last step succeeded or failed for another reason): a scheduler fails
   // that request only and runs the others again.
@@ -71,6 +84,8 @@ class Forward {
   const Model& model_;
   ThreadPool& threads_;
   KvRotation rotation_;
+  const KeyCenter* key_center_ = nullptr;
+  std::vector<double>* key_sums_ = nullptr;
   int64_t rejected_entry_ = -1;
   // Workspace, grown on demand ([n_tok, ...] float32 each).
   int64_t capacity_ = 0;
