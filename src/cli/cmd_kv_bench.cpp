@@ -6,7 +6,9 @@
 //   2. End-to-end decode (--e2e-ctx): the engine with each format, its cache
 //      filled with --e2e-ctx tokens of random K/V rows (decode speed does not
 //      depend on the values; a real prefill of 8K tokens would dominate the
-//      run time), then --e2e-steps decode steps; tokens per second.
+//      run time), then --e2e-steps decode steps; tokens per second, in
+//      --e2e-reps rounds that run every format in turn (medians, paired
+//      ratios to f16).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -22,6 +24,7 @@
 #include "cli/args.h"
 #include "cli/engine_options.h"
 #include "core/half.h"
+#include "kv/block_pool.h"
 #include "kv/kv_write.h"
 #include "kv/layout.h"
 
@@ -41,9 +44,11 @@ std::vector<std::string> split_list(const std::string& s) {
   return out;
 }
 
-struct Free {
-  void operator()(uint8_t* p) const { std::free(p); }
-};
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
 
 // Median seconds of one decode-attention step over all layers.
 Result<double> kernel_step_seconds(KvDtype dtype, int n_layers, int n_q_heads, int n_kv_heads,
@@ -52,9 +57,11 @@ Result<double> kernel_step_seconds(KvDtype dtype, int n_layers, int n_q_heads, i
   auto layout = KvLayout::uniform(n_layers, n_kv_heads, head_dim, dtype, block_size);
   if (!layout) return layout.error();
   const int64_t n_blocks = (ctx + block_size - 1) / block_size;
-  const size_t bytes = static_cast<size_t>(layout->block_bytes()) * static_cast<size_t>(n_blocks);
-  std::unique_ptr<uint8_t, Free> base(static_cast<uint8_t*>(std::aligned_alloc(64, bytes)));
-  if (base == nullptr) return make_error(Errc::kInternal, "kv-bench: cannot allocate the cache");
+  // The engine's own pool mapping (huge pages where the kernel gives them),
+  // so the kernel reads memory as it does in a decode step; the blocks are
+  // addressed by id without the pool's allocator (nothing else uses them).
+  auto pool = BlockPool::create(*layout, BlockPoolConfig{.n_tokens = n_blocks * block_size});
+  if (!pool) return pool.error();
   std::vector<int32_t> table(static_cast<size_t>(n_blocks));
   for (int64_t i = 0; i < n_blocks; ++i) table[i] = static_cast<int32_t>(i);
   std::shuffle(table.begin(), table.end(), std::mt19937(1));  // scattered blocks
@@ -70,7 +77,7 @@ Result<double> kernel_step_seconds(KvDtype dtype, int n_layers, int n_q_heads, i
   const int64_t row = int64_t{n_kv_heads} * head_dim;
   std::vector<std::vector<uint16_t>> res_k(n_layers), res_v(n_layers);
   for (int l = 0; l < n_layers; ++l) {
-    const PagedKvLayerView view = layout->layer_view(l, base.get());
+    const PagedKvLayerView view = (*pool)->layer_view(l);
     for (int64_t p = 0; p < n_quant; p += chunk) {
       for (float& x : k) x = nd(rng);
       for (float& x : v) x = nd(rng);
@@ -102,13 +109,13 @@ Result<double> kernel_step_seconds(KvDtype dtype, int n_layers, int n_q_heads, i
                                  .v = res_v[l].data(),
                                  .start = n_quant,
                                  .n_tokens = ctx - n_quant};
-        KV_TRY_STATUS(paged_attention_kivi(layout->layer_view(l, base.get()), ap,
+        KV_TRY_STATUS(paged_attention_kivi((*pool)->layer_view(l), ap,
                                            std::span<const AttnSeq>(&seq, 1),
                                            std::span<const KvResidualView>(&res, 1), &threads));
         continue;
       }
-      KV_TRY_STATUS(paged_attention(layout->layer_view(l, base.get()), ap,
-                                    std::span<const AttnSeq>(&seq, 1), &threads));
+      KV_TRY_STATUS(
+          paged_attention((*pool)->layer_view(l), ap, std::span<const AttnSeq>(&seq, 1), &threads));
     }
     if (it > 0) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
@@ -181,6 +188,8 @@ int run_kv_bench(const std::vector<std::string>& argv) {
   specs.push_back(
       {"e2e-ctx", 0, "LIST", "end-to-end context lengths (default 4096,8192; 0 = skip)"});
   specs.push_back({"e2e-steps", 0, "N", "end-to-end decode steps per point (default 32)"});
+  specs.push_back({"e2e-reps", 0, "N",
+                   "end-to-end rounds over all formats; median and paired ratio (default 3)"});
   specs.push_back(help_option());
   auto args = Args::parse(argv, specs);
   if (!args) return fail("kv-bench", args.error().message);
@@ -211,7 +220,11 @@ int run_kv_bench(const std::vector<std::string>& argv) {
   auto layers = args->get_int("layers", 30, 1, 4096);
   auto iters = args->get_int("iters", 7, 1, 10000);
   auto steps = args->get_int("e2e-steps", 32, 1, 100000);
-  if (!layers || !iters || !steps) return fail("kv-bench", "bad --layers/--iters/--e2e-steps");
+  if (!layers) return fail("kv-bench", layers.error().message);
+  if (!iters) return fail("kv-bench", iters.error().message);
+  if (!steps) return fail("kv-bench", steps.error().message);
+  auto reps = args->get_int("e2e-reps", 3, 1, 1000);
+  if (!reps) return fail("kv-bench", reps.error().message);
   const int n_threads = cfg->n_threads > 0 ? cfg->n_threads : 1;
   ThreadPool threads(n_threads);
   // Kernel shape: the default model's attention (9 q heads, 3 KV heads, d 64).
@@ -235,18 +248,41 @@ int run_kv_bench(const std::vector<std::string>& argv) {
   }
   if (!e2e.empty()) {
     std::printf("\nend-to-end decode (model %s), tokens/s\n", cfg->model_path.c_str());
-    std::printf("%-6s %8s %10s %10s\n", "format", "ctx", "tok/s", "vs f16");
+    std::printf("%-6s %8s %10s %10s\n", "format", "ctx", "tok/s", "vs f16 (range)");
   }
+  // --e2e-reps rounds, each running every format once in turn, so a burst
+  // of load on this shared machine hits all formats of one round alike:
+  // tok/s is the median over rounds, "vs f16" the median of the rounds'
+  // ratios to that round's f16 (the paired figure), with its range.
   for (int64_t ctx : e2e) {
-    double f16_rate = 0;
-    for (KvDtype f : formats) {
-      EngineConfig c = *cfg;
-      c.kv_dtype = f;
-      auto r = e2e_tokens_per_s(c, ctx, static_cast<int>(*steps));
-      if (!r) return fail("kv-bench", r.error().message);
-      if (f == KvDtype::kF16) f16_rate = *r;
-      std::printf("%-6s %8lld %10.2f %10s\n", kv_dtype_name(f), static_cast<long long>(ctx), *r,
-                  f16_rate > 0 ? (std::to_string(*r / f16_rate).substr(0, 5) + "x").c_str() : "-");
+    std::vector<std::vector<double>> rates(formats.size());
+    for (int64_t rep = 0; rep < *reps; ++rep) {
+      for (size_t fi = 0; fi < formats.size(); ++fi) {
+        EngineConfig c = *cfg;
+        c.kv_dtype = formats[fi];
+        auto r = e2e_tokens_per_s(c, ctx, static_cast<int>(*steps));
+        if (!r) return fail("kv-bench", r.error().message);
+        rates[fi].push_back(*r);
+        std::fprintf(stderr, "\rkv-bench: end-to-end ctx %lld, round %lld/%lld, %s: %.2f tok/s   ",
+                     static_cast<long long>(ctx), static_cast<long long>(rep) + 1,
+                     static_cast<long long>(*reps), kv_dtype_name(formats[fi]), *r);
+      }
+    }
+    std::fprintf(stderr, "\n");
+    const auto f16 = std::find(formats.begin(), formats.end(), KvDtype::kF16);
+    for (size_t fi = 0; fi < formats.size(); ++fi) {
+      std::string vs = "-";
+      if (f16 != formats.end()) {
+        std::vector<double> ratios;
+        const auto& base = rates[static_cast<size_t>(f16 - formats.begin())];
+        for (size_t i = 0; i < base.size(); ++i) ratios.push_back(rates[fi][i] / base[i]);
+        const auto [lo, hi] = std::minmax_element(ratios.begin(), ratios.end());
+        char buf[64];
+        std::snprintf(buf, sizeof buf, "%.3fx (%.2f-%.2f)", median(ratios), *lo, *hi);
+        vs = buf;
+      }
+      std::printf("%-6s %8lld %10.2f %10s\n", kv_dtype_name(formats[fi]),
+                  static_cast<long long>(ctx), median(rates[fi]), vs.c_str());
       std::fflush(stdout);
     }
   }
