@@ -145,13 +145,6 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
                       .freq_scale = c.rope_freq_scale};
   rope(q_.data(), pos_.data(), n_tok, c.n_heads, c.head_dim, rp);
   rope(k_.data(), pos_.data(), n_tok, c.n_kv_heads, c.head_dim, rp);
-  if (key_sums_ != nullptr) {
-    double* sums = key_sums_->data() + l * kv_dim;
-    for (int64_t t = 0; t < n_tok; ++t) {
-      const float* kr = k_.data() + t * kv_dim;
-      for (int64_t i = 0; i < kv_dim; ++i) sums[i] += kr[i];
-    }
-  }
   // --kv-center: every key of a head moves by the same mu, so each query's
   // scores shift by one constant (q.mu), which softmax removes.
   if (key_center_ != nullptr) {

@@ -67,11 +67,6 @@ class Forward {
   // (n_layers, n_kv_heads * head_dim) and outlives its use here.
   void set_key_center(const KeyCenter* center) { key_center_ = center; }
 
-  // Calibration: when non-null, each step adds every layer's keys after RoPE
-  // (before centering) into (*sums)[l * n_kv_heads * head_dim + i].
-  // REQUIRES: sums->size() == n_layers * n_kv_heads * head_dim.
-  void set_key_sums(std::vector<double>* sums) { key_sums_ = sums; }
-
   // Batch index of the entry whose K/V row made the last step fail (-1 when
   // the last step succeeded or failed for another reason): a scheduler fails
   // that request only and runs the others again.
@@ -85,7 +80,6 @@ class Forward {
   ThreadPool& threads_;
   KvRotation rotation_;
   const KeyCenter* key_center_ = nullptr;
-  std::vector<double>* key_sums_ = nullptr;
   int64_t rejected_entry_ = -1;
   // Workspace, grown on demand ([n_tok, ...] float32 each).
   int64_t capacity_ = 0;

@@ -7,6 +7,7 @@
 #include "engine/forward.h"
 #include "kv/block_pool.h"
 #include "kv/block_table.h"
+#include "kv/kv_write.h"
 #include "kv/layout.h"
 
 namespace kvstack {
@@ -90,23 +91,28 @@ Result<KeyCenter> calibrate_key_center(const Model& model, ThreadPool& threads,
   kc.n_layers = c.n_layers;
   kc.kv_dim = c.n_kv_heads * c.head_dim;
   kc.n_tokens = n;
-  std::vector<double> sums(static_cast<size_t>(kc.n_layers) * kc.kv_dim, 0.0);
-  {
-    Forward fwd(model, threads);
-    fwd.set_key_sums(&sums);
-    BlockTable table(**pool);
-    for (int64_t b = 0; b < n; b += chunk) {
-      const int64_t e = std::min(n, b + chunk);
-      const StepSeq s{.table = &table,
-                      .tokens = tokens.subspan(static_cast<size_t>(b), static_cast<size_t>(e - b)),
-                      .logits = LogitsMode::kNone};
-      KV_TRY_STATUS(fwd.step(std::span<const StepSeq>(&s, 1), nullptr));
-    }
+  // Run the tokens with a plain forward, then average the keys the f32
+  // cache holds: exactly the keys after RoPE.
+  Forward fwd(model, threads);
+  BlockTable table(**pool);
+  for (int64_t b = 0; b < n; b += chunk) {
+    const int64_t e = std::min(n, b + chunk);
+    const StepSeq s{.table = &table,
+                    .tokens = tokens.subspan(static_cast<size_t>(b), static_cast<size_t>(e - b)),
+                    .logits = LogitsMode::kNone};
+    KV_TRY_STATUS(fwd.step(std::span<const StepSeq>(&s, 1), nullptr));
   }
-  kc.mean.resize(sums.size());
-  for (size_t i = 0; i < sums.size(); ++i) {
-    const double m = sums[i] / static_cast<double>(n);
-    kc.mean[i] = static_cast<float>(std::round(m / kKeyCenterStep)) * kKeyCenterStep;
+  std::vector<float> k(static_cast<size_t>(n) * kc.kv_dim), v(k.size());
+  kc.mean.resize(static_cast<size_t>(kc.n_layers) * kc.kv_dim);
+  for (int l = 0; l < kc.n_layers; ++l) {
+    read_kv((*pool)->layer_view(l), table.ids(), 0, n, k.data(), v.data());
+    for (int i = 0; i < kc.kv_dim; ++i) {
+      double sum = 0.0;
+      for (int64_t t = 0; t < n; ++t) sum += k[static_cast<size_t>(t) * kc.kv_dim + i];
+      const double m = sum / static_cast<double>(n);
+      kc.mean[static_cast<size_t>(l) * kc.kv_dim + i] =
+          static_cast<float>(std::round(m / kKeyCenterStep)) * kKeyCenterStep;
+    }
   }
   return kc;
 }
