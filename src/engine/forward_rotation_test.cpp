@@ -40,6 +40,7 @@ using testing::reference_last_logits;
 using testing::SyntheticSpec;
 using testing::SyntheticWeights;
 
+using testing::expect_same_logits_by_chunks;
 using testing::kInt4MaxErr;
 using testing::kLogitTol;
 using testing::load_synthetic_model;
@@ -66,22 +67,9 @@ TEST(ForwardRotation, F32LogitsUnchangedAndCacheHoldsRotatedKeysAndValues) {
   std::vector<int32_t> prompt(13);
   for (auto& t : prompt) t = tok(rng);
   BlockTable tp(**pool), tr(**pool);
-  std::vector<float> lp, lr;
   // Prefill in two chunks, then decode: later steps read cached rotated K/V.
-  for (auto [from, to] : {std::pair{0, 9}, std::pair{9, 12}, std::pair{12, 13}}) {
-    const std::span<const int32_t> chunk(prompt.data() + from, static_cast<size_t>(to - from));
-    const StepSeq a{.table = &tp, .tokens = chunk, .logits = LogitsMode::kAll};
-    const StepSeq b{.table = &tr, .tokens = chunk, .logits = LogitsMode::kAll};
-    ASSERT_TRUE(plain.step(std::span<const StepSeq>(&a, 1), &lp).ok());
-    ASSERT_TRUE(rotated.step(std::span<const StepSeq>(&b, 1), &lr).ok());
-    ASSERT_EQ(lp.size(), lr.size());
-    double worst = 0, scale = 1e-30;
-    for (size_t i = 0; i < lp.size(); ++i) {
-      worst = std::max(worst, static_cast<double>(std::fabs(lp[i] - lr[i])));
-      scale = std::max(scale, static_cast<double>(std::fabs(lp[i])));
-    }
-    EXPECT_LT(worst / scale, 1e-5) << "chunk from " << from;
-  }
+  expect_same_logits_by_chunks(plain, tp, rotated, tr, prompt, {{0, 9}, {9, 12}, {12, 13}}, 1e-5);
+  if (HasFatalFailure()) return;
   // Stored K and V of the rotated cache = R * those of the plain cache.
   const int d = spec.head_dim();
   for (int l = 0; l < spec.n_layers; ++l) {

@@ -31,6 +31,7 @@
 namespace kvstack {
 namespace {
 
+using testing::expect_same_logits_by_chunks;
 using testing::kInt4MaxErr;
 using testing::load_synthetic_model;
 using testing::reference_last_logits;
@@ -81,21 +82,9 @@ TEST(KeyCenter, F32LogitsUnchangedAndCacheHoldsCenteredKeys) {
     ASSERT_TRUE(pool.ok());
     const std::vector<int32_t> prompt = random_tokens(spec, 13, 3);
     BlockTable tp(**pool), tc(**pool);
-    std::vector<float> lp, lc;
-    for (auto [from, to] : {std::pair{0, 9}, std::pair{9, 12}, std::pair{12, 13}}) {
-      const std::span<const int32_t> chunk(prompt.data() + from, static_cast<size_t>(to - from));
-      const StepSeq a{.table = &tp, .tokens = chunk, .logits = LogitsMode::kAll};
-      const StepSeq b{.table = &tc, .tokens = chunk, .logits = LogitsMode::kAll};
-      ASSERT_TRUE(plain.step(std::span<const StepSeq>(&a, 1), &lp).ok());
-      ASSERT_TRUE(centered.step(std::span<const StepSeq>(&b, 1), &lc).ok());
-      ASSERT_EQ(lp.size(), lc.size());
-      double worst = 0, scale = 1e-30;
-      for (size_t i = 0; i < lp.size(); ++i) {
-        worst = std::max(worst, static_cast<double>(std::fabs(lp[i] - lc[i])));
-        scale = std::max(scale, static_cast<double>(std::fabs(lp[i])));
-      }
-      EXPECT_LT(worst / scale, 1e-5) << "chunk from " << from;
-    }
+    expect_same_logits_by_chunks(plain, tp, centered, tc, prompt, {{0, 9}, {9, 12}, {12, 13}},
+                                 1e-5);
+    if (HasFatalFailure()) return;
     // Stored K = R (k - mu), stored V = R v (R = I without rotation).
     double moved = 0;
     for (int l = 0; l < spec.n_layers; ++l) {

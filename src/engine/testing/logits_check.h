@@ -2,8 +2,9 @@
 // forward_quant_test.cpp, forward_rotation_test.cpp): a parameterised fixture
 // that loads a synthetic model with a Forward over it, the comparison of
 // float32 logits rows against the float64 reference (synthetic_model.h), the
-// int4 storage error bound, the decoded stored row of a position, and the
-// prefill / decode / fork driver of the quantized-cache tests. Header-only: src/engine
+// int4 storage error bound, the decoded stored row of a position, the
+// chunk-by-chunk comparison of two forwards, and the prefill / decode / fork
+// driver of the quantized-cache tests. Header-only: src/engine
 // globs only its own folder into kvstack_engine, so nothing here is linked
 // into the library.
 #pragma once
@@ -13,7 +14,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <initializer_list>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -52,6 +55,28 @@ inline double logits_rel_err(const float* got, const std::vector<double>& ref) {
     den = std::max(den, std::fabs(ref[i]));
   }
   return num / den;
+}
+
+// Steps forward `a` over table `ta` and forward `b` over `tb` through the
+// same [from, to) chunks of `prompt` (every row's logits) and expects b's
+// logits within rel_tol of a's, relative to a's largest |logit| of the
+// chunk: for two forwards that differ by a transform of K/V that is exact
+// in real arithmetic (--kv-rotate, --kv-center) over float caches.
+inline void expect_same_logits_by_chunks(Forward& a, BlockTable& ta, Forward& b, BlockTable& tb,
+                                         const std::vector<int32_t>& prompt,
+                                         std::initializer_list<std::pair<int, int>> chunks,
+                                         double rel_tol) {
+  std::vector<float> la, lb;
+  for (auto [from, to] : chunks) {
+    const std::span<const int32_t> chunk(prompt.data() + from, static_cast<size_t>(to - from));
+    const StepSeq sa{.table = &ta, .tokens = chunk, .logits = LogitsMode::kAll};
+    const StepSeq sb{.table = &tb, .tokens = chunk, .logits = LogitsMode::kAll};
+    ASSERT_TRUE(a.step(std::span<const StepSeq>(&sa, 1), &la).ok());
+    ASSERT_TRUE(b.step(std::span<const StepSeq>(&sb, 1), &lb).ok());
+    ASSERT_EQ(la.size(), lb.size());
+    EXPECT_LT(logits_rel_err(lb.data(), std::vector<double>(la.begin(), la.end())), rel_tol)
+        << "chunk from " << from;
+  }
 }
 
 // A named synthetic shape, the parameter of SyntheticForwardTest suites.
