@@ -6,6 +6,7 @@
 #include <random>
 
 #include "cli/args.h"
+#include "cli/bench_stats.h"
 #include "cli/engine_options.h"
 #include "core/proc_stats.h"
 #include "core/units.h"
@@ -17,12 +18,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 int32_t argmax(const float* row, int64_t n) {

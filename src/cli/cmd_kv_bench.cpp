@@ -22,6 +22,7 @@
 #include "attention/attention_kivi.h"
 #include "attention/paged_attention.h"
 #include "cli/args.h"
+#include "cli/bench_stats.h"
 #include "cli/engine_options.h"
 #include "core/half.h"
 #include "kv/block_pool.h"
@@ -42,12 +43,6 @@ std::vector<std::string> split_list(const std::string& s) {
     start = comma + 1;
   }
   return out;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 // Median seconds of one decode-attention step over all layers.
