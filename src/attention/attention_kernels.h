@@ -59,6 +59,10 @@ struct TileArgs {
   int32_t key_begin = 0;  // keys [key_begin, key_end) of this piece (split-K)
   int32_t key_end = 0;    // each row additionally sees only its causal/window range
   float scale = 0.0f;
+  // Attend with q^ (round_query_int8, attention_quant.h): set for the rows of
+  // a decode sequence (n_new == 1) over int4 keys; the AVX2 decode kernel
+  // reads int4 keys only this way.
+  bool round_query = false;
   // Decode tiles (n_rows == 1) may cover n_heads consecutive KV heads: head j
   // reads k/v data (and meta) + j * head_stride (meta_head_stride) and its q
   // heads are vectors j * group .. j * group + group - 1 (consecutive q heads,

@@ -9,15 +9,17 @@
 // Decode (one query row): the rows are read once per KV head and used by all
 // q heads of its group, in their stored form: q . K is computed on the raw
 // values (f16/bf16 widened; int8 codes; fp8 codes as f16 bits, i.e. value *
-// 2^-8 / scale; int4 codes 0..15) and the per-token (int8), per-block (fp8)
-// or per-group (int4) scale is applied once per key (and group) after the
-// dot, the int4 minimum through sum(q) of the group; for V the scale is
-// folded into the softmax weight and the int4 minimum into one per-group sum
-// of weights. KIVI (decode only): a K's per-channel group scale is folded
-// into q once per key group (q * scale, plus the bias q . min), a V is read
-// as int4's per-token groups (2- or 4-bit codes). The next chunk's rows (every KV head of the tile)
-// are prefetched while a chunk is computed: with scattered blocks the hardware prefetcher loses the
-// stream at every block boundary.
+// 2^-8 / scale) and the per-token (int8) or per-block (fp8) scale is applied
+// once per key after the dot. int4 keys are dotted in integers with q^, the
+// query rounded to int8 per group of 32 (attention_quant.h: vpmaddubsw on
+// the nibbles), then scaled per group, the minimum through sum(q^) of the
+// group. For V the scale is folded into the softmax weight and the int4
+// minimum into one per-group sum of weights. KIVI (decode only): a K's
+// per-channel group scale is folded into q once per key group (q * scale,
+// plus the bias q . min), a V is read as int4's per-token groups (2- or
+// 4-bit codes). The next chunk's rows (every KV head of the tile) are
+// prefetched while a chunk is computed: with scattered blocks the hardware
+// prefetcher loses the stream at every block boundary.
 //
 // Prefill (several query rows): each chunk's K is decoded (scales applied,
 // exactly as kv_decode_row) and transposed into an L1 tile, V into a
@@ -31,6 +33,7 @@
 #include <vector>
 
 #include "attention/attention_kernels.h"
+#include "attention/attention_quant.h"
 #include "ops/simd_avx2.h"
 
 #define KV_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -342,56 +345,28 @@ KV_AVX2 inline void int4_meta(const uint8_t* const* metas, int n, int n_pad, int
 // ---------------------------------------------------------------- decode --
 
 // s[h * kChunk + j] = qs[h] . K_j for SG heads and n_pad keys (a multiple of
-// J). J keys at a time share each q load; the SG * J dots are reduced
-// together by one hadd tree. qsum [SG, d / 32]: per-group sums of qs (int4).
+// J), K in a float, int8 or fp8 format (or KIVI codes against a folded q).
+// J keys at a time share each q load; the SG * J dots are reduced together
+// by one hadd tree.
 template <KvDtype F, int SG, int J>
 KV_AVX2 void qk_chunk(const float* qs, int d, const uint8_t* const* kp, const uint8_t* const* km,
-                      int n_pad, float* s, const float* qsum, const float* ksc, KvPrefetch* pf) {
-  static_assert(SG * J <= (F == KvDtype::kInt4 ? 8 : 12));
+                      int n_pad, float* s, KvPrefetch* pf) {
+  static_assert(F != KvDtype::kInt4 && SG * J <= 12);
   constexpr int kAcc = SG * J > 8 ? 16 : 8;  // hsum8 reduces 8 at a time
-  const int n_groups = d / 32;
   for (int j0 = 0; j0 < n_pad; j0 += J) {
     pf->step();
     __m256 acc[kAcc];
 #pragma GCC unroll 16
     for (int i = 0; i < kAcc; ++i) acc[i] = _mm256_setzero_ps();
-    if constexpr (F == KvDtype::kInt4) {
-      for (int gi = 0; gi < n_groups; ++gi) {
-        __m256 ag[SG * J];
+    for (int c = 0; c < d; c += 8) {
+      __m256 qv[SG];
 #pragma GCC unroll 8
-        for (int i = 0; i < SG * J; ++i) ag[i] = _mm256_setzero_ps();
-        for (int c = 32 * gi; c < 32 * gi + 32; c += 8) {
-          __m256 qv[SG];
+      for (int h = 0; h < SG; ++h) qv[h] = _mm256_loadu_ps(qs + h * d + c);
 #pragma GCC unroll 8
-          for (int h = 0; h < SG; ++h) qv[h] = _mm256_loadu_ps(qs + h * d + c);
+      for (int jj = 0; jj < J; ++jj) {
+        const __m256 kv = raw8<F>(kp[j0 + jj], c);
 #pragma GCC unroll 8
-          for (int jj = 0; jj < J; ++jj) {
-            const __m256 kv = raw8<F>(kp[j0 + jj], c);
-#pragma GCC unroll 8
-            for (int h = 0; h < SG; ++h)
-              ag[h * J + jj] = _mm256_fmadd_ps(qv[h], kv, ag[h * J + jj]);
-          }
-        }
-#pragma GCC unroll 8
-        for (int jj = 0; jj < J; ++jj) {
-          const __m256 sc = _mm256_broadcast_ss(ksc + gi * kChunk + j0 + jj);
-#pragma GCC unroll 8
-          for (int h = 0; h < SG; ++h)
-            acc[h * J + jj] = _mm256_fmadd_ps(ag[h * J + jj], sc, acc[h * J + jj]);
-        }
-      }
-    } else {
-      for (int c = 0; c < d; c += 8) {
-        __m256 qv[SG];
-#pragma GCC unroll 8
-        for (int h = 0; h < SG; ++h) qv[h] = _mm256_loadu_ps(qs + h * d + c);
-#pragma GCC unroll 8
-        for (int jj = 0; jj < J; ++jj) {
-          const __m256 kv = raw8<F>(kp[j0 + jj], c);
-#pragma GCC unroll 8
-          for (int h = 0; h < SG; ++h)
-            acc[h * J + jj] = _mm256_fmadd_ps(qv[h], kv, acc[h * J + jj]);
-        }
+        for (int h = 0; h < SG; ++h) acc[h * J + jj] = _mm256_fmadd_ps(qv[h], kv, acc[h * J + jj]);
       }
     }
     alignas(32) float tmp[kAcc];
@@ -399,34 +374,125 @@ KV_AVX2 void qk_chunk(const float* qs, int d, const uint8_t* const* kp, const ui
     if constexpr (kAcc > 8) _mm256_store_ps(tmp + 8, hsum8(acc + 8));
 #pragma GCC unroll 8
     for (int jj = 0; jj < J; ++jj) {
-      if constexpr (F == KvDtype::kInt4) {
+      const float rs = row_scale<F>(km[j0 + jj]);
 #pragma GCC unroll 8
-        for (int h = 0; h < SG; ++h) s[h * kChunk + j0 + jj] = tmp[h * J + jj];
-      } else {
-        const float rs = row_scale<F>(km[j0 + jj]);
-#pragma GCC unroll 8
-        for (int h = 0; h < SG; ++h) {
-          s[h * kChunk + j0 + jj] = kRowScaled<F> ? tmp[h * J + jj] * rs : tmp[h * J + jj];
-        }
+      for (int h = 0; h < SG; ++h) {
+        s[h * kChunk + j0 + jj] = kRowScaled<F> ? tmp[h * J + jj] * rs : tmp[h * J + jj];
       }
     }
   }
-  if constexpr (F == KvDtype::kInt4) {  // + sum over groups of min * sum(q of the group)
-    const float* kmn = ksc + n_groups * kChunk;
-    for (int h = 0; h < SG; ++h) {
-      for (int j = 0; j < n_pad; j += 8) {
-        __m256 v = _mm256_loadu_ps(s + h * kChunk + j);
-        for (int gi = 0; gi < n_groups; ++gi) {
-          v = _mm256_fmadd_ps(_mm256_loadu_ps(kmn + gi * kChunk + j),
-                              _mm256_broadcast_ss(qsum + h * n_groups + gi), v);
+}
+
+// ---- int4 K: integer dots against q^ (round_query_int8) ----
+//
+// A query vector's q^ packed for qk_int4 (pack_query_i8), per pair of int4
+// groups (2p, 2p + 1), in the order of the nibbles of the pair's 32 code
+// bytes (byte j of group g holds elements j and 16 + j): 32 codes "lo" =
+// elements 0..15 of group 2p then of group 2p + 1, 32 codes "hi" = their
+// elements 16..31, then 8 floats: group 2p's scale x4, group 2p + 1's x4. A
+// lone last group leaves the pair's second half zero.
+constexpr int kPackPairFloats = 24;  // 64 int8 codes + 8 scales
+
+inline int query_pack_floats(int d) {
+  return kPackPairFloats * ((d / 32 + 1) / 2);
+}
+
+// Packs q^ of qs [d] into pack; qsum [d / 32] = the per-group sums of q^
+// (for the int4 minimum).
+void pack_query_i8(const float* qs, int d, float* pack, float* qsum) {
+  const int n_groups = d / 32;
+  std::memset(pack, 0, sizeof(float) * query_pack_floats(d));
+  for (int g = 0; g < n_groups; ++g) {
+    int8_t codes[kQueryGroup];
+    float gs = 0.0f;
+    round_query_int8(qs + 32 * g, 32, codes, &gs);
+    float* pair = pack + kPackPairFloats * (g / 2);
+    auto* lo = reinterpret_cast<int8_t*>(pair);
+    const int half = g % 2;
+    std::memcpy(lo + 16 * half, codes, 16);
+    std::memcpy(lo + 32 + 16 * half, codes + 16, 16);
+    for (int k = 0; k < 4; ++k) pair[16 + 4 * half + k] = gs;
+    int sum = 0;
+    for (int8_t c : codes) sum += c;
+    qsum[g] = gs * static_cast<float>(sum);
+  }
+}
+
+// s[h * kChunk + j] = q^[h] . K_j for SG packed query vectors (pack, stride
+// query_pack_floats(d)) and n_pad int4 keys (a multiple of J). Per key and
+// pair of groups: the 32 code bytes split into low and high nibbles, two
+// vpmaddubsw against the int8 codes (16-bit sums: at most 2 * 2 * 15 * 127),
+// vpmaddwd to 32 bits (lanes 0-3: group 2p, 4-7: group 2p + 1), then the
+// key's group scales times q^'s group scales. kmn [n_groups, kChunk]: key
+// minimums (int4_meta), added as min * sum(q^) per group.
+template <int SG, int J>
+KV_AVX2 void qk_int4(const float* pack, int d, const uint8_t* const* kp, const uint8_t* const* km,
+                     int n_pad, float* s, const float* qsum, const float* kmn, KvPrefetch* pf) {
+  static_assert(SG * J <= 8);
+  const int n_groups = d / 32;
+  const int n_pairs = (n_groups + 1) / 2;
+  const int stride = query_pack_floats(d);
+  const __m256i nib = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i pick = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+  for (int j0 = 0; j0 < n_pad; j0 += J) {
+    pf->step();
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int jj = 0; jj < J; ++jj) {
+      __m256 a[SG];  // this key's dot per head, over the pairs
+#pragma GCC unroll 8
+      for (int h = 0; h < SG; ++h) a[h] = _mm256_setzero_ps();
+      for (int pi = 0; pi < n_pairs; ++pi) {
+        const uint8_t* row = kp[j0 + jj] + 32 * pi;
+        const uint8_t* meta = km[j0 + jj] + 8 * pi;  // (scale, min) f16 per group
+        __m256i codes;
+        __m128 sm;
+        if (2 * pi + 1 < n_groups) {
+          codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+          sm = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta)));
+        } else {  // a lone last group
+          codes = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+          uint32_t m4;
+          std::memcpy(&m4, meta, 4);
+          sm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(m4)));
         }
-        _mm256_storeu_ps(s + h * kChunk + j, v);
+        const __m256i lo = _mm256_and_si256(codes, nib);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), nib);
+        const __m256 ks = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(sm), pick);
+#pragma GCC unroll 8
+        for (int h = 0; h < SG; ++h) {
+          const float* ph = pack + h * stride + kPackPairFloats * pi;
+          const __m256i t = _mm256_add_epi16(
+              _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ph))),
+              _mm256_maddubs_epi16(hi,
+                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ph + 8))));
+          const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(t, ones));
+          a[h] = _mm256_fmadd_ps(f, _mm256_mul_ps(ks, _mm256_loadu_ps(ph + 16)), a[h]);
+        }
       }
+#pragma GCC unroll 8
+      for (int h = 0; h < SG; ++h) acc[h * J + jj] = a[h];
     }
-  } else {
-    (void)km;
-    (void)qsum;
-    (void)ksc;
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, hsum8(acc));
+#pragma GCC unroll 8
+    for (int jj = 0; jj < J; ++jj) {
+#pragma GCC unroll 8
+      for (int h = 0; h < SG; ++h) s[h * kChunk + j0 + jj] = tmp[h * J + jj];
+    }
+  }
+  for (int h = 0; h < SG; ++h) {  // + sum over groups of min * sum(q^ of the group)
+    for (int j = 0; j < n_pad; j += 8) {
+      __m256 v = _mm256_loadu_ps(s + h * kChunk + j);
+      for (int gi = 0; gi < n_groups; ++gi) {
+        v = _mm256_fmadd_ps(_mm256_loadu_ps(kmn + gi * kChunk + j),
+                            _mm256_broadcast_ss(qsum + h * n_groups + gi), v);
+      }
+      _mm256_storeu_ps(s + h * kChunk + j, v);
+    }
   }
 }
 
@@ -545,27 +611,46 @@ constexpr int keys_per_step(int sg) {
 
 template <KvDtype F>
 KV_AVX2 void qk_any(int sg, const float* qs, int d, const uint8_t** kp, const uint8_t** km, int n,
-                    float* s, const float* qsum, float* mbuf, KvPrefetch* pf) {
-  // int4 pads to 8 keys (its min term is added 8 keys at a time), others to J.
-  const int j = F == KvDtype::kInt4 ? 8 : keys_per_step(sg);
+                    float* s, const float* /*qsum*/, float* /*mbuf*/, KvPrefetch* pf) {
+  const int j = keys_per_step(sg);
   const int n_pad = (n + j - 1) / j * j;
   for (int x = n; x < n_pad; ++x) {  // finite filler, scores dropped
     kp[x] = kp[0];
     km[x] = km[0];
   }
-  if constexpr (F == KvDtype::kInt4) {
-    int4_meta(km, n_pad, n_pad, d / 32, mbuf, mbuf + (d / 32) * kChunk);
-  }
   switch (sg) {
     case 1:
-      return qk_chunk<F, 1, 8>(qs, d, kp, km, n_pad, s, qsum, mbuf, pf);
+      return qk_chunk<F, 1, 8>(qs, d, kp, km, n_pad, s, pf);
     case 2:
-      return qk_chunk<F, 2, 4>(qs, d, kp, km, n_pad, s, qsum, mbuf, pf);
-    case 3:  // int4 keeps 8 accumulators: its per-group sums need as many again
-      return qk_chunk < F, 3,
-             F == KvDtype::kInt4 ? 2 : 4 > (qs, d, kp, km, n_pad, s, qsum, mbuf, pf);
+      return qk_chunk<F, 2, 4>(qs, d, kp, km, n_pad, s, pf);
+    case 3:
+      return qk_chunk<F, 3, 4>(qs, d, kp, km, n_pad, s, pf);
     default:
-      return qk_chunk<F, 4, 2>(qs, d, kp, km, n_pad, s, qsum, mbuf, pf);
+      return qk_chunk<F, 4, 2>(qs, d, kp, km, n_pad, s, pf);
+  }
+}
+
+// int4 K: qs is the packed q^ of the sub-group's first vector
+// (pack_query_i8), mbuf takes the keys' int4 metadata.
+KV_AVX2 void qk_int4_any(int sg, const float* pack, int d, const uint8_t** kp, const uint8_t** km,
+                         int n, float* s, const float* qsum, float* mbuf, KvPrefetch* pf) {
+  const int n_pad = (n + 7) / 8 * 8;  // the min term is added 8 keys at a time
+  for (int x = n; x < n_pad; ++x) {   // finite filler, scores dropped
+    kp[x] = kp[0];
+    km[x] = km[0];
+  }
+  const int n_groups = d / 32;
+  int4_meta(km, n_pad, n_pad, n_groups, mbuf, mbuf + n_groups * kChunk);
+  const float* kmn = mbuf + n_groups * kChunk;
+  switch (sg) {
+    case 1:
+      return qk_int4<1, 8>(pack, d, kp, km, n_pad, s, qsum, kmn, pf);
+    case 2:
+      return qk_int4<2, 4>(pack, d, kp, km, n_pad, s, qsum, kmn, pf);
+    case 3:
+      return qk_int4<3, 2>(pack, d, kp, km, n_pad, s, qsum, kmn, pf);
+    default:
+      return qk_int4<4, 2>(pack, d, kp, km, n_pad, s, qsum, kmn, pf);
   }
 }
 
@@ -610,7 +695,7 @@ KV_AVX2 void qk_kivi(const float* qs, int d, const uint8_t* const* kp, const uin
     const int nr = r1 - r0;
     const int n_pad = (nr + J - 1) / J * J;  // <= kChunk: J divides kChunk
     for (int j = 0; j < n_pad; ++j) kr[j] = kp[j < nr ? r0 + j : r0];
-    qk_chunk<F, SG, J>(qp, d, kr, kr, n_pad, tmp, nullptr, nullptr, pf);
+    qk_chunk<F, SG, J>(qp, d, kr, kr, n_pad, tmp, pf);
 #pragma GCC unroll 4
     for (int h = 0; h < SG; ++h) {
       for (int j = 0; j < nr; ++j) s[h * kChunk + r0 + j] = tmp[h * kChunk + j] + bias[h];
@@ -690,7 +775,8 @@ constexpr int code_bits() {
 struct DecodeFns {
   QkFn qk = nullptr;
   PvFn pv = nullptr;
-  int code_bits = 0;  // row bytes = head_dim * code_bits / 8
+  int code_bits = 0;          // row bytes = head_dim * code_bits / 8
+  bool packed_query = false;  // qk takes q^ packed by pack_query_i8 (int4 K)
 };
 
 // A KIVI format's qk is its K side (per-channel key groups) and its pv its V
@@ -702,7 +788,13 @@ DecodeFns decode_table(KvDtype t) {
   if (t == KvDtype::kKivi4) {
     return DecodeFns{qk_kivi_any<KvDtype::kKivi4>, pv_any<KvDtype::kKivi4>, 4};
   }
-  return by_format(t, []<KvDtype F>() { return DecodeFns{qk_any<F>, pv_any<F>, code_bits<F>()}; });
+  return by_format(t, []<KvDtype F>() {
+    if constexpr (F == KvDtype::kInt4) {
+      return DecodeFns{qk_int4_any, pv_any<F>, code_bits<F>(), true};
+    } else {
+      return DecodeFns{qk_any<F>, pv_any<F>, code_bits<F>()};
+    }
+  });
 }
 
 // Block base offset and slot of positions [t0, t0 + n) (block table walk).
@@ -862,12 +954,14 @@ KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
   const DecodeFns kf = decode_table(a.k.dtype);
   const DecodeFns vf = decode_table(a.v.dtype);
   if (kf.qk == nullptr || vf.pv == nullptr) return;  // validated by the caller
+  KV_CHECK(a.round_query == kf.packed_query, "decode: int4 keys are read with q^ only");
+  const int pack_floats = kf.packed_query ? query_pack_floats(d) : 0;
   // Scratch: qs, acc [n_vec, d]; s [n_vec, kChunk]; m, l, alpha [n_vec];
   // qsum [n_vec, n_groups]; wbuf [4, kChunk] + V int4 metadata [2, n_groups,
   // kChunk]; kbuf: K int4 metadata [2, n_groups, kChunk], or a KIVI K's
-  // scale, min and q * scale [2 + 4, d].
+  // scale, min and q * scale [2 + 4, d]; int4 K: packed q^ [n_vec, pack_floats].
   float* qs = thread_scratch().get(
-      static_cast<size_t>(n_vec) * (2 * d + kChunk + 3 + n_groups) + 4 * kChunk +
+      static_cast<size_t>(n_vec) * (2 * d + kChunk + 3 + n_groups + pack_floats) + 4 * kChunk +
       2 * static_cast<size_t>(n_groups) * kChunk +
       std::max<size_t>(2 * static_cast<size_t>(n_groups) * kChunk, 6 * static_cast<size_t>(d)));
   float* acc = qs + static_cast<size_t>(n_vec) * d;
@@ -878,6 +972,8 @@ KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
   float* qsum = alpha + n_vec;
   float* wbuf = qsum + static_cast<size_t>(n_vec) * n_groups;
   float* kbuf = wbuf + 4 * kChunk + 2 * static_cast<size_t>(n_groups) * kChunk;
+  float* qpack = kbuf + std::max<size_t>(2 * static_cast<size_t>(n_groups) * kChunk,
+                                         6 * static_cast<size_t>(d));
   const __m256 scale = _mm256_set1_ps(a.scale);
   for (int h = 0; h < n_vec; ++h) {
     for (int c = 0; c < d; c += 8) {
@@ -889,6 +985,10 @@ KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
       for (int c = 8; c < 32; c += 8)
         t = _mm256_add_ps(t, _mm256_loadu_ps(qs + h * d + 32 * gi + c));
       qsum[h * n_groups + gi] = hsum(t);
+    }
+    if (kf.packed_query) {  // q^ and its group sums replace qs and qsum
+      pack_query_i8(qs + h * d, d, qpack + static_cast<size_t>(h) * pack_floats,
+                    qsum + h * n_groups);
     }
     m[h] = kNegInf;
     l[h] = 0.0f;
@@ -938,7 +1038,9 @@ KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
       const int v0 = hh * g;  // first query vector of this KV head
       for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
         const int sg = g / n_sub + (sub < g % n_sub ? 1 : 0);
-        kf.qk(sg, qs + h0 * d, d, kp, km, n, s + h0 * kChunk, qsum + h0 * n_groups, kbuf, &pf);
+        const float* qh = kf.packed_query ? qpack + static_cast<size_t>(h0) * pack_floats
+                                          : qs + static_cast<size_t>(h0) * d;
+        kf.qk(sg, qh, d, kp, km, n, s + h0 * kChunk, qsum + h0 * n_groups, kbuf, &pf);
         h0 += sg;
       }
       for (int h = v0; h < v0 + g; ++h) {

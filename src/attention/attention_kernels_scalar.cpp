@@ -6,8 +6,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "attention/attention_kernels.h"
+#include "attention/attention_quant.h"
 #include "kv/kv_codec.h"
 
 namespace kvstack::attn_detail {
@@ -27,9 +29,15 @@ void tile_scalar(const TileArgs& a) {
   float* l = m + n_vec;
   float* krow = l + n_vec;
   float* vrow = krow + d;
+  std::vector<int8_t> codes(a.round_query ? d : 0);
+  std::vector<float> gscale(a.round_query ? d / kQueryGroup : 0);
   for (int i = 0; i < n_vec; ++i) {
     const float* src = a.q + (i / a.group) * a.row_stride + (i % a.group) * d;
     for (int c = 0; c < d; ++c) qs[i * d + c] = src[c] * a.scale;
+    if (a.round_query) {  // q^ = code * group scale
+      round_query_int8(qs + static_cast<size_t>(i) * d, d, codes.data(), gscale.data());
+      for (int c = 0; c < d; ++c) qs[i * d + c] = codes[c] * gscale[c / kQueryGroup];
+    }
     std::memset(acc + static_cast<size_t>(i) * d, 0, sizeof(float) * d);
     m[i] = -std::numeric_limits<float>::infinity();
     l[i] = 0.0f;

@@ -49,6 +49,26 @@ Status validate_quant_attention_args(const PagedKvLayerView& kv, const AttnParam
   return validate_attention_args(plain, p, seqs);
 }
 
+void round_query_int8(const float* qs, int d, int8_t* codes, float* group_scale) {
+  for (int g = 0; g * kQueryGroup < d; ++g) {
+    const float* x = qs + g * kQueryGroup;
+    float amax = 0.0f;
+    for (int i = 0; i < kQueryGroup; ++i) amax = std::max(amax, std::fabs(x[i]));
+    int8_t* c = codes + g * kQueryGroup;
+    if (!std::isfinite(amax) || std::isnan(amax)) {
+      group_scale[g] = std::numeric_limits<float>::quiet_NaN();
+      std::fill(c, c + kQueryGroup, int8_t{0});
+      continue;
+    }
+    group_scale[g] = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < kQueryGroup; ++i) {
+      const float r = std::nearbyint(x[i] * inv);
+      c[i] = static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
+    }
+  }
+}
+
 Status paged_attention_quant_isa(Isa isa, const PagedKvLayerView& kv, const AttnParams& p,
                                  std::span<const AttnSeq> seqs, ThreadPool* pool) {
   KV_TRY_STATUS(validate_quant_attention_args(kv, p, seqs));
@@ -71,6 +91,10 @@ Status paged_attention_quant_reference(const PagedKvLayerView& kv, const AttnPar
   std::vector<double> scores;
   std::vector<double> acc(d);
   std::vector<float> row(d);
+  std::vector<double> qd(d);  // the query the scores use (times the scale)
+  std::vector<float> qs(d);
+  std::vector<int8_t> codes(d);
+  std::vector<float> gscale(d / kQueryGroup + 1);
   TileArgs a;  // addressing only
   a.block_stride = kv.block_stride;
   a.block_size = kv.block_size;
@@ -84,13 +108,20 @@ Status paged_attention_quant_reference(const PagedKvLayerView& kv, const AttnPar
         const HeadStream ks = attn_detail::k_stream(kv, h / g);
         const HeadStream vs = attn_detail::v_stream(kv, h / g);
         const float* q = s.q + (int64_t{r} * p.n_q_heads + h) * d;
+        if (s.n_new == 1 && kv.dtype == KvDtype::kInt4) {  // q^: round_query_int8
+          for (int i = 0; i < d; ++i) qs[i] = q[i] * p.scale;
+          round_query_int8(qs.data(), d, codes.data(), gscale.data());
+          for (int i = 0; i < d; ++i) qd[i] = double{gscale[i / kQueryGroup]} * codes[i];
+        } else {
+          for (int i = 0; i < d; ++i) qd[i] = double{q[i]} * p.scale;
+        }
         double mx = -std::numeric_limits<double>::infinity();
         for (int32_t t = lo; t <= pos; ++t) {
           kv_decode_row(ks.dtype, attn_detail::stream_row(a, ks, t),
                         attn_detail::stream_meta(a, ks, t), d, row.data());
           double dot = 0.0;
-          for (int i = 0; i < d; ++i) dot += double{q[i]} * row[i];
-          scores[t - lo] = dot * p.scale;
+          for (int i = 0; i < d; ++i) dot += qd[i] * row[i];
+          scores[t - lo] = dot;
           mx = std::max(mx, scores[t - lo]);
         }
         double sum = 0.0;

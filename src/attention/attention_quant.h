@@ -11,8 +11,19 @@
 // 32 keys of one KV head (scales applied, bit for bit as kv_decode_row) into
 // L1 tiles used by every query vector of the tile. The scalar kernel decodes
 // rows with the kv_codec.h reference decoders.
+//
+// Decode rows (a sequence with n_new == 1) over int4 keys attend with a
+// rounded query: the query, already multiplied by the attention scale, is
+// rounded to int8 codes per group of 32 elements (round_query_int8), as
+// llama.cpp rounds activations to q8_0 for its q4_0 dot products. The AVX2
+// kernel then dots the int4 key codes with the int8 query codes in integer
+// arithmetic (vpmaddubsw), four times as many products per instruction as
+// float FMAs. Scores are q^ . k with q^ = code * group scale; the kernels,
+// the scalar one included, and the reference all use the same q^. Prefill
+// rows keep the float query.
 #pragma once
 
+#include <cstdint>
 #include <span>
 
 #include "attention/paged_attention.h"
@@ -29,9 +40,21 @@ Status paged_attention_quant(const PagedKvLayerView& kv, const AttnParams& p,
 Status paged_attention_quant_isa(Isa isa, const PagedKvLayerView& kv, const AttnParams& p,
                                  std::span<const AttnSeq> seqs, ThreadPool* pool);
 
-// Double-precision two-pass reference reading K/V through kv_decode_row().
+// Double-precision two-pass reference reading K/V through kv_decode_row();
+// decode rows over int4 keys use q^ (round_query_int8), as the kernels do.
 Status paged_attention_quant_reference(const PagedKvLayerView& kv, const AttnParams& p,
                                        std::span<const AttnSeq> seqs);
+
+// Elements per query rounding group.
+inline constexpr int kQueryGroup = 32;
+
+// q^ of a decode row over int4 keys: for each group of kQueryGroup elements
+// of qs [d] (the query times the attention scale; REQUIRES d % 32 == 0),
+// group_scale[g] = amax / 127 and codes[i] = nearbyint(qs[i] * (127 / amax))
+// in [-127, 127], so q^[i] = codes[i] * group_scale[g]. An all-zero group
+// gets scale 0 and zero codes; a non-finite amax gives a NaN scale (so the
+// scores are NaN, as a float dot would make them).
+void round_query_int8(const float* qs, int d, int8_t* codes, float* group_scale);
 
 // The checks paged_attention_quant() runs.
 Status validate_quant_attention_args(const PagedKvLayerView& kv, const AttnParams& p,

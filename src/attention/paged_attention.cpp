@@ -285,6 +285,7 @@ void run_attention(bool use_avx2, const PagedKvLayerView& kv, const AttnParams& 
     a.key_begin = it.key_begin;
     a.key_end = it.key_end;
     a.scale = p.scale;
+    a.round_query = seqs[it.seq].n_new == 1 && kv.dtype == KvDtype::kInt4;
     a.n_heads = it.n_heads;
     if (it.part_offset >= 0) {
       const int n_vec = it.n_rows * g * it.n_heads;

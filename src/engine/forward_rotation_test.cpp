@@ -167,10 +167,12 @@ TEST_P(RotatedQuantCache, PrefillDecodeAndForkMatchReferenceOverStoredRotatedKv)
     ASSERT_TRUE(pool_r.ok());
     BlockPool& pool = **pool_r;
     double worst = 0;
-    run_prefill_decode_fork(fwd, pool, spec.n_vocab, prompt, n_prompt, 2, fork_tail,
-                            [&](const std::vector<int32_t>& tokens, int n, const BlockTable& t) {
-                              return rotated_reference(w, tokens, n, pool, t, &worst);
-                            });
+    run_prefill_decode_fork(
+        fwd, pool, spec.n_vocab, prompt, n_prompt, 2, fork_tail,
+        [&](const std::vector<int32_t>& tokens, int n, const BlockTable& t) {
+          return rotated_reference(w, tokens, n, pool, t, &worst);
+        },
+        testing::decode_row_tol(f.k));
     if (HasFatalFailure()) return;
     EXPECT_LE(worst, f.max_quant_err) << "stored rows are not the quantized R k / R v";
     EXPECT_GT(worst, 0.0) << "no quantization error at all: K/V not quantized?";

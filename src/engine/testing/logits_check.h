@@ -40,6 +40,22 @@ namespace kvstack::testing {
 // position, mask, head mapping, block addressing) changes logits by O(1).
 inline constexpr double kLogitTol = 1e-4;
 
+// Decode rows (one new token) over int4 keys attend with q^, the query
+// rounded to int8 codes per 32 elements (attention_quant.h), which the
+// float64 references leave exact: a float64 q cannot tell which codes the
+// engine's float q rounds to (a code flips when q * 127 / amax lies within
+// float error of a half), so a q^-aware reference would fail at random.
+// Those rows are held to the size of that rounding's effect instead,
+// measured at 0.2% to 0.9% of the largest logit on the synthetic models of
+// these tests (a wrong block, position or head moves logits by O(1));
+// attention_quant_test checks q^ against the kernels exactly.
+inline constexpr double kInt4DecodeTol = 3e-2;
+
+// The tolerance of decode rows for keys stored as `k_dtype`.
+inline double decode_row_tol(KvDtype k_dtype) {
+  return k_dtype == KvDtype::kInt4 ? kInt4DecodeTol : kLogitTol;
+}
+
 // Worst |x - stored| / row amax of an int4 row. The encoder picks each
 // group's (scale, min) for the smallest squared error, never above the
 // min-max fit's 32 x (step / 2)^2 with step <= range / 15 <= 2 amax / 15:
@@ -153,11 +169,13 @@ inline std::vector<float> stored_row(const PagedKvLayerView& v, const BlockTable
 // that adopts its full blocks (shared, stored once) and prefills fork_tail.
 // After every step each returned logits row must be within kLogitTol of
 // reference(tokens, n, table): the float64 logits of tokens[0, n) computed
-// over what `table` stores.
+// over what `table` stores; rows of one-token steps (decode rows) within
+// decode_tol (decode_row_tol()).
 template <class Reference>
 void run_prefill_decode_fork(Forward& fwd, BlockPool& pool, int n_vocab,
                              const std::vector<int32_t>& prompt, int n_prompt, int first_chunk,
-                             const std::vector<int32_t>& fork_tail, const Reference& reference) {
+                             const std::vector<int32_t>& fork_tail, const Reference& reference,
+                             double decode_tol = kLogitTol) {
   const int block_size = pool.layout().block_size();
   BlockTable junk(pool), seq(pool);
   ASSERT_TRUE(junk.reserve(2 * block_size).ok());
@@ -172,7 +190,7 @@ void run_prefill_decode_fork(Forward& fwd, BlockPool& pool, int n_vocab,
     for (int j = b; j < e; ++j) {
       const std::vector<double> ref = reference(prompt, j + 1, seq);
       ASSERT_LT(logits_rel_err(logits.data() + static_cast<size_t>(j - b) * n_vocab, ref),
-                kLogitTol)
+                e - b == 1 ? decode_tol : kLogitTol)
           << "prefill position " << j;
     }
   }
@@ -180,7 +198,7 @@ void run_prefill_decode_fork(Forward& fwd, BlockPool& pool, int n_vocab,
   for (int pos = n_prompt; pos < n_total; ++pos) {
     const StepSeq s{.table = &seq, .tokens = std::span<const int32_t>(&prompt[pos], 1)};
     ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
-    ASSERT_LT(logits_rel_err(logits.data(), reference(prompt, pos + 1, seq)), kLogitTol)
+    ASSERT_LT(logits_rel_err(logits.data(), reference(prompt, pos + 1, seq)), decode_tol)
         << "decode step " << pos - n_prompt;
   }
   const int n_shared = n_prompt / block_size;
