@@ -128,6 +128,9 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
   specs.push_back({"prompts", 0, "N", "greedy-continuation prompts taken from FILE (default 8)"});
   specs.push_back({"prompt-len", 0, "N", "tokens per prompt (default 64)"});
   specs.push_back({"gen", 0, "N", "greedy tokens per prompt (default 128)"});
+  specs.push_back({"score-steps", 0, "",
+                   "score each window with one-token forward steps (the decode kernels, as "
+                   "generation runs) instead of one prefill"});
   specs.push_back({"json", 0, "", "print one JSON object per format"});
   specs.push_back(help_option());
   auto args = Args::parse(argv, specs);
@@ -162,6 +165,7 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
   auto n_gen = args->get_int("gen", 128, 1, 1 << 20);
   if (!n_gen) return fail("kv-eval", n_gen.error().message);
   const bool json = args->flag("json");
+  const bool score_steps = args->flag("score-steps");
   auto text = read_file(*args->get("file"));
   if (!text) return fail("kv-eval", text.error().message);
 
@@ -234,6 +238,7 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<float> base_logits, logits;
   std::vector<double> lp_base, lp;
+  std::vector<float> step_row;  // --score-steps: one step's logits
   int64_t n_scored = 0;
   for (int64_t w = 0; w < n_windows; ++w) {
     const std::span<const int32_t> win(tokens.data() + w * *ctx, static_cast<size_t>(*ctx));
@@ -241,7 +246,15 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
       BlockTable table = engines[fi]->new_table();
       std::vector<float>& out = fi == 0 ? base_logits : logits;
       out.clear();
-      const Status st = engines[fi]->prefill(table, win, LogitsMode::kAll, &out);
+      Status st;
+      if (score_steps) {
+        for (size_t j = 0; j < win.size() && st.ok(); ++j) {
+          st = engines[fi]->prefill(table, win.subspan(j, 1), LogitsMode::kLast, &step_row);
+          out.insert(out.end(), step_row.begin(), step_row.end());
+        }
+      } else {
+        st = engines[fi]->prefill(table, win, LogitsMode::kAll, &out);
+      }
       if (!st.ok()) return fail("kv-eval", st.error().message);
       if (fi == 0) continue;
       FormatStats& s = stats[fi];
@@ -295,11 +308,11 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
   const double ppl_base = std::exp(stats[0].nll / static_cast<double>(n_scored));
   if (!json) {
     std::printf(
-        "kv-eval: %lld windows of %lld tokens (%lld scored), %lld prompts x %lld greedy "
+        "kv-eval: %lld windows of %lld tokens (%lld scored%s), %lld prompts x %lld greedy "
         "tokens, %.0f s\n",
         static_cast<long long>(n_windows), static_cast<long long>(*ctx),
-        static_cast<long long>(n_scored), static_cast<long long>(n_prompts_run),
-        static_cast<long long>(*n_gen), secs);
+        static_cast<long long>(n_scored), score_steps ? " by one-token steps" : "",
+        static_cast<long long>(n_prompts_run), static_cast<long long>(*n_gen), secs);
     std::printf("%-14s %7s %10s %12s %10s %9s %11s %11s %8s %12s %12s\n", "format", "B/elem",
                 "B/token", "tokens/GiB", "ppl", "d_ppl", "mean KLD", "p99 KLD", "top-1", "greedy",
                 "first-div");
@@ -335,15 +348,16 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
           "\"tokens_per_gib\": %.0f, \"ppl_f32\": %.6f, \"ppl\": %.6f, "
           "\"ppl_rel_change\": %.6f, \"kld_mean\": %.8f, \"kld_p99\": %.8f, "
           "\"top1_agreement\": %.6f, \"greedy_agreement\": %.6f, "
-          "\"greedy_tokens_before_divergence\": %.2f, \"ctx\": %lld, \"n_windows\": %lld, "
+          "\"greedy_tokens_before_divergence\": %.2f, \"ctx\": %lld, \"score_steps\": %s, "
+          "\"n_windows\": %lld, "
           "\"n_scored\": %lld, \"n_prompts\": %lld, \"gen\": %lld, \"seconds\": %.1f}\n",
           s.name.c_str(), engines[fi]->config().kv_rotation != KvRotation::kNone ? "true" : "false",
           engines[fi]->config().kv_center ? "true" : "false", s.bytes_per_element,
           static_cast<long long>(s.bytes_per_token), static_cast<long long>(s.block_bytes),
           tokens_per_gib, ppl_base, ppl, ppl / ppl_base - 1, mean_kld, p99, top1, greedy_frac,
-          first_div, static_cast<long long>(*ctx), static_cast<long long>(n_windows),
-          static_cast<long long>(n_scored), static_cast<long long>(n_prompts_run),
-          static_cast<long long>(*n_gen), secs);
+          first_div, static_cast<long long>(*ctx), score_steps ? "true" : "false",
+          static_cast<long long>(n_windows), static_cast<long long>(n_scored),
+          static_cast<long long>(n_prompts_run), static_cast<long long>(*n_gen), secs);
     } else {
       char greedy_col[32] = "-", first_div_col[32] = "-";  // "-": no prompts were run
       if (n_prompts_run > 0) {
