@@ -153,6 +153,33 @@ KV_AVX2 inline __m256 raw8(const uint8_t* row, int c) {
   }
 }
 
+// Elements [c, c + 32) of an int4 or KIVI row (one whole group) as
+// raw8<F>(row, c + 8 x) for x = 0..3, each code byte widened once.
+// REQUIRES c % 32 == 0.
+template <KvDtype F>
+KV_AVX2 inline void raw32(const uint8_t* row, int c, __m256* v) {
+  static_assert(F == KvDtype::kInt4 || F == KvDtype::kKivi4 || F == KvDtype::kKivi2);
+  if constexpr (F == KvDtype::kKivi2) {
+    const __m256i b =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 4)));
+    const __m256i m = _mm256_set1_epi32(3);
+    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b, m));
+    v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 2), m));
+    v[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 4), m));
+    v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 6));
+  } else {
+    const uint8_t* g = row + c / 2;
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(g)));
+    const __m256i b1 =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(g + 8)));
+    const __m256i m = _mm256_set1_epi32(0xf);
+    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, m));
+    v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, m));
+    v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+    v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+  }
+}
+
 // Multiplier turning a raw int8/fp8 row into values (1 for the others;
 // int4 has per-group scales instead).
 template <KvDtype F>
@@ -389,17 +416,18 @@ KV_AVX2 void qk_chunk(const float* qs, int d, const uint8_t* const* kp, const ui
 // groups (2p, 2p + 1), in the order of the nibbles of the pair's 32 code
 // bytes (byte j of group g holds elements j and 16 + j): 32 codes "lo" =
 // elements 0..15 of group 2p then of group 2p + 1, 32 codes "hi" = their
-// elements 16..31, then 8 floats: group 2p's scale x4, group 2p + 1's x4. A
-// lone last group leaves the pair's second half zero.
-constexpr int kPackPairFloats = 24;  // 64 int8 codes + 8 scales
+// elements 16..31; then 8 floats: group 2p's q^ scale x4, group 2p + 1's x4;
+// then 8 floats: sum(q^) / 4 of group 2p x4 and of group 2p + 1 x4 (the
+// key minimum's weight, spread over the 4 lanes of its group). A lone last
+// group leaves the pair's second half zero.
+constexpr int kPackPairFloats = 32;
 
 inline int query_pack_floats(int d) {
   return kPackPairFloats * ((d / 32 + 1) / 2);
 }
 
-// Packs q^ of qs [d] into pack; qsum [d / 32] = the per-group sums of q^
-// (for the int4 minimum).
-void pack_query_i8(const float* qs, int d, float* pack, float* qsum) {
+// Packs q^ of qs [d] into pack.
+void pack_query_i8(const float* qs, int d, float* pack) {
   const int n_groups = d / 32;
   std::memset(pack, 0, sizeof(float) * query_pack_floats(d));
   for (int g = 0; g < n_groups; ++g) {
@@ -411,10 +439,12 @@ void pack_query_i8(const float* qs, int d, float* pack, float* qsum) {
     const int half = g % 2;
     std::memcpy(lo + 16 * half, codes, 16);
     std::memcpy(lo + 32 + 16 * half, codes + 16, 16);
-    for (int k = 0; k < 4; ++k) pair[16 + 4 * half + k] = gs;
     int sum = 0;
     for (int8_t c : codes) sum += c;
-    qsum[g] = gs * static_cast<float>(sum);
+    for (int k = 0; k < 4; ++k) {
+      pair[16 + 4 * half + k] = gs;
+      pair[24 + 4 * half + k] = gs * static_cast<float>(sum) * 0.25f;
+    }
   }
 }
 
@@ -422,19 +452,20 @@ void pack_query_i8(const float* qs, int d, float* pack, float* qsum) {
 // query_pack_floats(d)) and n_pad int4 keys (a multiple of J). Per key and
 // pair of groups: the 32 code bytes split into low and high nibbles, two
 // vpmaddubsw against the int8 codes (16-bit sums: at most 2 * 2 * 15 * 127),
-// vpmaddwd to 32 bits (lanes 0-3: group 2p, 4-7: group 2p + 1), then the
-// key's group scales times q^'s group scales. kmn [n_groups, kChunk]: key
-// minimums (int4_meta), added as min * sum(q^) per group.
+// vpmaddwd to 32 bits (lanes 0-3: group 2p, 4-7: group 2p + 1), times the
+// key's group scales times q^'s; plus the key's group minimums times
+// sum(q^) / 4 in the same lanes.
 template <int SG, int J>
 KV_AVX2 void qk_int4(const float* pack, int d, const uint8_t* const* kp, const uint8_t* const* km,
-                     int n_pad, float* s, const float* qsum, const float* kmn, KvPrefetch* pf) {
+                     int n_pad, float* s, KvPrefetch* pf) {
   static_assert(SG * J <= 8);
   const int n_groups = d / 32;
   const int n_pairs = (n_groups + 1) / 2;
   const int stride = query_pack_floats(d);
   const __m256i nib = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i pick = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+  const __m256i pick = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);      // scales
+  const __m256i pick_min = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);  // minimums
   for (int j0 = 0; j0 < n_pad; j0 += J) {
     pf->step();
     __m256 acc[8];
@@ -462,6 +493,7 @@ KV_AVX2 void qk_int4(const float* pack, int d, const uint8_t* const* kp, const u
         const __m256i lo = _mm256_and_si256(codes, nib);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), nib);
         const __m256 ks = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(sm), pick);
+        const __m256 kmin = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(sm), pick_min);
 #pragma GCC unroll 8
         for (int h = 0; h < SG; ++h) {
           const float* ph = pack + h * stride + kPackPairFloats * pi;
@@ -471,6 +503,7 @@ KV_AVX2 void qk_int4(const float* pack, int d, const uint8_t* const* kp, const u
                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ph + 8))));
           const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(t, ones));
           a[h] = _mm256_fmadd_ps(f, _mm256_mul_ps(ks, _mm256_loadu_ps(ph + 16)), a[h]);
+          a[h] = _mm256_fmadd_ps(kmin, _mm256_loadu_ps(ph + 24), a[h]);
         }
       }
 #pragma GCC unroll 8
@@ -482,16 +515,6 @@ KV_AVX2 void qk_int4(const float* pack, int d, const uint8_t* const* kp, const u
     for (int jj = 0; jj < J; ++jj) {
 #pragma GCC unroll 8
       for (int h = 0; h < SG; ++h) s[h * kChunk + j0 + jj] = tmp[h * J + jj];
-    }
-  }
-  for (int h = 0; h < SG; ++h) {  // + sum over groups of min * sum(q^ of the group)
-    for (int j = 0; j < n_pad; j += 8) {
-      __m256 v = _mm256_loadu_ps(s + h * kChunk + j);
-      for (int gi = 0; gi < n_groups; ++gi) {
-        v = _mm256_fmadd_ps(_mm256_loadu_ps(kmn + gi * kChunk + j),
-                            _mm256_broadcast_ss(qsum + h * n_groups + gi), v);
-      }
-      _mm256_storeu_ps(s + h * kChunk + j, v);
     }
   }
 }
@@ -519,11 +542,21 @@ KV_AVX2 inline void pv_block(const float* w, const uint8_t* const* vp, int n, co
     __m256 pb[SG];
 #pragma GCC unroll 8
     for (int h = 0; h < SG; ++h) pb[h] = _mm256_broadcast_ss(w + h * kChunk + j);
+    if constexpr (kGroupScaled<F> && NC == 4) {  // one whole group (c % 32 == 0)
+      __m256 v[4];
+      raw32<F>(vp[j], c, v);
+#pragma GCC unroll 4
+      for (int x = 0; x < 4; ++x) {
 #pragma GCC unroll 8
-    for (int x = 0; x < NC; ++x) {
-      const __m256 v = raw8<F>(vp[j], c + 8 * x);
+        for (int h = 0; h < SG; ++h) a[h][x] = _mm256_fmadd_ps(pb[h], v[x], a[h][x]);
+      }
+    } else {
 #pragma GCC unroll 8
-      for (int h = 0; h < SG; ++h) a[h][x] = _mm256_fmadd_ps(pb[h], v, a[h][x]);
+      for (int x = 0; x < NC; ++x) {
+        const __m256 v = raw8<F>(vp[j], c + 8 * x);
+#pragma GCC unroll 8
+        for (int h = 0; h < SG; ++h) a[h][x] = _mm256_fmadd_ps(pb[h], v, a[h][x]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -611,7 +644,7 @@ constexpr int keys_per_step(int sg) {
 
 template <KvDtype F>
 KV_AVX2 void qk_any(int sg, const float* qs, int d, const uint8_t** kp, const uint8_t** km, int n,
-                    float* s, const float* /*qsum*/, float* /*mbuf*/, KvPrefetch* pf) {
+                    float* s, float* /*kbuf*/, KvPrefetch* pf) {
   const int j = keys_per_step(sg);
   const int n_pad = (n + j - 1) / j * j;
   for (int x = n; x < n_pad; ++x) {  // finite filler, scores dropped
@@ -631,26 +664,24 @@ KV_AVX2 void qk_any(int sg, const float* qs, int d, const uint8_t** kp, const ui
 }
 
 // int4 K: qs is the packed q^ of the sub-group's first vector
-// (pack_query_i8), mbuf takes the keys' int4 metadata.
+// (pack_query_i8).
 KV_AVX2 void qk_int4_any(int sg, const float* pack, int d, const uint8_t** kp, const uint8_t** km,
-                         int n, float* s, const float* qsum, float* mbuf, KvPrefetch* pf) {
-  const int n_pad = (n + 7) / 8 * 8;  // the min term is added 8 keys at a time
-  for (int x = n; x < n_pad; ++x) {   // finite filler, scores dropped
+                         int n, float* s, float* /*kbuf*/, KvPrefetch* pf) {
+  const int j = keys_per_step(sg);  // a multiple of qk_int4's J
+  const int n_pad = (n + j - 1) / j * j;
+  for (int x = n; x < n_pad; ++x) {  // finite filler, scores dropped
     kp[x] = kp[0];
     km[x] = km[0];
   }
-  const int n_groups = d / 32;
-  int4_meta(km, n_pad, n_pad, n_groups, mbuf, mbuf + n_groups * kChunk);
-  const float* kmn = mbuf + n_groups * kChunk;
   switch (sg) {
     case 1:
-      return qk_int4<1, 8>(pack, d, kp, km, n_pad, s, qsum, kmn, pf);
+      return qk_int4<1, 8>(pack, d, kp, km, n_pad, s, pf);
     case 2:
-      return qk_int4<2, 4>(pack, d, kp, km, n_pad, s, qsum, kmn, pf);
+      return qk_int4<2, 4>(pack, d, kp, km, n_pad, s, pf);
     case 3:
-      return qk_int4<3, 2>(pack, d, kp, km, n_pad, s, qsum, kmn, pf);
+      return qk_int4<3, 2>(pack, d, kp, km, n_pad, s, pf);
     default:
-      return qk_int4<4, 2>(pack, d, kp, km, n_pad, s, qsum, kmn, pf);
+      return qk_int4<4, 2>(pack, d, kp, km, n_pad, s, pf);
   }
 }
 
@@ -706,7 +737,7 @@ KV_AVX2 void qk_kivi(const float* qs, int d, const uint8_t* const* kp, const uin
 
 template <KvDtype F>
 KV_AVX2 void qk_kivi_any(int sg, const float* qs, int d, const uint8_t** kp, const uint8_t** km,
-                         int n, float* s, const float* /*qsum*/, float* buf, KvPrefetch* pf) {
+                         int n, float* s, float* buf, KvPrefetch* pf) {
   switch (sg) {
     case 1:
       return qk_kivi<F, 1>(qs, d, kp, km, n, s, buf, pf);
@@ -734,8 +765,8 @@ KV_AVX2 void pv_any(int sg, const float* p, const uint8_t* const* vp, const uint
   }
 }
 
-using QkFn = void (*)(int, const float*, int, const uint8_t**, const uint8_t**, int, float*,
-                      const float*, float*, KvPrefetch*);
+using QkFn = void (*)(int, const float*, int, const uint8_t**, const uint8_t**, int, float*, float*,
+                      KvPrefetch*);
 using PvFn = void (*)(int, const float*, const uint8_t* const*, const uint8_t* const*, int,
                       const float*, float*, int, float*, KvPrefetch*);
 
@@ -957,38 +988,28 @@ KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
   KV_CHECK(a.round_query == kf.packed_query, "decode: int4 keys are read with q^ only");
   const int pack_floats = kf.packed_query ? query_pack_floats(d) : 0;
   // Scratch: qs, acc [n_vec, d]; s [n_vec, kChunk]; m, l, alpha [n_vec];
-  // qsum [n_vec, n_groups]; wbuf [4, kChunk] + V int4 metadata [2, n_groups,
-  // kChunk]; kbuf: K int4 metadata [2, n_groups, kChunk], or a KIVI K's
-  // scale, min and q * scale [2 + 4, d]; int4 K: packed q^ [n_vec, pack_floats].
-  float* qs = thread_scratch().get(
-      static_cast<size_t>(n_vec) * (2 * d + kChunk + 3 + n_groups + pack_floats) + 4 * kChunk +
-      2 * static_cast<size_t>(n_groups) * kChunk +
-      std::max<size_t>(2 * static_cast<size_t>(n_groups) * kChunk, 6 * static_cast<size_t>(d)));
+  // wbuf [4, kChunk] + V int4 metadata [2, n_groups, kChunk]; kbuf: a KIVI
+  // K's scale, min and q * scale [2 + 4, d]; int4 K: packed q^ [n_vec,
+  // pack_floats].
+  float* qs = thread_scratch().get(static_cast<size_t>(n_vec) * (2 * d + kChunk + 3 + pack_floats) +
+                                   4 * kChunk + 2 * static_cast<size_t>(n_groups) * kChunk +
+                                   6 * static_cast<size_t>(d));
   float* acc = qs + static_cast<size_t>(n_vec) * d;
   float* s = acc + static_cast<size_t>(n_vec) * d;
   float* m = s + static_cast<size_t>(n_vec) * kChunk;
   float* l = m + n_vec;
   float* alpha = l + n_vec;
-  float* qsum = alpha + n_vec;
-  float* wbuf = qsum + static_cast<size_t>(n_vec) * n_groups;
+  float* wbuf = alpha + n_vec;
   float* kbuf = wbuf + 4 * kChunk + 2 * static_cast<size_t>(n_groups) * kChunk;
-  float* qpack = kbuf + std::max<size_t>(2 * static_cast<size_t>(n_groups) * kChunk,
-                                         6 * static_cast<size_t>(d));
+  float* qpack = kbuf + 6 * static_cast<size_t>(d);
   const __m256 scale = _mm256_set1_ps(a.scale);
   for (int h = 0; h < n_vec; ++h) {
     for (int c = 0; c < d; c += 8) {
       _mm256_storeu_ps(qs + h * d + c, _mm256_mul_ps(_mm256_loadu_ps(a.q + h * d + c), scale));
       _mm256_storeu_ps(acc + h * d + c, _mm256_setzero_ps());
     }
-    for (int gi = 0; gi < n_groups; ++gi) {
-      __m256 t = _mm256_loadu_ps(qs + h * d + 32 * gi);
-      for (int c = 8; c < 32; c += 8)
-        t = _mm256_add_ps(t, _mm256_loadu_ps(qs + h * d + 32 * gi + c));
-      qsum[h * n_groups + gi] = hsum(t);
-    }
-    if (kf.packed_query) {  // q^ and its group sums replace qs and qsum
-      pack_query_i8(qs + h * d, d, qpack + static_cast<size_t>(h) * pack_floats,
-                    qsum + h * n_groups);
+    if (kf.packed_query) {  // q^ (qk_int4) replaces qs
+      pack_query_i8(qs + h * d, d, qpack + static_cast<size_t>(h) * pack_floats);
     }
     m[h] = kNegInf;
     l[h] = 0.0f;
@@ -1040,7 +1061,7 @@ KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
         const int sg = g / n_sub + (sub < g % n_sub ? 1 : 0);
         const float* qh = kf.packed_query ? qpack + static_cast<size_t>(h0) * pack_floats
                                           : qs + static_cast<size_t>(h0) * d;
-        kf.qk(sg, qh, d, kp, km, n, s + h0 * kChunk, qsum + h0 * n_groups, kbuf, &pf);
+        kf.qk(sg, qh, d, kp, km, n, s + h0 * kChunk, kbuf, &pf);
         h0 += sg;
       }
       for (int h = v0; h < v0 + g; ++h) {
