@@ -385,15 +385,34 @@ KV_AVX2 void qk_chunk(const float* qs, int d, const uint8_t* const* kp, const ui
     __m256 acc[kAcc];
 #pragma GCC unroll 16
     for (int i = 0; i < kAcc; ++i) acc[i] = _mm256_setzero_ps();
-    for (int c = 0; c < d; c += 8) {
-      __m256 qv[SG];
+    if constexpr (kGroupScaled<F>) {  // KIVI codes: a whole group per key load
+      for (int c = 0; c < d; c += 32) {
 #pragma GCC unroll 8
-      for (int h = 0; h < SG; ++h) qv[h] = _mm256_loadu_ps(qs + h * d + c);
+        for (int jj = 0; jj < J; ++jj) {
+          __m256 kv[4];
+          raw32<F>(kp[j0 + jj], c, kv);
+#pragma GCC unroll 4
+          for (int x = 0; x < 4; ++x) {
 #pragma GCC unroll 8
-      for (int jj = 0; jj < J; ++jj) {
-        const __m256 kv = raw8<F>(kp[j0 + jj], c);
+            for (int h = 0; h < SG; ++h) {
+              acc[h * J + jj] =
+                  _mm256_fmadd_ps(_mm256_loadu_ps(qs + h * d + c + 8 * x), kv[x], acc[h * J + jj]);
+            }
+          }
+        }
+      }
+    } else {
+      for (int c = 0; c < d; c += 8) {
+        __m256 qv[SG];
 #pragma GCC unroll 8
-        for (int h = 0; h < SG; ++h) acc[h * J + jj] = _mm256_fmadd_ps(qv[h], kv, acc[h * J + jj]);
+        for (int h = 0; h < SG; ++h) qv[h] = _mm256_loadu_ps(qs + h * d + c);
+#pragma GCC unroll 8
+        for (int jj = 0; jj < J; ++jj) {
+          const __m256 kv = raw8<F>(kp[j0 + jj], c);
+#pragma GCC unroll 8
+          for (int h = 0; h < SG; ++h)
+            acc[h * J + jj] = _mm256_fmadd_ps(qv[h], kv, acc[h * J + jj]);
+        }
       }
     }
     alignas(32) float tmp[kAcc];
