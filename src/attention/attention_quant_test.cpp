@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -235,6 +236,32 @@ TEST(QuantAttention, OutputIsBitwiseIndependentOfBatchAndThreads) {
       }
     }
   }
+}
+
+// q^ of a decode row over int4 keys: per group of 32, codes in [-127, 127]
+// with the group's largest |q| at +-127, every element within half a step
+// of q; an all-zero group gives scale 0; a non-finite group a NaN scale.
+TEST(QuantAttention, RoundQueryInt8PerGroup) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> q(96);
+  for (float& x : q) x = nd(rng);
+  q[7] = -9.0f;                                    // group 0: amax from a negative outlier
+  for (int i = 32; i < 64; ++i) q[i] = 0.0f;       // group 1: all zero
+  q[70] = std::numeric_limits<float>::infinity();  // group 2: non-finite
+  std::vector<int8_t> codes(96, 99);
+  float scale[3] = {-1.0f, -1.0f, -1.0f};
+  round_query_int8(q.data(), 96, codes.data(), scale);
+  EXPECT_FLOAT_EQ(scale[0], 9.0f / 127.0f);
+  EXPECT_EQ(codes[7], -127);
+  for (int i = 0; i < 32; ++i) {
+    EXPECT_GE(codes[i], -127);
+    EXPECT_LE(codes[i], 127);
+    EXPECT_LE(std::fabs(codes[i] * scale[0] - q[i]), 0.5f * scale[0] * 1.0001f) << i;
+  }
+  EXPECT_EQ(scale[1], 0.0f);
+  for (int i = 32; i < 64; ++i) EXPECT_EQ(codes[i], 0) << i;
+  EXPECT_TRUE(std::isnan(scale[2]));
 }
 
 }  // namespace
