@@ -218,7 +218,10 @@ void run_shared_piece(const PagedKvLayerView& kv, const AttnParams& p, const Att
   a.part_m = partials + it.part;
   a.part_l = a.part_m + n_vec;
   a.part_acc = a.part_l + n_vec;
-  if (rows == 1) {
+  // int4 keys beside a KIVI V keep the float query here (this path does not
+  // round it: attention_quant.h), and the decode kernel reads int4 keys only
+  // with q^, so their rows take the prefill kernel.
+  if (rows == 1 && a.k.dtype != KvDtype::kInt4) {
     attn_detail::decode_tile_avx2(a);
   } else {
     attn_detail::prefill_tile_avx2(a);

@@ -21,7 +21,8 @@
 // AVX2 kernels decode K tiles (prefill) and V the same way, fma(scale, code,
 // min), while decode applies a K group's scale and min to q instead: the
 // paths differ by float rounding and accumulation order. A non-KIVI side
-// (e.g. K kivi2, V int8) is read as that format always is.
+// (e.g. K kivi2, V int8) is read as that format always is, except that int4
+// keys keep the float query here (their rows run on the prefill kernel).
 #pragma once
 
 #include <span>

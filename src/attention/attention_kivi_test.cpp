@@ -45,7 +45,8 @@ TEST(KiviAttention, KernelsMatchReferenceOnMixedBatches) {
   std::mt19937 rng(7);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (Fmt f : {Fmt{kKvDtypeKivi2, kKvDtypeKivi2}, Fmt{kKvDtypeKivi4, kKvDtypeKivi4},
-                Fmt{kKvDtypeKivi2, KvDtype::kInt8}, Fmt{KvDtype::kF16, kKvDtypeKivi4}}) {
+                Fmt{kKvDtypeKivi2, KvDtype::kInt8}, Fmt{KvDtype::kF16, kKvDtypeKivi4},
+                Fmt{KvDtype::kInt4, kKvDtypeKivi4}}) {
     for (int p : {16, 64}) {
       for (int window : {0, 20, 700}) {
         SCOPED_TRACE(std::string(kv_dtype_name(f.k)) + "/" + kv_dtype_name(f.v) + " P " +

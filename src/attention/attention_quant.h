@@ -20,7 +20,8 @@
 // arithmetic (vpmaddubsw), four times as many products per instruction as
 // float FMAs. Scores are q^ . k with q^ = code * group scale; the kernels,
 // the scalar one included, and the reference all use the same q^. Prefill
-// rows keep the float query.
+// rows keep the float query, and so do int4 keys beside a KIVI V
+// (attention_kivi.h, which runs their rows on the prefill kernel).
 #pragma once
 
 #include <cstdint>
