@@ -6,21 +6,18 @@ X+ctr entries run centered and cut int4's KL divergence, and bad calibration
 input is refused with an error naming the flag."""
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
 
-SRC = os.environ.get("KVSTACK_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
-BIN = os.environ.get("KVSTACK_BIN", os.path.join(SRC, "build", "src", "cli", "kvstack"))
-MODEL = os.environ.get("KVSTACK_MODEL",
-                       os.path.join(SRC, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+from conftest import KVSTACK_BIN, MODEL, run_kvstack
+
 TEXT = "/usr/share/common-licenses/GPL-3"
 
 
 @pytest.fixture(autouse=True)
 def need_binary_and_model():
-    if not os.path.exists(BIN) or not os.path.exists(MODEL):
+    if not os.path.exists(KVSTACK_BIN) or not os.path.exists(MODEL):
         pytest.skip("kvstack binary or model missing")
 
 
@@ -32,10 +29,8 @@ def test_f32_logits_unchanged_by_centering(tmp_path):
                         ("ctr", ["--kv-dtype", "f32", "--kv-center"]),
                         ("f16", ["--kv-dtype", "f16"])):
         out = tmp_path / f"{name}.npy"
-        r = subprocess.run([BIN, "logits", "-m", MODEL, "-p", prompt,
-                            "-t", "2", "--out", str(out)] + extra,
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
+        r = run_kvstack("logits", "-m", MODEL, "-p", prompt, "-t", 2, "--out", out, *extra,
+                        timeout=300)
         outs[name] = np.load(out)
         if name == "ctr":
             assert "--kv-center: key means over" in r.stderr
@@ -51,11 +46,8 @@ def test_f32_logits_unchanged_by_centering(tmp_path):
 def test_kv_eval_centered_int4_has_lower_kld():
     if not os.path.exists(TEXT):
         pytest.skip(TEXT + " missing")
-    r = subprocess.run([BIN, "kv-eval", "-m", MODEL, "-f", TEXT, "--kv-dtype",
-                        "int4+rot,int4+ctr+rot", "--ctx", "256", "--max-windows", "3",
-                        "--prompts", "0", "-t", "2", "--json"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
+    r = run_kvstack("kv-eval", "-m", MODEL, "-f", TEXT, "--kv-dtype", "int4+rot,int4+ctr+rot",
+                    "--ctx", 256, "--max-windows", 3, "--prompts", 0, "-t", 2, "--json")
     rows = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
     by_name = {row["kv_dtype"]: row for row in rows}
     rot, ctr = by_name["int4+rot"], by_name["int4+ctr+rot"]
@@ -67,14 +59,12 @@ def test_kv_eval_centered_int4_has_lower_kld():
 
 def test_bad_calibration_text_is_refused(tmp_path):
     missing = tmp_path / "nope.txt"
-    r = subprocess.run([BIN, "logits", "-m", MODEL, "-p", "hi", "--kv-center-text", str(missing),
-                        "--out", str(tmp_path / "x.npy")], capture_output=True, text=True,
-                       timeout=120)
+    r = run_kvstack("logits", "-m", MODEL, "-p", "hi", "--kv-center-text", missing,
+                    "--out", tmp_path / "x.npy", check=False, timeout=120)
     assert r.returncode != 0 and "--kv-center-text" in r.stderr, r.stderr
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    r = subprocess.run([BIN, "logits", "-m", MODEL, "-p", "hi", "--kv-center-text", str(empty),
-                        "--out", str(tmp_path / "x.npy")], capture_output=True, text=True,
-                       timeout=120)
+    r = run_kvstack("logits", "-m", MODEL, "-p", "hi", "--kv-center-text", empty,
+                    "--out", tmp_path / "x.npy", check=False, timeout=120)
     assert r.returncode != 0 and "is empty" in r.stderr, r.stderr
     assert not (tmp_path / "x.npy").exists()

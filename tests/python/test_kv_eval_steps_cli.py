@@ -5,31 +5,25 @@ decode rows attend with the int8-rounded query q^, stay as close to f32 there
 as prefill scoring puts them."""
 import json
 import os
-import subprocess
 
 import pytest
 
-SRC = os.environ.get("KVSTACK_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
-BIN = os.environ.get("KVSTACK_BIN", os.path.join(SRC, "build", "src", "cli", "kvstack"))
-MODEL = os.environ.get("KVSTACK_MODEL",
-                       os.path.join(SRC, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+from conftest import KVSTACK_BIN, MODEL, run_kvstack
+
 TEXT = "/usr/share/common-licenses/GPL-3"
 
 
 @pytest.fixture(autouse=True)
 def need_inputs():
-    if not os.path.exists(BIN) or not os.path.exists(MODEL):
+    if not os.path.exists(KVSTACK_BIN) or not os.path.exists(MODEL):
         pytest.skip("kvstack binary or model missing")
     if not os.path.exists(TEXT):
         pytest.skip(TEXT + " missing")
 
 
 def kv_eval(*extra):
-    r = subprocess.run([BIN, "kv-eval", "-m", MODEL, "-f", TEXT, "--kv-dtype",
-                        "int8,int4+ctr+rot", "--ctx", "128", "--max-windows", "2",
-                        "--prompts", "0", "-t", "2", "--json", *extra],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
+    r = run_kvstack("kv-eval", "-m", MODEL, "-f", TEXT, "--kv-dtype", "int8,int4+ctr+rot",
+                    "--ctx", 128, "--max-windows", 2, "--prompts", 0, "-t", 2, "--json", *extra)
     return {row["kv_dtype"]: row for row in
             (json.loads(l) for l in r.stdout.splitlines() if l.startswith("{"))}
 
@@ -52,5 +46,4 @@ def test_steps_score_the_same_text_as_prefill():
 
 
 def test_score_steps_is_in_help():
-    r = subprocess.run([BIN, "kv-eval", "--help"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "--score-steps" in r.stdout
+    assert "--score-steps" in run_kvstack("kv-eval", "--help", timeout=60).stdout
