@@ -53,9 +53,13 @@ void round_query_int8(const float* qs, int d, int8_t* codes, float* group_scale)
   for (int g = 0; g * kQueryGroup < d; ++g) {
     const float* x = qs + g * kQueryGroup;
     float amax = 0.0f;
-    for (int i = 0; i < kQueryGroup; ++i) amax = std::max(amax, std::fabs(x[i]));
+    bool finite = true;  // std::max would skip a NaN
+    for (int i = 0; i < kQueryGroup; ++i) {
+      finite = finite && std::isfinite(x[i]);
+      amax = std::max(amax, std::fabs(x[i]));
+    }
     int8_t* c = codes + g * kQueryGroup;
-    if (!std::isfinite(amax) || std::isnan(amax)) {
+    if (!finite) {
       group_scale[g] = std::numeric_limits<float>::quiet_NaN();
       std::fill(c, c + kQueryGroup, int8_t{0});
       continue;

@@ -53,8 +53,9 @@ inline constexpr int kQueryGroup = 32;
 // of qs [d] (the query times the attention scale; REQUIRES d % 32 == 0),
 // group_scale[g] = amax / 127 and codes[i] = nearbyint(qs[i] * (127 / amax))
 // in [-127, 127], so q^[i] = codes[i] * group_scale[g]. An all-zero group
-// gets scale 0 and zero codes; a non-finite amax gives a NaN scale (so the
-// scores are NaN, as a float dot would make them).
+// gets scale 0 and zero codes; a group holding an infinity or a NaN gets a
+// NaN scale and zero codes (so the scores are NaN, as a float dot would
+// make them).
 void round_query_int8(const float* qs, int d, int8_t* codes, float* group_scale);
 
 // The checks paged_attention_quant() runs.

@@ -240,18 +240,20 @@ TEST(QuantAttention, OutputIsBitwiseIndependentOfBatchAndThreads) {
 
 // q^ of a decode row over int4 keys: per group of 32, codes in [-127, 127]
 // with the group's largest |q| at +-127, every element within half a step
-// of q; an all-zero group gives scale 0; a non-finite group a NaN scale.
+// of q; an all-zero group gives scale 0; a group with an infinity or a NaN
+// gets a NaN scale and zero codes.
 TEST(QuantAttention, RoundQueryInt8PerGroup) {
   std::mt19937 rng(3);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<float> q(96);
+  std::vector<float> q(128);
   for (float& x : q) x = nd(rng);
-  q[7] = -9.0f;                                    // group 0: amax from a negative outlier
-  for (int i = 32; i < 64; ++i) q[i] = 0.0f;       // group 1: all zero
-  q[70] = std::numeric_limits<float>::infinity();  // group 2: non-finite
-  std::vector<int8_t> codes(96, 99);
-  float scale[3] = {-1.0f, -1.0f, -1.0f};
-  round_query_int8(q.data(), 96, codes.data(), scale);
+  q[7] = -9.0f;                                      // group 0: amax from a negative outlier
+  for (int i = 32; i < 64; ++i) q[i] = 0.0f;         // group 1: all zero
+  q[70] = std::numeric_limits<float>::infinity();    // group 2: an infinity
+  q[100] = std::numeric_limits<float>::quiet_NaN();  // group 3: a NaN
+  std::vector<int8_t> codes(128, 99);
+  float scale[4] = {-1.0f, -1.0f, -1.0f, -1.0f};
+  round_query_int8(q.data(), 128, codes.data(), scale);
   EXPECT_FLOAT_EQ(scale[0], 9.0f / 127.0f);
   EXPECT_EQ(codes[7], -127);
   for (int i = 0; i < 32; ++i) {
@@ -262,6 +264,8 @@ TEST(QuantAttention, RoundQueryInt8PerGroup) {
   EXPECT_EQ(scale[1], 0.0f);
   for (int i = 32; i < 64; ++i) EXPECT_EQ(codes[i], 0) << i;
   EXPECT_TRUE(std::isnan(scale[2]));
+  EXPECT_TRUE(std::isnan(scale[3]));
+  for (int i = 64; i < 128; ++i) EXPECT_EQ(codes[i], 0) << i;
 }
 
 }  // namespace
