@@ -36,7 +36,9 @@ Result<CacheIdentity> engine_cache_identity(const Model& model, const EngineConf
   id.position = "rope;n_rot=" + std::to_string(c.n_rot) + ";neox=" + std::to_string(c.rope_neox) +
                 ";base=" + std::to_string(c.rope_freq_base) +
                 ";scale=" + std::to_string(c.rope_freq_scale) + ";type=" + c.rope_scaling_type;
-  id.attention = "causal;window=" + std::to_string(c.sliding_window) + ";sinks=0";
+  std::string windows;
+  for (int w : c.layer_window) windows += (windows.empty() ? "" : ",") + std::to_string(w);
+  id.attention = "causal;window=" + windows + ";sinks=0";
   return id;
 }
 

@@ -194,7 +194,7 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
                       .n_kv_heads = c.n_kv_heads,
                       .head_dim = c.head_dim,
                       .scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
-                      .window = c.sliding_window};
+                      .window = c.window(l)};
   Status st;
   if (kv_view_is_kivi(view)) {
     // KIVI: each sequence's newest tokens are read from its f16 residual.

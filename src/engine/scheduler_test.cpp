@@ -729,7 +729,7 @@ TEST(BatchInvariance, OpByOpOnRealActivations) {
                       .n_kv_heads = c.n_kv_heads,
                       .head_dim = c.head_dim,
                       .scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
-                      .window = c.sliding_window};
+                      .window = c.window(0)};  // the synthetic model has one window for all layers
   for (int layer : {0, c.n_layers - 1}) {
     const PagedKvLayerView view = e->pool().layer_view(layer);
     // q rows per sequence: up to 32 chunk rows, the last is the decode query.

@@ -128,6 +128,7 @@ Result<ModelConfig> load_model_config(const GgufFile& f) {
   c.rope_neox = c.arch == "qwen2";
   c.qkv_bias = f.find_tensor("blk.0.attn_q.bias") != nullptr;
   c.tied_embeddings = f.find_tensor("output.weight") == nullptr;
+  c.layer_window.assign(static_cast<size_t>(c.n_layers), c.sliding_window);
   return c;
 }
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/result.h"
 
@@ -33,9 +34,15 @@ struct ModelConfig {
   float norm_eps = 1e-5f;
   bool tied_embeddings = false;  // output.weight absent: reuse token_embd
   bool qkv_bias = false;         // qwen2
-  int sliding_window = 0;        // 0 = full attention in every layer
+  int sliding_window = 0;        // model-wide window (metadata); 0 = none
+  // Per-layer attention window in tokens, [n_layers]; 0 = full attention.
+  // Hybrid models (gemma3) mix window and full layers; for llama/qwen2 every
+  // entry is sliding_window. Kernels, KV groups and the planner read this,
+  // never sliding_window directly.
+  std::vector<int> layer_window;
 
   int n_gqa() const { return n_heads / n_kv_heads; }
+  int window(int layer) const { return layer_window[static_cast<size_t>(layer)]; }
 };
 
 // Reads and validates the config; errors name the file and the key at fault.
