@@ -36,9 +36,12 @@ Result<CacheIdentity> engine_cache_identity(const Model& model, const EngineConf
   id.position = "rope;n_rot=" + std::to_string(c.n_rot) + ";neox=" + std::to_string(c.rope_neox) +
                 ";base=" + std::to_string(c.rope_freq_base) +
                 ";scale=" + std::to_string(c.rope_freq_scale) + ";type=" + c.rope_scaling_type;
-  std::string windows;
-  for (int w : c.layer_window) windows += (windows.empty() ? "" : ",") + std::to_string(w);
-  id.attention = "causal;window=" + windows + ";sinks=0";
+  id.attention = "causal;window=";
+  for (size_t l = 0; l < c.layer_window.size(); ++l) {
+    if (l > 0) id.attention.push_back(',');
+    id.attention.append(std::to_string(c.layer_window[l]));
+  }
+  id.attention.append(";sinks=0");
   return id;
 }
 
