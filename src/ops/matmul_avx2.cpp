@@ -390,7 +390,7 @@ MatmulKernel avx2_kernel(GgmlType type) {
     case GgmlType::kQ8_0:
       return Driver<LegacyTile<Q8_0T>::Shape>::kernel;
     default:
-      return nullptr;
+      return avx2_k_kernel(type);  // Q4_K, Q5_K, Q6_K (matmul_avx2_k.cpp)
   }
 }
 

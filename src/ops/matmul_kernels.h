@@ -33,5 +33,7 @@ using MatmulKernel = void (*)(const WeightView& w, const PreparedAct& act, int64
 MatmulKernel scalar_kernel(GgmlType type);
 // AVX2 kernel for a type (nullptr if there is none; callers fall back to scalar).
 MatmulKernel avx2_kernel(GgmlType type);
+// AVX2 kernels for Q4_K/Q5_K/Q6_K (bit-identical to scalar; nullptr otherwise).
+MatmulKernel avx2_k_kernel(GgmlType type);
 
 }  // namespace kvstack::ops_detail

@@ -459,6 +459,38 @@ TEST(Matmul, Avx2MatchesScalarAndThreadsAreDeterministic) {
   }
 }
 
+// Kernels that promise the scalar reference's exact bits (integer block sums,
+// then the scalar float update in the same order): every shape, row count and
+// thread count gives memcmp-equal output. `isa` names the path under test.
+void expect_bits_equal_scalar(GgmlType type, Isa isa, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int block = ggml_type_traits(static_cast<uint32_t>(type))->block_elems;
+  for (int64_t m : {1, 2, 3, 4, 5, 7, 13, 16, 17, 37, 64, 70}) {
+    const int64_t n_in = block * (block == 256 ? 1 + rng() % 4 : 1 + rng() % 30);
+    const int64_t n_out = 1 + rng() % 53;
+    SCOPED_TRACE(std::string(ggml_type_traits(static_cast<uint32_t>(type))->name) + " isa " +
+                 isa_name(isa) + " m=" + std::to_string(m) + " n_in=" + std::to_string(n_in) +
+                 " n_out=" + std::to_string(n_out));
+    const auto w = random_weights(type, n_in, n_out, static_cast<uint32_t>(rng()));
+    const auto x = random_acts(m * n_in, static_cast<uint32_t>(rng()));
+    const auto ref = run_matmul(type, w, n_in, n_out, x, m, Isa::kScalar, 0);
+    for (int threads : {0, 3}) {
+      const auto y = run_matmul(type, w, n_in, n_out, x, m, isa, threads);
+      const int64_t bad = first_bit_mismatch(y.data(), ref.data(), std::ssize(y));
+      ASSERT_EQ(bad, -1) << "threads " << threads << " row " << bad / n_out << " col "
+                         << bad % n_out << ": " << y[std::max<int64_t>(bad, 0)] << " vs "
+                         << ref[std::max<int64_t>(bad, 0)];
+    }
+  }
+}
+
+TEST(Matmul, KQuantAvx2BitIdenticalToScalar) {
+  if (!cpu_features().avx2 || !cpu_features().fma) GTEST_SKIP() << "no AVX2/FMA on this CPU";
+  for (GgmlType type : {GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ6_K}) {
+    expect_bits_equal_scalar(type, Isa::kAvx2, 90 + static_cast<uint32_t>(type));
+  }
+}
+
 TEST(Matmul, LargeShapesThreadedMatchSingleThread) {
   // Enough rows that the work is split into many chunks across threads.
   const int64_t n_in = 576, n_out = 1000, m = 9;
