@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cctype>
+#include <string>
 #include <vector>
 
 #include "core/check.h"
@@ -22,6 +24,7 @@ using ops_detail::PreparedAct;
 // only grow, so steady-state calls do not allocate.
 struct Workspace {
   std::vector<int8_t> qs;
+  std::vector<int32_t> qsum;
   std::vector<float> d, s, ds, f32;
   std::vector<BlockQ8_K> q8k;
 };
@@ -86,9 +89,15 @@ PreparedAct prepare(ActKind kind, const float* x, int64_t m, int64_t n_in, Threa
       float* d = grow(ws.d, static_cast<size_t>(m * nb));
       float* s = kind == ActKind::kQ8_1 ? grow(ws.s, static_cast<size_t>(m * nb)) : nullptr;
       float* ds = kind == ActKind::kQ8_1 ? grow(ws.ds, static_cast<size_t>(2 * m * nb)) : nullptr;
+      int32_t* qsum = grow(ws.qsum, static_cast<size_t>(m * nb));
       for_rows(m, pool, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           quantize_act_q8(x + r * n_in, qs + r * n_in, d + r * nb, s ? s + r * nb : nullptr, n_in);
+          for (int64_t b = r * nb; b < (r + 1) * nb; ++b) {
+            int32_t sum = 0;
+            for (int j = 0; j < kQK; ++j) sum += qs[b * kQK + j];
+            qsum[b] = sum;
+          }
           if (ds == nullptr) continue;
           for (int64_t b = r * nb; b < (r + 1) * nb; ++b) {
             ds[2 * b] = d[b];
@@ -97,6 +106,7 @@ PreparedAct prepare(ActKind kind, const float* x, int64_t m, int64_t n_in, Threa
         }
       });
       a.qs = qs;
+      a.qsum = qsum;
       a.d = d;
       a.s = s;
       a.ds = ds;
@@ -115,11 +125,20 @@ PreparedAct prepare(ActKind kind, const float* x, int64_t m, int64_t n_in, Threa
   return a;
 }
 
-MatmulKernel select_kernel(GgmlType type) {
+// The kernel matmul() runs for `type` and the name of its path: the one
+// place that decides, so matmul_kernel_name() cannot name a path that does
+// not run.
+struct Selected {
+  MatmulKernel kernel = nullptr;
+  const char* name = nullptr;
+};
+Selected select_kernel(GgmlType type) {
+  if (MatmulKernel k = ops_detail::avx512_kernel(type)) return {k, "avx512-vnni"};
   if (best_isa() >= Isa::kAvx2) {
-    if (MatmulKernel k = ops_detail::avx2_kernel(type)) return k;
+    if (MatmulKernel k = ops_detail::avx2_kernel(type)) return {k, "avx2"};
   }
-  return ops_detail::scalar_kernel(type);
+  if (MatmulKernel k = ops_detail::scalar_kernel(type)) return {k, "scalar"};
+  return {};
 }
 
 // One output of a fused call: weight matrix, its kernel and output [m, n_out].
@@ -140,7 +159,7 @@ struct alignas(64) Share {
 
 constexpr int kMaxThreads = 64;
 
-// Columns [c0, c1) of the concatenated space (c0, c1 multiples of 4 except
+// Columns [c0, c1) of the concatenated space (c0, c1 multiples of 16 except
 // at a part's end), split at part boundaries.
 void run_columns(const Part* parts, int n_parts, const PreparedAct& act, int64_t c0, int64_t c1) {
   for (int i = 0; i < n_parts && c0 < c1; ++i) {
@@ -158,20 +177,20 @@ void run_parts(const Part* parts, int n_parts, const PreparedAct& act, ThreadPoo
   int64_t n_cols = 0;
   for (int i = 0; i < n_parts; ++i) n_cols += parts[i].w->n_out;
   const int n_threads = std::min(pool ? pool->n_threads() : 1, kMaxThreads);
-  // Grains are multiples of 4 columns (the kernels' widest tile): small for
-  // decode (cheap to steal), ~8 per thread for prefill.
+  // Grains are multiples of 16 columns (the widest kernel tile, the AVX-512
+  // column group): small for decode (cheap to steal), ~8 per thread for prefill.
   const int64_t grain =
       act.m == 1
           ? 16
-          : std::max<int64_t>(16, (std::max<int64_t>(1, n_cols / (8 * n_threads)) + 3) / 4 * 4);
+          : std::max<int64_t>(16, (std::max<int64_t>(1, n_cols / (8 * n_threads)) + 15) / 16 * 16);
   if (n_threads <= 1 || n_cols <= grain) {
     run_columns(parts, n_parts, act, 0, n_cols);
     return;
   }
   std::array<Share, kMaxThreads> shares;
   for (int t = 0; t < n_threads; ++t) {
-    const int64_t b = n_cols * t / n_threads / 4 * 4;
-    const int64_t e = t + 1 == n_threads ? n_cols : n_cols * (t + 1) / n_threads / 4 * 4;
+    const int64_t b = n_cols * t / n_threads / 16 * 16;
+    const int64_t e = t + 1 == n_threads ? n_cols : n_cols * (t + 1) / n_threads / 16 * 16;
     shares[t].next.store(b, std::memory_order_relaxed);
     shares[t].end = e;
   }
@@ -205,6 +224,26 @@ bool matmul_supported(GgmlType type) {
   return ops_detail::scalar_kernel(type) != nullptr;
 }
 
+const char* matmul_kernel_name(GgmlType type) {
+  return select_kernel(type).name;
+}
+
+std::string matmul_kernel_summary(std::span<const GgmlType> types) {
+  std::vector<GgmlType> seen;
+  std::string out;
+  for (GgmlType t : types) {
+    if (std::find(seen.begin(), seen.end(), t) != seen.end()) continue;
+    seen.push_back(t);
+    const GgmlTypeTraits* traits = ggml_type_traits(static_cast<uint32_t>(t));
+    const char* name = matmul_kernel_name(t);
+    std::string type_name = traits ? traits->name : "?";
+    for (char& ch : type_name) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (!out.empty()) out += ", ";
+    out += type_name + " " + (name ? name : "none");
+  }
+  return out;
+}
+
 bool matmul_can_fuse(const WeightView& a, const WeightView& b) {
   return matmul_supported(a.type) && matmul_supported(b.type) && a.n_in == b.n_in &&
          ops_detail::act_kind(a.type) == ops_detail::act_kind(b.type);
@@ -230,7 +269,7 @@ void matmul_multi(std::span<const WeightView> ws, const float* x, int64_t m,
     KV_CHECK(i == 0 || matmul_can_fuse(ws[0], w),
              "matmul_multi: weights differ in n_in or activation format");
     KV_CHECK(w.n_out >= 0, "matmul: negative n_out");
-    parts[i] = Part{&w, select_kernel(w.type), ys[i], col0};
+    parts[i] = Part{&w, select_kernel(w.type).kernel, ys[i], col0};
     col0 += w.n_out;
   }
   if (m <= 0 || col0 == 0) return;

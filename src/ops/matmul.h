@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 
 #include "core/ggml_types.h"
 #include "core/thread_pool.h"
@@ -43,6 +44,16 @@ void matmul_multi(std::span<const WeightView> ws, const float* x, int64_t m,
 
 // True when matmul() has a kernel for weights of this type.
 bool matmul_supported(GgmlType type);
+
+// The kernel path matmul() runs for weights of `type` on this CPU under the
+// current ISA cap (best_isa(), KVSTACK_ISA): "avx512-vnni", "avx2" or
+// "scalar"; nullptr when matmul_supported(type) is false. Decided by the same
+// function that picks the kernel, so it names only paths that exist and run.
+const char* matmul_kernel_name(GgmlType type);
+
+// "q4_1 avx512-vnni, q8_0 avx512-vnni": each distinct type of `types` (first
+// seen first) with matmul_kernel_name() ("none" for unsupported types).
+std::string matmul_kernel_summary(std::span<const GgmlType> types);
 
 // True when a and b can share one matmul_multi() call: both supported, same
 // n_in, and their types want the same activation format.

@@ -22,6 +22,7 @@ struct PreparedAct {
   const float* d = nullptr;        // [m, n_in / 32]       (kQ8_0, kQ8_1)
   const float* s = nullptr;        // [m, n_in / 32]       (kQ8_1)
   const float* ds = nullptr;       // [m, n_in / 32, 2]: (d, s) pairs (kQ8_1)
+  const int32_t* qsum = nullptr;   // [m, n_in / 32]: sum of qs per block (kQ8_0, kQ8_1)
   const BlockQ8_K* q8k = nullptr;  // [m, n_in / 256]      (kQ8_K)
 };
 
@@ -35,5 +36,10 @@ MatmulKernel scalar_kernel(GgmlType type);
 MatmulKernel avx2_kernel(GgmlType type);
 // AVX2 kernels for Q4_K/Q5_K/Q6_K (bit-identical to scalar; nullptr otherwise).
 MatmulKernel avx2_k_kernel(GgmlType type);
+// True when the CPU has AVX-512 F/BW/VL/DQ + VNNI and best_isa() allows AVX-512.
+bool avx512_vnni_usable();
+// AVX-512 VNNI kernel for a type (bit-identical to scalar), or nullptr when
+// there is none or avx512_vnni_usable() is false.
+MatmulKernel avx512_kernel(GgmlType type);
 
 }  // namespace kvstack::ops_detail

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <bit>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -484,11 +485,59 @@ void expect_bits_equal_scalar(GgmlType type, Isa isa, uint32_t seed) {
   }
 }
 
+// The path a test exercises must be the one matmul() runs (no silent fallback
+// to another kernel): checked through the dispatcher's own report, and logged.
+void expect_path(GgmlType type, Isa isa, const char* want) {
+  IsaGuard guard(isa);
+  const char* got = matmul_kernel_name(type);
+  ASSERT_NE(got, nullptr);
+  ASSERT_STREQ(got, want) << ggml_type_name(type) << " under " << isa_name(isa);
+  std::printf("[ path     ] %s: %s\n", ggml_type_name(type), got);
+}
+
 TEST(Matmul, KQuantAvx2BitIdenticalToScalar) {
   if (!cpu_features().avx2 || !cpu_features().fma) GTEST_SKIP() << "no AVX2/FMA on this CPU";
   for (GgmlType type : {GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ6_K}) {
+    expect_path(type, Isa::kAvx2, "avx2");
     expect_bits_equal_scalar(type, Isa::kAvx2, 90 + static_cast<uint32_t>(type));
   }
+}
+
+// Which AVX-512 feature this CPU lacks for the VNNI kernels, or nullptr.
+const char* missing_avx512_vnni() {
+  const CpuFeatures& f = cpu_features();
+  if (!f.avx512f) return "AVX-512F";
+  if (!f.avx512bw) return "AVX-512BW";
+  if (!f.avx512vl) return "AVX-512VL";
+  if (!__builtin_cpu_supports("avx512dq")) return "AVX-512DQ";
+  if (!f.avx512vnni) return "AVX-512 VNNI";
+  return nullptr;
+}
+
+GgmlType kAvx512Types[] = {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1,
+                           GgmlType::kQ8_0};
+
+TEST(Matmul, LegacyAvx512BitIdenticalToScalar) {
+  if (const char* miss = missing_avx512_vnni()) GTEST_SKIP() << "CPU lacks " << miss;
+  for (GgmlType type : kAvx512Types) {
+    expect_path(type, Isa::kAvx512, "avx512-vnni");
+    expect_bits_equal_scalar(type, Isa::kAvx512, 120 + static_cast<uint32_t>(type));
+  }
+}
+
+// KVSTACK_ISA-style caps change what runs, and the report follows them.
+TEST(Matmul, KernelNameFollowsDispatch) {
+  for (GgmlType t : kAllTypes) expect_path(t, Isa::kScalar, "scalar");
+  if (cpu_features().avx2 && cpu_features().fma) {
+    for (GgmlType t : kAllTypes) expect_path(t, Isa::kAvx2, "avx2");
+  }
+  if (missing_avx512_vnni() == nullptr) {
+    for (GgmlType t : kAvx512Types) expect_path(t, Isa::kAvx512, "avx512-vnni");
+  }
+  EXPECT_EQ(matmul_kernel_name(GgmlType::kQ2_K), nullptr);
+  IsaGuard guard(Isa::kScalar);
+  const GgmlType types[] = {GgmlType::kQ4_1, GgmlType::kQ8_0, GgmlType::kQ4_1, GgmlType::kQ2_K};
+  EXPECT_EQ(matmul_kernel_summary(types), "q4_1 scalar, q8_0 scalar, q2_k none");
 }
 
 TEST(Matmul, LargeShapesThreadedMatchSingleThread) {
@@ -563,8 +612,9 @@ TEST(Matmul, RowBitsIndependentOfBatchAndThreads) {
     const int64_t n_out = 203;  // not a multiple of any column tile or grain
     const auto w = random_weights(type, n_in, n_out, 60 + static_cast<uint32_t>(type));
     const auto target = random_acts(n_in, 61);
-    for (Isa isa : {Isa::kScalar, Isa::kAvx2}) {
+    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
       if (isa == Isa::kAvx2 && !cpu_features().avx2) continue;
+      if (isa == Isa::kAvx512 && missing_avx512_vnni() != nullptr) continue;
       SCOPED_TRACE(std::string(ggml_type_traits(static_cast<uint32_t>(type))->name) + " isa " +
                    isa_name(isa));
       const auto alone = run_matmul(type, w, n_in, n_out, target, 1, isa, 0);

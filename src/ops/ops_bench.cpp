@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/half.h"
@@ -99,7 +100,9 @@ void BM_Matmul(benchmark::State& state) {
       benchmark::Counter(static_cast<double>(bytes), benchmark::Counter::kIsIterationInvariantRate);
   state.counters["FLOP/s"] =
       benchmark::Counter(2.0 * m * n_in * n_out, benchmark::Counter::kIsIterationInvariantRate);
-  state.SetLabel(ggml_type_traits(static_cast<uint32_t>(type))->name);
+  const char* path = matmul_kernel_name(type);
+  state.SetLabel(std::string(ggml_type_traits(static_cast<uint32_t>(type))->name) + "/" +
+                 (path ? path : "none"));
 }
 
 void shapes(benchmark::internal::Benchmark* b) {
@@ -118,6 +121,36 @@ void shapes(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_Matmul)
     ->ArgNames({"type", "n_in", "n_out", "m"})
     ->Apply(shapes)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
+// The matmul shapes of the two real models' decode step (m = 1) and of a
+// 64-row prefill tile, each with the weight type the GGUF stores:
+//   Gemma 3 270M Q4_K_M: q Q5_0 640->1024, gate/up Q5_0 640->2048, attn_output
+//   Q4_K 1024->640, ffn_down Q4_K / Q6_K 2048->640, tied output Q8_0 640->262144;
+//   SmolLM2 135M Q4_1: gate/up 576->1536, down 1536->576, q/o 576->576, tied
+//   output Q8_0 576->49152.
+// The label names the kernel that ran; KVSTACK_ISA=scalar|avx2 caps it, so
+//   KVSTACK_ISA=avx2 ops_bench --benchmark_filter=BM_MatmulModel
+// against the default run compares the paths.
+void model_shapes(benchmark::internal::Benchmark* b) {
+  const struct {
+    GgmlType type;
+    int64_t n_in, n_out;
+  } shapes[] = {
+      {GgmlType::kQ8_0, 640, 262144}, {GgmlType::kQ5_0, 640, 2048}, {GgmlType::kQ5_0, 640, 1024},
+      {GgmlType::kQ4_K, 1024, 640},   {GgmlType::kQ4_K, 2048, 640}, {GgmlType::kQ6_K, 2048, 640},
+      {GgmlType::kQ4_1, 576, 1536},   {GgmlType::kQ4_1, 1536, 576}, {GgmlType::kQ4_1, 576, 576},
+      {GgmlType::kQ8_0, 576, 49152},
+  };
+  for (const auto& s : shapes) {
+    for (int64_t m : {1, 64}) b->Args({static_cast<int64_t>(s.type), s.n_in, s.n_out, m});
+  }
+}
+BENCHMARK(BM_Matmul)
+    ->Name("BM_MatmulModel")
+    ->ArgNames({"type", "n_in", "n_out", "m"})
+    ->Apply(model_shapes)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 

@@ -1,0 +1,389 @@
+// AVX-512 + VNNI kernels for the legacy 32-block weight formats (Q4_0, Q4_1,
+// Q5_0, Q5_1, Q8_0) against Q8_0/Q8_1 activations, bit-identical to the scalar
+// reference (matmul_scalar.cpp dot_legacy).
+//
+// Layout: one zmm lane per weight row (output column). For a group of 16
+// columns and one 32-block, the 16 unpacked blocks (32 unsigned bytes each)
+// are transposed into 8 vectors T[k] with lane c = bytes 4k..4k+3 of column c;
+// then for an activation row y, vpdpbusd(T[k], broadcast(y dword k)) summed
+// over k gives the 16 exact integer block dots at once. Signed formats are
+// made unsigned by an offset (Q8_0: q + 128, Q4_0: q + 8, Q5_0: q + 16) that
+// is taken back exactly as offset * sum(y block) (PreparedAct::qsum). The
+// float update per block is then the scalar kernel's, lane by lane:
+//   sum = sum + (d * dy) * float(sumi);   sum = sum + m * s   (Q4_1/Q5_1)
+// in block order (this file is compiled with -ffp-contract=off, see
+// CMakeLists.txt), so every lane equals the scalar result bit for bit, for any
+// row count, row position, column split or thread count (batch invariant).
+//
+// A group's transposed blocks (a "panel") are built once per block of up to
+// kRowBlock activation rows and reused by every row; decode (one row) pays the
+// transpose per weight block, which is cheap next to reading the weights.
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "core/cpu_features.h"
+#include "core/half.h"
+#include "ops/matmul_kernels.h"
+
+#if defined(__x86_64__)
+// GCC 12's AVX-512 intrinsics pass _mm512_undefined_*() as the merge source
+// of unmasked operations, which -Wmaybe-uninitialized reports inside the
+// system header (GCC bug 105593); the values are never read.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#define KV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+namespace kvstack::ops_detail {
+namespace {
+
+constexpr int64_t kRowBlock = 64;  // activation rows per panel (their Q8 data stays in L2)
+constexpr int kCols = 16;          // columns per group (zmm lanes)
+
+// One 32-block of a 16-column group: the transposed quants and per-column
+// scales (f32). Aligned for full-width loads.
+// Plain arrays (not vector types) so that code outside the AVX-512 functions
+// never handles zmm values.
+struct alignas(64) PanelBlock {
+  int32_t t[8][kCols];  // t[k][c]: bytes 4k..4k+3 of column c's unsigned quants
+  float d[kCols];
+  float m[kCols];  // min (Q4_1/Q5_1), else unused
+};
+
+// Per format: how to turn a block into 32 unsigned bytes (elements 0..31),
+// the offset subtracted from them, and whether a min term follows.
+struct Q4_0A {
+  using Block = BlockQ4_0;
+  static constexpr int kOffset = 8;
+  static constexpr bool kMin = false;
+};
+struct Q4_1A {
+  using Block = BlockQ4_1;
+  static constexpr int kOffset = 0;
+  static constexpr bool kMin = true;
+};
+struct Q5_0A {
+  using Block = BlockQ5_0;
+  static constexpr int kOffset = 16;
+  static constexpr bool kMin = false;
+};
+struct Q5_1A {
+  using Block = BlockQ5_1;
+  static constexpr int kOffset = 0;
+  static constexpr bool kMin = true;
+};
+struct Q8_0A {
+  using Block = BlockQ8_0;
+  static constexpr int kOffset = 128;
+  static constexpr bool kMin = false;
+};
+
+// 16 nibble bytes -> 32 bytes: low nibbles (elements 0..15), then high.
+KV_AVX512 inline __m256i nibbles32(const uint8_t* p) {
+  const __m256i t =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b = _mm256_srlv_epi32(t, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+  return _mm256_and_si256(b, _mm256_set1_epi8(0x0f));
+}
+
+// 32 bits -> 32 bytes, byte j = 0x10 if bit j is set, else 0.
+KV_AVX512 inline __m256i fifth_bits32(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __mmask32 k = bits;
+  return _mm256_maskz_mov_epi8(k, _mm256_set1_epi8(0x10));
+}
+
+template <class F>
+KV_AVX512 inline __m256i unsigned_quants(const typename F::Block& b) {
+  if constexpr (std::is_same_v<F, Q8_0A>) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs)),
+                            _mm256_set1_epi8(static_cast<char>(0x80)));  // q + 128
+  } else if constexpr (std::is_same_v<F, Q5_0A> || std::is_same_v<F, Q5_1A>) {
+    return _mm256_or_si256(nibbles32(b.qs), fifth_bits32(b.qh));
+  } else {
+    return nibbles32(b.qs);
+  }
+}
+
+// Transposes rows r[i] = [column i | column i + 8] (8 dwords each half) so
+// that out[k] lane c = dword k of column c.
+KV_AVX512 inline void transpose_16x8(const __m512i* r, __m512i* out) {
+  __m512i t[8], s[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0..3, then 4..7
+    const __m512i* th = t + 4 * h;
+    s[4 * h + 0] = _mm512_unpacklo_epi64(th[0], th[2]);  // k = 0 | 4
+    s[4 * h + 1] = _mm512_unpackhi_epi64(th[0], th[2]);  // k = 1 | 5
+    s[4 * h + 2] = _mm512_unpacklo_epi64(th[1], th[3]);  // k = 2 | 6
+    s[4 * h + 3] = _mm512_unpackhi_epi64(th[1], th[3]);  // k = 3 | 7
+  }
+  const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+  const __m512i hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int k = 0; k < 4; ++k) {
+    out[k] = _mm512_permutex2var_epi64(s[k], lo, s[4 + k]);
+    out[k + 4] = _mm512_permutex2var_epi64(s[k], hi, s[4 + k]);
+  }
+}
+
+// The first dword of block b of columns 0..n_cols-1 (lane c; 0 beyond
+// n_cols): d (f16) and, for Q4_1/Q5_1, m (f16) in the upper half. Scalar
+// loads: a 16-lane gather is slower on current cores when the lines are cold.
+template <class Block>
+KV_AVX512 inline __m512i block_headers(const uint8_t* col0, size_t row_bytes, int64_t b,
+                                       int n_cols) {
+  alignas(64) uint32_t h[kCols] = {};
+  const uint8_t* p = col0 + b * sizeof(Block);
+  for (int j = 0; j < n_cols; ++j) std::memcpy(&h[j], p + j * row_bytes, 4);
+  return _mm512_load_si512(h);
+}
+
+// Builds the panel of columns [c, c + n_cols) (n_cols <= 16; missing columns
+// are zero) over every block of the row.
+template <class F>
+KV_AVX512 void build_panel(const uint8_t* base, size_t row_bytes, int64_t c, int n_cols, int64_t nb,
+                           PanelBlock* panel) {
+  using Block = typename F::Block;
+  const uint8_t* col0 = base + c * row_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i u[kCols];
+    for (int j = 0; j < kCols; ++j) {
+      u[j] = j < n_cols
+                 ? unsigned_quants<F>(reinterpret_cast<const Block*>(col0 + j * row_bytes)[b])
+                 : _mm256_setzero_si256();
+    }
+    __m512i r[8];
+    for (int i = 0; i < 8; ++i) {
+      r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(u[i]), u[i + 8], 1);
+    }
+    PanelBlock& pb = panel[b];
+    __m512i t[8];
+    transpose_16x8(r, t);
+    for (int k = 0; k < 8; ++k) _mm512_store_si512(pb.t[k], t[k]);
+    const __m512i hdr = block_headers<Block>(col0, row_bytes, b, n_cols);
+    _mm512_store_ps(pb.d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr)));
+    if constexpr (F::kMin) {
+      _mm512_store_ps(pb.m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hdr, 16))));
+    }
+  }
+}
+
+// Rows [r0, r0 + MR) against a built panel; lanes of y beyond n_cols are not
+// written.
+template <class F, int MR>
+KV_AVX512 void panel_rows(const PanelBlock* panel, int64_t nb, const PreparedAct& a, int64_t r0,
+                          __mmask16 cmask, float* y, int64_t ldy) {
+  __m512 acc[MR];
+  const int8_t* yq[MR];
+  for (int r = 0; r < MR; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    yq[r] = a.qs + (r0 + r) * a.n_in;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const PanelBlock& pb = panel[b];
+    __m512i i0[MR], i1[MR];
+    for (int r = 0; r < MR; ++r) i0[r] = i1[r] = _mm512_setzero_si512();
+    for (int k = 0; k < 8; k += 2) {
+      const __m512i t0 = _mm512_load_si512(pb.t[k]);
+      const __m512i t1 = _mm512_load_si512(pb.t[k + 1]);
+      for (int r = 0; r < MR; ++r) {
+        int32_t w0, w1;
+        std::memcpy(&w0, yq[r] + b * kQK + 4 * k, 4);
+        std::memcpy(&w1, yq[r] + b * kQK + 4 * k + 4, 4);
+        i0[r] = _mm512_dpbusd_epi32(i0[r], t0, _mm512_set1_epi32(w0));
+        i1[r] = _mm512_dpbusd_epi32(i1[r], t1, _mm512_set1_epi32(w1));
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t rb = (r0 + r) * nb + b;  // (row, block) index of a.d / a.s / a.qsum
+      __m512i sumi = _mm512_add_epi32(i0[r], i1[r]);
+      if constexpr (F::kOffset != 0) {
+        sumi = _mm512_sub_epi32(sumi, _mm512_set1_epi32(F::kOffset * a.qsum[rb]));
+      }
+      const __m512 dd = _mm512_mul_ps(_mm512_load_ps(pb.d), _mm512_set1_ps(a.d[rb]));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
+      if constexpr (F::kMin) {
+        acc[r] =
+            _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_load_ps(pb.m), _mm512_set1_ps(a.s[rb])));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy, cmask, acc[r]);
+}
+
+// Decode variant (fewer than 4 activation rows, where a panel would be built
+// for one use): per block, each column's 32 unsigned bytes are dotted with
+// the row's block by vpdpbusd into 8 dword partial sums, and a reduction tree
+// turns the 16 columns' partials into one vector of 16 exact block sums (lane
+// c = column c). Same integers, same float update as panel_rows, so the bits
+// are the same as the panel path's and the scalar reference's.
+//
+// Z[i] pairs columns (lo, hi) = (i, i + 4) for i < 4 and (i + 4, i + 8) for
+// i >= 4, so that the tree's last step lands column c in lane c.
+KV_AVX512 inline __m512i reduce_pairs32(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+KV_AVX512 inline __m512i reduce_pairs64(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+
+// A byte range to bring into cache while a group computes, spread over its
+// blocks (a burst of a hundred prefetches at once would overflow the
+// core's outstanding-miss slots and be dropped).
+struct Prefetch {
+  const char* p;
+  int64_t bytes;
+};
+
+template <class F, int MR>
+KV_AVX512 void decode_rows(const uint8_t* base, size_t row_bytes, const PreparedAct& a, int64_t c,
+                           int n_cols, Prefetch next, float* y, int64_t ldy) {
+  using Block = typename F::Block;
+  const int64_t nb = a.n_in / kQK;
+  const __mmask16 cmask = static_cast<__mmask16>((1u << n_cols) - 1);
+  const uint8_t* col0 = base + c * row_bytes;
+  static constexpr int kLo[8] = {0, 1, 2, 3, 8, 9, 10, 11};
+  __m512 acc[MR];
+  const int8_t* yq[MR];
+  for (int r = 0; r < MR; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    yq[r] = a.qs + r * a.n_in;
+  }
+  const int64_t n_lines = (next.bytes + 63) / 64;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t l = b * n_lines / nb; l < (b + 1) * n_lines / nb; ++l) {
+      _mm_prefetch(next.p + 64 * l, _MM_HINT_T0);
+    }
+    __m512i z[8];
+    for (int i = 0; i < 8; ++i) {
+      const int lo = kLo[i], hi = kLo[i] + 4;
+      const __m256i ul =
+          lo < n_cols ? unsigned_quants<F>(reinterpret_cast<const Block*>(col0 + lo * row_bytes)[b])
+                      : _mm256_setzero_si256();
+      const __m256i uh =
+          hi < n_cols ? unsigned_quants<F>(reinterpret_cast<const Block*>(col0 + hi * row_bytes)[b])
+                      : _mm256_setzero_si256();
+      z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(ul), uh, 1);
+    }
+    const __m512i hdr = block_headers<Block>(col0, row_bytes, b, n_cols);
+    const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
+    for (int r = 0; r < MR; ++r) {
+      const __m512i yv = _mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(yq[r] + b * kQK)));
+      __m512i p[8];
+      for (int i = 0; i < 8; ++i) p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z[i], yv);
+      const __m512i q0 = reduce_pairs64(reduce_pairs32(p[0], p[1]), reduce_pairs32(p[2], p[3]));
+      const __m512i q1 = reduce_pairs64(reduce_pairs32(p[4], p[5]), reduce_pairs32(p[6], p[7]));
+      // q0 128-bit lanes: cols 0-3 (dwords 0-3), cols 0-3 (4-7), cols 4-7 (0-3), cols 4-7 (4-7);
+      // q1 the same for cols 8-15.
+      __m512i sumi = _mm512_add_epi32(_mm512_shuffle_i32x4(q0, q1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_i32x4(q0, q1, _MM_SHUFFLE(3, 1, 3, 1)));
+      const int64_t rb = r * nb + b;
+      if constexpr (F::kOffset != 0) {
+        sumi = _mm512_sub_epi32(sumi, _mm512_set1_epi32(F::kOffset * a.qsum[rb]));
+      }
+      const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[rb]));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
+      if constexpr (F::kMin) {
+        const __m512 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hdr, 16)));
+        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mw, _mm512_set1_ps(a.s[rb])));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + c, cmask, acc[r]);
+}
+
+// Per thread: the current panel (grows to the widest n_in seen).
+PanelBlock* panel_buffer(int64_t nb) {
+  static thread_local std::vector<PanelBlock> buf;
+  if (static_cast<int64_t>(buf.size()) < nb) buf.resize(static_cast<size_t>(nb));
+  return buf.data();
+}
+
+template <class F>
+KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t c0, int64_t c1,
+                             float* y, int64_t ldy) {
+  const size_t row_bytes = ggml_row_bytes(w.type, w.n_in);
+  const int64_t nb = a.n_in / kQK;
+  if (a.m < 4) {
+    for (int64_t c = c0; c < c1; c += kCols) {
+      const int n_cols = static_cast<int>(std::min<int64_t>(kCols, c1 - c));
+      // The next group's rows (one contiguous range), requested while this
+      // one computes.
+      const int64_t nc = std::max<int64_t>(0, std::min<int64_t>(kCols, w.n_out - (c + kCols)));
+      const Prefetch next{reinterpret_cast<const char*>(w.data + (c + kCols) * row_bytes),
+                          nc * static_cast<int64_t>(row_bytes)};
+      switch (a.m) {
+        case 1:
+          decode_rows<F, 1>(w.data, row_bytes, a, c, n_cols, next, y, ldy);
+          break;
+        case 2:
+          decode_rows<F, 2>(w.data, row_bytes, a, c, n_cols, next, y, ldy);
+          break;
+        default:
+          decode_rows<F, 3>(w.data, row_bytes, a, c, n_cols, next, y, ldy);
+          break;
+      }
+    }
+    return;
+  }
+  PanelBlock* panel = panel_buffer(nb);
+  for (int64_t rb = 0; rb < a.m; rb += kRowBlock) {
+    const int64_t rb_end = std::min(a.m, rb + kRowBlock);
+    for (int64_t c = c0; c < c1; c += kCols) {
+      const int n_cols = static_cast<int>(std::min<int64_t>(kCols, c1 - c));
+      build_panel<F>(w.data, row_bytes, c, n_cols, nb, panel);
+      const __mmask16 cmask = static_cast<__mmask16>((1u << n_cols) - 1);
+      float* yc = y + c;
+      int64_t r = rb;
+      for (; r + 4 <= rb_end; r += 4) panel_rows<F, 4>(panel, nb, a, r, cmask, yc, ldy);
+      for (; r < rb_end; ++r) panel_rows<F, 1>(panel, nb, a, r, cmask, yc, ldy);
+    }
+  }
+}
+
+}  // namespace
+
+bool avx512_vnni_usable() {
+  const CpuFeatures& f = cpu_features();
+  return best_isa() >= Isa::kAvx512 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni &&
+         __builtin_cpu_supports("avx512dq");
+}
+
+MatmulKernel avx512_kernel(GgmlType type) {
+  if (!avx512_vnni_usable()) return nullptr;
+  switch (type) {
+    case GgmlType::kQ4_0:
+      return legacy_kernel<Q4_0A>;
+    case GgmlType::kQ4_1:
+      return legacy_kernel<Q4_1A>;
+    case GgmlType::kQ5_0:
+      return legacy_kernel<Q5_0A>;
+    case GgmlType::kQ5_1:
+      return legacy_kernel<Q5_1A>;
+    case GgmlType::kQ8_0:
+      return legacy_kernel<Q8_0A>;
+    default:
+      return nullptr;
+  }
+}
+
+}  // namespace kvstack::ops_detail
+
+#else  // !__x86_64__
+
+namespace kvstack::ops_detail {
+bool avx512_vnni_usable() {
+  return false;
+}
+MatmulKernel avx512_kernel(GgmlType) {
+  return nullptr;
+}
+}  // namespace kvstack::ops_detail
+
+#endif
