@@ -3,10 +3,14 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <vector>
 
 #include "cli/text_input.h"
 #include "core/cpu_features.h"
 #include "core/units.h"
+#include "engine/model.h"
+#include "ops/matmul.h"
 
 namespace kvstack::cli {
 
@@ -134,12 +138,28 @@ Result<std::unique_ptr<Engine>> load_engine(const Args& args, bool quiet) {
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const auto st = (*engine)->pool().stats();
+    // The kernels that really run: matmul per weight format, from the ops
+    // dispatcher itself; attention kernels are AVX2 or scalar (the condition
+    // of src/attention's dispatch).
+    const Model& model = (*engine)->model();
+    std::vector<GgmlType> types;
+    for (const LayerWeights& l : model.layers()) {
+      for (const WeightView* wv : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) {
+        if (wv->data != nullptr) types.push_back(wv->type);
+      }
+    }
+    types.push_back(model.output().type);
+    const CpuFeatures& cf = cpu_features();
+    const bool attn_avx2 =
+        best_isa() >= Isa::kAvx2 && cf.fma && cf.f16c && model.config().head_dim % 8 == 0;
+    const std::string kernels = "matmul: " + matmul_kernel_summary(types) + "; attention " +
+                                (attn_avx2 ? "avx2" : "scalar");
     std::fprintf(stderr,
-                 "kvstack: loaded %s (%s weights) in %.0f ms; %d threads, %s kernels; KV pool "
+                 "kvstack: loaded %s (%s weights) in %.0f ms; %d threads, kernels (%s); KV pool "
                  "%lld blocks x %d tokens (%s, %s)\n",
                  cfg->model_path.c_str(),
                  format_bytes(static_cast<double>((*engine)->model().weight_bytes())).c_str(), ms,
-                 (*engine)->threads().n_threads(), isa_name(best_isa()),
+                 (*engine)->threads().n_threads(), kernels.c_str(),
                  static_cast<long long>(st.n_blocks_total), cfg->block_size,
                  (std::string(kv_dtype_name(cfg->key_dtype())) +
                   (cfg->value_dtype() != cfg->key_dtype()
