@@ -132,15 +132,17 @@ KV_AVX512 inline void transpose_16x8(const __m512i* r, __m512i* out) {
 }
 
 // The first dword of block b of columns 0..n_cols-1 (lane c; 0 beyond
-// n_cols): d (f16) and, for Q4_1/Q5_1, m (f16) in the upper half. Scalar
-// loads: a 16-lane gather is slower on current cores when the lines are cold.
+// n_cols): d (f16) and, for Q4_1/Q5_1, m (f16) in the upper half (one masked
+// gather; lanes beyond n_cols read nothing).
 template <class Block>
 KV_AVX512 inline __m512i block_headers(const uint8_t* col0, size_t row_bytes, int64_t b,
                                        int n_cols) {
-  alignas(64) uint32_t h[kCols] = {};
-  const uint8_t* p = col0 + b * sizeof(Block);
-  for (int j = 0; j < n_cols; ++j) std::memcpy(&h[j], p + j * row_bytes, 4);
-  return _mm512_load_si512(h);
+  const __m512i off =
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(static_cast<int>(row_bytes)));
+  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(),
+                                     static_cast<__mmask16>((1u << n_cols) - 1), off,
+                                     col0 + b * sizeof(Block), 1);
 }
 
 // Builds the panel of columns [c, c + n_cols) (n_cols <= 16; missing columns
@@ -313,10 +315,10 @@ KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t 
   if (a.m < 4) {
     for (int64_t c = c0; c < c1; c += kCols) {
       const int n_cols = static_cast<int>(std::min<int64_t>(kCols, c1 - c));
-      // The next group's rows (one contiguous range), requested while this
-      // one computes.
-      const int64_t nc = std::max<int64_t>(0, std::min<int64_t>(kCols, w.n_out - (c + kCols)));
-      const Prefetch next{reinterpret_cast<const char*>(w.data + (c + kCols) * row_bytes),
+      // The group after next (one contiguous range of rows), requested while
+      // this one computes: one group ahead is too short a lead for DRAM.
+      const int64_t nc = std::max<int64_t>(0, std::min<int64_t>(kCols, w.n_out - (c + 2 * kCols)));
+      const Prefetch next{reinterpret_cast<const char*>(w.data + (c + 2 * kCols) * row_bytes),
                           nc * static_cast<int64_t>(row_bytes)};
       switch (a.m) {
         case 1:
