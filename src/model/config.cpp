@@ -74,7 +74,8 @@ Status apply_gemma3(const GgufFile& f, ModelConfig& c) {
     }
   }
   if (c.n_layers == 62) {
-    c.attn_scale = 1.0f / std::sqrt(static_cast<float>(c.n_embd / c.n_heads));
+    const int embd_per_head = c.n_embd / c.n_heads;  // integer division, as llama.cpp
+    c.attn_scale = 1.0f / std::sqrt(static_cast<float>(embd_per_head));
   }
   c.embd_scale = std::sqrt(static_cast<float>(c.n_embd));
   c.qk_norm = true;
