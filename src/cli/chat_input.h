@@ -1,5 +1,6 @@
 // The chat template a command should use: --chat-template NAME, else the
-// family detected from the model's tokenizer.chat_template metadata.
+// family detected from the model's tokenizer.chat_template metadata, else
+// (no template in the file) gemma for a gemma3 model.
 #pragma once
 
 #include "cli/args.h"

@@ -59,6 +59,26 @@ int run_inspect(const std::vector<std::string>& argv) {
   std::printf("qkv bias         %s\n", c.qkv_bias ? "yes" : "no");
   std::printf("sliding window   %s\n",
               c.sliding_window ? std::to_string(c.sliding_window).c_str() : "none");
+  // Per-layer attention: the window each layer's mask applies (the KV cache
+  // still stores every token of every layer) and its RoPE base.
+  std::string windows, bases;
+  int n_window_layers = 0;
+  for (int l = 0; l < c.n_layers; ++l) {
+    windows +=
+        (l ? " " : "") + (c.window(l) > 0 ? std::to_string(c.window(l)) : std::string("full"));
+    char b[32];
+    std::snprintf(b, sizeof b, "%s%g", l ? " " : "", c.rope_base(l));
+    bases += b;
+    n_window_layers += c.window(l) > 0 ? 1 : 0;
+  }
+  std::printf("layer windows    %s\n", windows.c_str());
+  std::printf("                 (%d window layers, %d full; tokens each layer attends to)\n",
+              n_window_layers, c.n_layers - n_window_layers);
+  std::printf("layer rope base  %s\n", bases.c_str());
+  std::printf("layer math       %s FFN, %s%s, query scale %g, embedding scale %g\n",
+              c.ffn_act == ModelConfig::FfnAct::kGeluTanh ? "GeGLU (tanh GELU)" : "SwiGLU",
+              c.post_norms ? "pre and post norms" : "pre norms",
+              c.qk_norm ? ", q/k head norms" : "", c.attn_scale, c.embd_scale);
 
   // KV bytes per token: 2 (K and V) * layers * kv heads * head dim * bytes.
   std::printf("\nKV cache bytes per token (2 x %d layers x %d kv heads x %d dims x b):\n",

@@ -29,14 +29,15 @@ int run_perplexity(const std::vector<std::string>& argv) {
   auto args = Args::parse(argv, specs);
   if (!args) return fail("perplexity", args.error().message);
   if (args->flag("help")) {
-    std::fputs(
-        format_help("kvstack perplexity [-m MODEL] -f FILE [--ctx N] [--json]",
-                    "Split the tokenized text into non-overlapping windows of --ctx tokens; "
-                    "in each window (a fresh sequence) score every token after the first "
-                    "from the logits of its prefix. Prints exp(mean negative log-likelihood).",
-                    specs)
-            .c_str(),
-        stdout);
+    std::fputs(format_help("kvstack perplexity [-m MODEL] -f FILE [--ctx N] [--json]",
+                           "Split the tokenized text into non-overlapping windows of --ctx tokens; "
+                           "in each window (a fresh sequence) score every token after the first "
+                           "from the logits of its prefix. When the vocabulary adds a BOS token "
+                           "(Gemma), each window's first token is replaced by BOS, as llama.cpp's "
+                           "perplexity does. Prints exp(mean negative log-likelihood).",
+                           specs)
+                   .c_str(),
+               stdout);
     return 0;
   }
   if (!args->has("file")) return fail("perplexity", "-f FILE is required");
@@ -55,7 +56,7 @@ int run_perplexity(const std::vector<std::string>& argv) {
     return fail("perplexity", "--ctx " + std::to_string(*ctx) + " exceeds the model's context " +
                                   std::to_string(e.model().config().n_ctx_train));
   }
-  const std::vector<int32_t> tokens =
+  std::vector<int32_t> tokens =
       e.tokenizer().tokenize(*text, {.add_special = false, .parse_special = false});
   const int64_t n_windows =
       std::min<int64_t>(static_cast<int64_t>(tokens.size()) / *ctx, *max_windows);
@@ -67,7 +68,11 @@ int run_perplexity(const std::vector<std::string>& argv) {
   int64_t n_scored = 0;
   std::vector<float> logits;
   const auto t0 = std::chrono::steady_clock::now();
+  const bool window_bos = e.tokenizer().add_bos() && e.tokenizer().bos() != kNoToken;
   for (int64_t w = 0; w < n_windows; ++w) {
+    // The first token is never scored; a BOS in its place gives the model
+    // the start it was trained with (the window's second token is scored).
+    if (window_bos) tokens[static_cast<size_t>(w * *ctx)] = e.tokenizer().bos();
     const std::span<const int32_t> win(tokens.data() + w * *ctx, static_cast<size_t>(*ctx));
     BlockTable table = e.new_table();
     const Status st = e.prefill(table, win, LogitsMode::kAll, &logits);

@@ -139,10 +139,15 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
       add(v_.data() + t * kv_dim, w.bv, v_.data() + t * kv_dim, kv_dim);
     }
   }
+  if (w.attn_q_norm != nullptr) {
+    // gemma3: RMSNorm over each head's head_dim values of q and k, before RoPE.
+    rms_norm(q_.data(), w.attn_q_norm, n_tok * c.n_heads, c.head_dim, c.norm_eps, q_.data());
+    rms_norm(k_.data(), w.attn_k_norm, n_tok * c.n_kv_heads, c.head_dim, c.norm_eps, k_.data());
+  }
   const RopeParams rp{.style = c.rope_neox ? RopeStyle::kNeox : RopeStyle::kNormal,
                       .n_rot = c.n_rot,
-                      .freq_base = c.rope_freq_base,
-                      .freq_scale = c.rope_freq_scale};
+                      .freq_base = c.rope_base(l),
+                      .freq_scale = c.rope_scale(l)};
   rope(q_.data(), pos_.data(), n_tok, c.n_heads, c.head_dim, rp);
   rope(k_.data(), pos_.data(), n_tok, c.n_kv_heads, c.head_dim, rp);
   // --kv-center: every key of a head moves by the same mu, so each query's
@@ -193,7 +198,7 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   const AttnParams ap{.n_q_heads = c.n_heads,
                       .n_kv_heads = c.n_kv_heads,
                       .head_dim = c.head_dim,
-                      .scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
+                      .scale = c.attn_scale,
                       .window = c.window(l)};
   Status st;
   if (kv_view_is_kivi(view)) {
@@ -210,6 +215,9 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   kv_unrotate(rotation_, attn_.data(), n_tok * c.n_heads, c.head_dim);
 
   matmul(w.wo, attn_.data(), n_tok, h_.data(), &threads_);
+  if (w.attn_post_norm != nullptr) {
+    rms_norm(h_.data(), w.attn_post_norm, n_tok, c.n_embd, c.norm_eps, h_.data());
+  }
   add(x_.data(), h_.data(), x_.data(), n_tok * c.n_embd);
 
   // Feed-forward block.
@@ -222,8 +230,15 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
     matmul(w.w_gate, h_.data(), n_tok, gate_.data(), &threads_);
     matmul(w.w_up, h_.data(), n_tok, up_.data(), &threads_);
   }
-  swiglu(gate_.data(), up_.data(), gate_.data(), n_tok * c.n_ff);
+  if (c.ffn_act == ModelConfig::FfnAct::kGeluTanh) {
+    geglu(gate_.data(), up_.data(), gate_.data(), n_tok * c.n_ff);
+  } else {
+    swiglu(gate_.data(), up_.data(), gate_.data(), n_tok * c.n_ff);
+  }
   matmul(w.w_down, gate_.data(), n_tok, h_.data(), &threads_);
+  if (w.ffn_post_norm != nullptr) {
+    rms_norm(h_.data(), w.ffn_post_norm, n_tok, c.n_embd, c.norm_eps, h_.data());
+  }
   add(x_.data(), h_.data(), x_.data(), n_tok * c.n_embd);
   return {};
 }

@@ -5,7 +5,9 @@
 // One step: reserve KV slots for every sequence (all or nothing), embed,
 // then per layer RMSNorm -> Q/K/V projections -> RoPE at logical positions ->
 // write K/V -> paged attention -> output projection -> residual -> RMSNorm ->
-// SwiGLU FFN -> residual; final norm and the output projection only for the
+// SwiGLU FFN -> residual (gemma3: q/k head norms before RoPE, a per-layer
+// RoPE base, RMSNorm of the attention and FFN outputs before each residual,
+// GeGLU instead of SwiGLU); final norm and the output projection only for the
 // rows whose logits were asked for; commit every sequence's new length.
 //
 // Thread-safety: one Forward is driven by one thread; it uses the ThreadPool

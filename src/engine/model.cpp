@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "model/dequant.h"
+#include "ops/elementwise.h"
 
 namespace kvstack {
 
@@ -110,6 +111,14 @@ Status Model::bind() {
     KV_BIND(l.w_gate, matrix(p + "ffn_gate.weight", c.n_embd, c.n_ff));
     KV_BIND(l.w_up, matrix(p + "ffn_up.weight", c.n_embd, c.n_ff));
     KV_BIND(l.w_down, matrix(p + "ffn_down.weight", c.n_ff, c.n_embd));
+    if (c.qk_norm) {
+      KV_BIND(l.attn_q_norm, vector_f32(p + "attn_q_norm.weight", c.head_dim));
+      KV_BIND(l.attn_k_norm, vector_f32(p + "attn_k_norm.weight", c.head_dim));
+    }
+    if (c.post_norms) {
+      KV_BIND(l.attn_post_norm, vector_f32(p + "post_attention_norm.weight", c.n_embd));
+      KV_BIND(l.ffn_post_norm, vector_f32(p + "post_ffw_norm.weight", c.n_embd));
+    }
   }
 #undef KV_BIND
   return {};
@@ -122,6 +131,7 @@ void Model::embed(const int32_t* tokens, int64_t n, float* out) const {
     dequantize_row(token_embd_.type, token_embd_.data + static_cast<size_t>(tokens[i]) * row_bytes,
                    out + i * token_embd_.n_in, token_embd_.n_in);
   }
+  if (config_.embd_scale != 1.0f) scale(out, config_.embd_scale, n * token_embd_.n_in);
 }
 
 }  // namespace kvstack

@@ -22,6 +22,11 @@ struct LayerWeights {
   const float* bv = nullptr;
   const float* ffn_norm = nullptr;        // [n_embd]
   WeightView w_gate{}, w_up{}, w_down{};  // gate/up: [n_ff, n_embd], down: [n_embd, n_ff]
+  // gemma3 (config qk_norm / post_norms), else nullptr.
+  const float* attn_q_norm = nullptr;     // [head_dim], shared by every q head
+  const float* attn_k_norm = nullptr;     // [head_dim], shared by every k head
+  const float* attn_post_norm = nullptr;  // [n_embd] post_attention_norm
+  const float* ffn_post_norm = nullptr;   // [n_embd] post_ffw_norm
 };
 
 class Model {
@@ -44,7 +49,8 @@ class Model {
   // Names of tensor types that had no matmul kernel and were dequantized.
   const std::vector<std::string>& dequantized_types() const { return dequantized_types_; }
 
-  // Dequantizes embedding rows for `tokens` into out [n, n_embd].
+  // Dequantizes embedding rows for `tokens` into out [n, n_embd], each then
+  // multiplied by config().embd_scale when that is not 1 (gemma3).
   // REQUIRES: every token in [0, n_vocab).
   void embed(const int32_t* tokens, int64_t n, float* out) const;
 

@@ -35,6 +35,55 @@ Result<float> read_float(const GgufFile& f, const std::string& key, double def) 
   return static_cast<float>(*v);
 }
 
+// gemma3, as llama.cpp's loader sets it (llama-model.cpp, load_hparams for
+// LLM_ARCH_GEMMA3; the graph in models/gemma3.cpp):
+//  * the file carries no layer-pattern key: set_swa_pattern(6), i.e. layer l
+//    is a window layer when l % 6 < 5 (layers 5, 11, 17, ... are full); with
+//    no attention.sliding_window (or 0) every layer is full;
+//  * window layers use RoPE base 10000 and scale 1 (rope_freq_base_train_swa),
+//    full layers the file's rope.freq_base and scaling;
+//  * q.k scale 1/sqrt(head_dim), except the 62-layer 27B model:
+//    1/sqrt(n_embd / n_heads) (f_attention_scale);
+//  * embeddings times sqrtf(n_embd), a float;
+//  * per-head q/k RMSNorm, post-attention and post-FFN RMSNorm, GeGLU with
+//    tanh GELU; norm weights are used as stored (the converter already added
+//    Gemma's +1).
+// A final or attention logit soft-capping value in the file is rejected:
+// llama.cpp's windowed gemma3 graph applies none, so a file asking for it is
+// not one this loader understands.
+Status apply_gemma3(const GgufFile& f, ModelConfig& c) {
+  for (const char* key : {"gemma3.final_logit_softcapping", "gemma3.attn_logit_softcapping"}) {
+    if (f.find(key) == nullptr) continue;
+    auto v = f.get_f64(key);
+    if (!v) return v.error();
+    if (*v != 0.0) {
+      return make_error(Errc::kUnsupported, f.path() + ": metadata '" + key +
+                                                "' = " + std::to_string(*v) +
+                                                " (logit soft-capping) is not supported");
+    }
+  }
+  constexpr int kPattern = 6;
+  constexpr float kWindowRopeBase = 10000.0f;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const bool window_layer = c.sliding_window > 0 && l % kPattern < kPattern - 1;
+    const auto i = static_cast<size_t>(l);
+    c.layer_window[i] = window_layer ? c.sliding_window : 0;
+    if (window_layer) {
+      c.layer_rope_base[i] = kWindowRopeBase;
+      c.layer_rope_scale[i] = 1.0f;
+    }
+  }
+  if (c.n_layers == 62) {
+    const int embd_per_head = c.n_embd / c.n_heads;  // integer division, as llama.cpp
+    c.attn_scale = 1.0f / std::sqrt(static_cast<float>(embd_per_head));
+  }
+  c.embd_scale = std::sqrt(static_cast<float>(c.n_embd));
+  c.qk_norm = true;
+  c.post_norms = true;
+  c.ffn_act = ModelConfig::FfnAct::kGeluTanh;
+  return {};
+}
+
 }  // namespace
 
 Result<ModelConfig> load_model_config(const GgufFile& f) {
@@ -42,9 +91,10 @@ Result<ModelConfig> load_model_config(const GgufFile& f) {
   auto arch = f.get_string("general.architecture");
   if (!arch) return arch.error();
   c.arch = *arch;
-  if (c.arch != "llama" && c.arch != "qwen2") {
-    return make_error(Errc::kUnsupported, f.path() + ": architecture '" + c.arch +
-                                              "' is not supported (supported: llama, qwen2)");
+  if (c.arch != "llama" && c.arch != "qwen2" && c.arch != "gemma3") {
+    return make_error(Errc::kUnsupported,
+                      f.path() + ": architecture '" + c.arch +
+                          "' is not supported (supported: llama, qwen2, gemma3)");
   }
   if (f.find("general.name") != nullptr) {
     auto n = f.get_string("general.name");
@@ -125,10 +175,15 @@ Result<ModelConfig> load_model_config(const GgufFile& f) {
   c.norm_eps = *eps;
   if (!(c.norm_eps > 0)) return bad(f, "attention.layer_norm_rms_epsilon must be positive");
 
-  c.rope_neox = c.arch == "qwen2";
+  c.rope_neox = c.arch == "qwen2" || c.arch == "gemma3";
   c.qkv_bias = f.find_tensor("blk.0.attn_q.bias") != nullptr;
   c.tied_embeddings = f.find_tensor("output.weight") == nullptr;
-  c.layer_window.assign(static_cast<size_t>(c.n_layers), c.sliding_window);
+  c.attn_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  const auto n_layers = static_cast<size_t>(c.n_layers);
+  c.layer_window.assign(n_layers, c.sliding_window);
+  c.layer_rope_base.assign(n_layers, c.rope_freq_base);
+  c.layer_rope_scale.assign(n_layers, c.rope_freq_scale);
+  if (c.arch == "gemma3") KV_TRY_STATUS(apply_gemma3(f, c));
   return c;
 }
 

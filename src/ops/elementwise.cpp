@@ -6,6 +6,7 @@
 
 #include "core/check.h"
 #include "core/cpu_features.h"
+#include "core/half.h"
 #include "ops/simd_avx2.h"
 
 #if defined(__x86_64__)
@@ -206,6 +207,42 @@ void swiglu(const float* gate, const float* up, float* out, int64_t n) {
   if (best_isa() >= Isa::kAvx2) return swiglu_avx2(gate, up, out, n);
 #endif
   swiglu_scalar(gate, up, out, n);
+}
+
+float gelu_tanh(float x) {
+  constexpr float kCoefA = 0.044715f;
+  constexpr float kSqrt2OverPi = 0.79788456080286535587989211986876f;
+  return 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * x * (1.0f + kCoefA * x * x)));
+}
+
+namespace {
+
+// f16 bits of gelu_tanh(h) for every f16 bit pattern h (128 KiB, built once).
+const std::vector<uint16_t>& gelu_f16_table() {
+  static const std::vector<uint16_t> table = [] {
+    std::vector<uint16_t> t(1u << 16);
+    for (uint32_t i = 0; i < (1u << 16); ++i) {
+      t[i] = f32_to_f16(gelu_tanh(f16_to_f32(static_cast<uint16_t>(i))));
+    }
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace
+
+void geglu(const float* gate, const float* up, float* out, int64_t n) {
+  const uint16_t* table = gelu_f16_table().data();
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    if (g <= -10.0f) {
+      out[i] = 0.0f;
+    } else if (g >= 10.0f) {
+      out[i] = g * up[i];
+    } else {
+      out[i] = f16_to_f32(table[f32_to_f16(g)]) * up[i];
+    }
+  }
 }
 
 void add(const float* a, const float* b, float* out, int64_t n) {

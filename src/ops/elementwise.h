@@ -43,6 +43,16 @@ void rope(float* x, const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64
 
 // out[i] = silu(gate[i]) * up[i], silu(v) = v / (1 + exp(-v)). out may alias gate or up.
 void swiglu(const float* gate, const float* up, float* out, int64_t n);
+// tanh-approximated GELU in float, ggml's formula:
+// 0.5f * x * (1 + tanhf(sqrt(2/pi) * x * (1 + 0.044715 * x^2))).
+float gelu_tanh(float x);
+// GeGLU: out[i] = gelu(gate[i]) * up[i], with the GELU value as llama.cpp's
+// CPU backend computes it (GGML_GELU_FP16): gate <= -10 gives 0, gate >= 10
+// gives gate itself, otherwise gate is rounded to f16 and GELU is read from a
+// table of f16(gelu_tanh(h)) over every f16 value h. So the activation carries
+// an f16 rounding (relative error <= 2^-11 plus the input rounding), exactly
+// the rounding llama.cpp applies. out may alias gate or up.
+void geglu(const float* gate, const float* up, float* out, int64_t n);
 // out[i] = a[i] + b[i]  (residual add).
 void add(const float* a, const float* b, float* out, int64_t n);
 // out[i] = a[i] * b[i].

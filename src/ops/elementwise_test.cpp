@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/cpu_features.h"
+#include "core/half.h"
 
 namespace kvstack {
 namespace {
@@ -290,6 +291,66 @@ TEST(Elementwise, RowBitsIndependentOfBatch) {
       ASSERT_EQ(first_bit_mismatch(x.data() + at * n, rot_alone.data(), n), -1);
     }
   }
+}
+
+// tanh GELU in float64, the formula ggml's gelu_f32 evaluates in float.
+double gelu_tanh_f64(double x) {
+  return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * x * (1.0 + 0.044715 * x * x)));
+}
+
+TEST(Elementwise, GeluTanhMatchesFloat64) {
+  // The float formula against float64 on a wide grid: a few float ulps.
+  for (double x = -12.0; x <= 12.0; x += 1.0 / 64) {
+    const auto xf = static_cast<float>(x);
+    const double want = gelu_tanh_f64(xf);
+    EXPECT_NEAR(gelu_tanh(xf), want, 4e-7 * (1.0 + std::fabs(want))) << "x = " << x;
+  }
+  EXPECT_EQ(gelu_tanh(0.0f), 0.0f);
+}
+
+// geglu reads GELU from an f16 table, as llama.cpp does: on every f16 input
+// in (-10, 10) the result is f16(gelu(x)), i.e. within half an f16 ulp of the
+// float64 value (plus the float formula's own error); inputs between f16
+// values are rounded to f16 first (|x - f16(x)| <= 2^-11 |x|, and
+// |gelu'| < 1.13); outside [-10, 10] it is 0 or x, exactly.
+TEST(Elementwise, GegluMatchesFloat64GeluWithinF16Rounding) {
+  std::vector<float> gate, up;
+  for (uint32_t h = 0; h < (1u << 16); ++h) {
+    const float x = f16_to_f32(static_cast<uint16_t>(h));
+    if (std::isfinite(x)) gate.push_back(x);
+  }
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-14.0f, 14.0f);
+  const size_t n_table = gate.size();
+  for (int i = 0; i < 20000; ++i) gate.push_back(u(rng));
+  up.resize(gate.size());
+  for (size_t i = 0; i < up.size(); ++i) up[i] = i % 3 == 0 ? 1.0f : 0.5f + 0.001f * (i % 1000);
+  std::vector<float> out(gate.size());
+  geglu(gate.data(), up.data(), out.data(), static_cast<int64_t>(gate.size()));
+  for (size_t i = 0; i < gate.size(); ++i) {
+    const float x = gate[i];
+    if (x <= -10.0f) {
+      ASSERT_EQ(out[i], 0.0f) << "x = " << x;
+      continue;
+    }
+    if (x >= 10.0f) {
+      ASSERT_EQ(out[i], x * up[i]) << "x = " << x;
+      continue;
+    }
+    const double want = gelu_tanh_f64(x) * up[i];
+    const double input_err = i < n_table ? 0.0 : 1.13 * std::ldexp(std::fabs(x), -11);
+    const double tol =
+        (std::ldexp(std::fabs(gelu_tanh_f64(x)), -11) + input_err + 1e-7 + 0x1p-24) * up[i] +
+        1e-7 * std::fabs(want);
+    ASSERT_NEAR(out[i], want, tol) << "x = " << x << " up = " << up[i];
+    // The table value is exactly f16(gelu(f16(x))).
+    const float table = f16_to_f32(f32_to_f16(gelu_tanh(f16_to_f32(f32_to_f16(x)))));
+    ASSERT_EQ(out[i], table * up[i]) << "x = " << x;
+  }
+  // In place (out aliases gate).
+  std::vector<float> g2 = gate;
+  geglu(g2.data(), up.data(), g2.data(), static_cast<int64_t>(g2.size()));
+  EXPECT_EQ(first_bit_mismatch(g2.data(), out.data(), static_cast<int64_t>(out.size())), -1);
 }
 
 }  // namespace

@@ -7,7 +7,9 @@ kvstack runs once per mode in batch (--jsonl) and every string must give the
 same ids as llama_tokenize, and the same bytes as llama_detokenize; valid
 UTF-8 must round-trip exactly.
 
-Env: KVSTACK_BIN (kvstack executable), KVSTACK_MODEL (GGUF path).
+Env: KVSTACK_BIN (kvstack executable), KVSTACK_MODEL (GGUF path). CTest runs
+this file on SmolLM2 (test_tokenizer: byte-level BPE) and on Gemma 3
+(test_tokenizer_gemma3: SentencePiece with byte fallback, user-defined tokens).
 """
 
 import ctypes
@@ -61,7 +63,13 @@ UNUSUAL = ["\ue000", "\uf8ff", "\U000f0000", "\U0010fffd", "\ufdd0", "\ufffe", "
            "\u200b", "\u200e", "\u202e", "\u2066", "\U0002ebf0", "\u31ef", "\U00016d40",
            "\U0001fae8", "\ufffd", "\U000e0041", "\ud7ff", "\U0001d11e"]
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<reponame>", "<file_sep>",
-            "<jupyter_code>", "<empty_output>", "<|im_sta", "im_end|>", "<|", "|>"]
+            "<jupyter_code>", "<empty_output>", "<|im_sta", "im_end|>", "<|", "|>",
+            # Gemma 3: control tokens, user-defined tokens (HTML tags, whitespace
+            # runs, image markers) and near misses; plain text for SmolLM2.
+            "<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>", "<pad>", "<unk>", "<mask>",
+            "<unused7>", "<start_of_image>", "<end_of_image>", "[multimodal]", "<table>", "</td>",
+            "<s>", "</s>", "<strong>", "<start_of_tur", "end_of_turn>", "<unused", "\n\n\n",
+            "\t\t\t\t", "        "]
 
 
 def rand_range(rng, lo, hi, n):
@@ -189,7 +197,8 @@ def build_corpus(n_per_kind=160, seed=20240509):
 # included: sequences decoding above U+10FFFF such as F4 90 80 80, on which
 # llama.cpp aborts; kvstack reads each such byte as U+FFFD.)
 INVALID = [b"\xff", b"abc\x80def", b"\xc3", b"\xe4\xb8", b"ok\xf0\x9f\x98", b"\xc0\x80",
-           b"\xed\xa0\x80x", b"\xfe\xfe ok", b"caf\xe9 au lait", b"\x80\x80\xbf<|im_end|>"]
+           b"\xed\xa0\x80x", b"\xfe\xfe ok", b"caf\xe9 au lait", b"\x80\x80\xbf<|im_end|>",
+           b"<start_of_turn>\xe4\xb8user\n\xff\xfe<end_of_turn>", b"  \xc3(\t\t<table>\x80"]
 
 
 # ---------------------------------------------------------------- helpers
@@ -270,6 +279,7 @@ def test_tokenize_without_bos_matches(llama):
 def test_detokenize_round_trips_and_matches(llama, special):
     corpus = build_corpus()
     id_lists = [llama.tokenize(s.encode("utf-8"), add_bos=True, special=special) for s in corpus]
+    adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(llama._model.vocab))
     args = ["detokenize"] + (["--special"] if special else [])
     ours = run_kvstack(args, [json.dumps(ids) for ids in id_lists])
     mismatches, round_trip = [], []
@@ -279,14 +289,20 @@ def test_detokenize_round_trips_and_matches(llama, special):
         if got_bytes != want:
             mismatches.append((s, ids, got_bytes, want))
         # With special parsing off, control-token text is tokenized as plain
-        # text, so the text always comes back; with it on, only when rendered.
-        if got_bytes != s.encode("utf-8"):
+        # text, so the text always comes back; with it on, only when rendered
+        # (after the rendered BOS when the vocab adds one, as Gemma's does).
+        expect = s.encode("utf-8")
+        if special and adds_bos:
+            expect = llama_detokenize(llama, ids[:1], True) + expect
+        if got_bytes != expect:
             round_trip.append((s, got_bytes))
     report(mismatches, "detokenize")
     report(round_trip, "round-trip")
 
 
 def test_cli_errors():
+    if "SmolLM2" not in os.path.basename(MODEL):
+        pytest.skip("the ids below are SmolLM2's")
     if not os.path.exists(BIN):
         pytest.fail(f"kvstack executable not found: {BIN}")
     bad_model = subprocess.run([BIN, "tokenize", "-m", "/nonexistent.gguf", "-p", "x"],
