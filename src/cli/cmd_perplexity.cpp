@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <string>
 
 #include "cli/args.h"
 #include "cli/engine_options.h"
@@ -108,14 +109,17 @@ int run_perplexity(const std::vector<std::string>& argv) {
                     LogitsMode::kAll, &piece);
       if (!st.ok()) return fail("perplexity", st.error().message);
       logits.insert(logits.end(), piece.begin(), piece.end());
-      if (!json && (n_pieces % report_every == 0 || b + n == *ctx)) {
-        const double running = n_scored > 0 ? std::exp(nll / static_cast<double>(n_scored)) : 0;
-        progress.update(
-            strprintf("perplexity: window %lld/%lld, token %lld/%lld%s, running ppl "
-                      "%.4f",
-                      static_cast<long long>(w) + 1, static_cast<long long>(n_windows),
-                      static_cast<long long>(b + n), static_cast<long long>(*ctx),
-                      score_steps ? " (steps)" : "", running));
+      const int64_t n_done = b + n;
+      if (!json && (n_pieces % report_every == 0 || n_done == *ctx)) {
+        // The running perplexity covers the windows finished so far.
+        const std::string running =
+            n_scored > 0
+                ? strprintf(", running ppl %.4f", std::exp(nll / static_cast<double>(n_scored)))
+                : std::string();
+        progress.update(strprintf("perplexity: window %lld/%lld, token %lld/%lld%s%s",
+                                  static_cast<long long>(w) + 1, static_cast<long long>(n_windows),
+                                  static_cast<long long>(n_done), static_cast<long long>(*ctx),
+                                  score_steps ? " (steps)" : "", running.c_str()));
       }
     }
     for (int64_t j = 0; j + 1 < *ctx; ++j) {
