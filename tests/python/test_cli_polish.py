@@ -195,3 +195,27 @@ def test_conftest_finds_this_clones_binary_without_environment(tmp_path):
             continue
         text = f.read_text()
         assert "/work/" not in text and '"build-' not in text, f
+
+
+# ------------------------------------------------------------------ item 14
+
+
+def test_make_serve_builds_only_kvstack_and_needs_no_venv(tmp_path):
+    """`make serve` on a fresh clone: system packages for the build, the model
+    and the kvstack target; the llama.cpp venv and test packages only for
+    `make test` (a dry run in a scratch build dir, nothing executed)."""
+    build = tmp_path / "b"
+    serve = subprocess.run(["make", "-n", "-C", str(SOURCE_DIR), f"BUILD={build}", "serve"],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "setup.sh deps" in serve and "setup.sh model" in serve, serve
+    assert f"cmake --build {build} -j" in serve and "--target kvstack" in serve, serve
+    for absent in ["setup.sh venv", "setup.sh test-deps", "pip install"]:
+        assert absent not in serve, (absent, serve)
+    test = subprocess.run(["make", "-n", "-C", str(SOURCE_DIR), f"BUILD={build}", "test"],
+                          capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "setup.sh venv" in test and "setup.sh test-deps" in test, test
+    # The venv step installs requirements.txt (llama-cpp-python among them);
+    # the serve packages name none of the test-only tools.
+    setup = (SOURCE_DIR / "scripts" / "setup.sh").read_text()
+    serve_pkgs = re.search(r"^APT_PACKAGES=\(([^)]*)\)", setup, re.M).group(1).split()
+    assert not {"clang", "clang-tidy", "clang-format", "python3-venv"} & set(serve_pkgs)
