@@ -2,19 +2,26 @@
 # One-time, idempotent set-up of a fresh machine: system packages, the
 # project's Python venv (test references), and the models (the default
 # SmolLM2 and Gemma 3, see models/SHA256SUMS).
-# Usage: scripts/setup.sh [deps|venv|model|all]
+# `make serve` needs only `deps` and `model`; `make test` adds `test-deps`
+# (clang for the fuzzers and lint, python3-venv) and `venv` (llama-cpp-python,
+# compiled from source: most of a fresh `make test` set-up).
+# Usage: scripts/setup.sh [deps|test-deps|venv|model|all]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(cmake g++ make libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev
-  libcpp-httplib-dev nlohmann-json3-dev clang clang-format clang-tidy libclang-rt-14-dev python3-venv python3-pip unzip
-  pkg-config)
+# What building and serving needs (libgtest-dev: CMake's configure step
+# looks for GoogleTest even when only the server is built).
+APT_PACKAGES=(cmake g++ make libgtest-dev libgmock-dev libxxhash-dev
+  libcpp-httplib-dev nlohmann-json3-dev python3-pip unzip pkg-config)
+# What only the tests, fuzzers, benchmarks and lint need.
+APT_TEST_PACKAGES=(libbenchmark-dev clang clang-format clang-tidy libclang-rt-14-dev python3-venv)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
-deps() {
+# apt_install PACKAGE...: installs the ones not installed yet.
+apt_install() {
   local missing=()
-  for p in "${APT_PACKAGES[@]}"; do
+  for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   if ((${#missing[@]})); then
@@ -25,6 +32,9 @@ deps() {
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
 }
+
+deps() { apt_install "${APT_PACKAGES[@]}"; }
+test_deps() { apt_install "${APT_PACKAGES[@]}" "${APT_TEST_PACKAGES[@]}"; }
 
 venv() {
   local stamp=.venv/.requirements.sha256
@@ -93,8 +103,9 @@ model() {
 
 case "${1:-all}" in
   deps) deps ;;
+  test-deps) test_deps ;;
   venv) venv ;;
   model) model ;;
-  all) deps; venv; model ;;
-  *) echo "usage: $0 [deps|venv|model|all]" >&2; exit 2 ;;
+  all) test_deps; venv; model ;;
+  *) echo "usage: $0 [deps|test-deps|venv|model|all]" >&2; exit 2 ;;
 esac

@@ -8,6 +8,7 @@
 #include "cli/args.h"
 #include "cli/bench_stats.h"
 #include "cli/engine_options.h"
+#include "cli/progress.h"
 #include "core/proc_stats.h"
 #include "core/units.h"
 
@@ -82,19 +83,20 @@ int run_bench(const std::vector<std::string>& argv) {
   BlockPoolStats last_stats{};
   int64_t rss_peak = 0;
   std::vector<float> logits;
+  Progress progress;
   for (int64_t r = 0; r < *reps; ++r) {
     BlockTable table = engine.new_table();
     if (!fill.empty()) {
       if (!json)
-        std::fprintf(stderr, "\rbench: rep %lld/%lld filling %lld tokens...   ",
-                     static_cast<long long>(r) + 1, static_cast<long long>(*reps),
-                     static_cast<long long>(*fill_n));
+        progress.update(strprintf("bench: rep %lld/%lld filling %lld tokens...",
+                                  static_cast<long long>(r) + 1, static_cast<long long>(*reps),
+                                  static_cast<long long>(*fill_n)));
       const Status st = engine.prefill(table, fill, LogitsMode::kNone, nullptr);
       if (!st.ok()) return fail("bench", st.error().message);
     }
     if (!json)
-      std::fprintf(stderr, "\rbench: rep %lld/%lld prefill + decode...          ",
-                   static_cast<long long>(r) + 1, static_cast<long long>(*reps));
+      progress.update(strprintf("bench: rep %lld/%lld prefill + decode...",
+                                static_cast<long long>(r) + 1, static_cast<long long>(*reps)));
     const auto t0 = Clock::now();
     Status st = engine.prefill(table, prompt, LogitsMode::kLast, &logits);
     if (!st.ok()) return fail("bench", st.error().message);
@@ -113,7 +115,7 @@ int run_bench(const std::vector<std::string>& argv) {
     last_stats = engine.pool().stats();
     rss_peak = std::max(rss_peak, process_rss_bytes());
   }
-  if (!json) std::fprintf(stderr, "\r%60s\r", "");
+  progress.finish();
 
   const double prefill_tok_s = static_cast<double>(*prompt_n) / median(prefill_s);
   const double decode_tok_s = *gen_n > 1 ? static_cast<double>(*gen_n - 1) / median(decode_s) : 0.0;

@@ -100,7 +100,28 @@ int run_chat(const std::vector<std::string>& argv) {
     } else {
       conv = e.new_sequence(salt);
     }
-    auto res = generate(e, conv, fresh, *gen, [](std::string_view piece) {
+    // Up front: a prompt the pool cannot hold is refused; a reply that could
+    // outgrow the pool is capped to what fits (it then ends with "length").
+    GenerateOptions turn = *gen;
+    const int64_t room = pool_room_tokens(e, conv.table());
+    const auto n_fresh = static_cast<int64_t>(fresh.size());
+    if (n_fresh > room) {
+      std::fprintf(stderr,
+                   "kvstack chat: error: the KV pool has room for %lld more tokens, but this "
+                   "turn's prompt needs %lld: /reset to start over, or raise --kv-cache-tokens "
+                   "or --kv-cache-mem\n",
+                   static_cast<long long>(room), static_cast<long long>(n_fresh));
+      messages.pop_back();
+      continue;
+    }
+    if (n_fresh + turn.max_tokens - 1 > room) {
+      turn.max_tokens = room - n_fresh + 1;
+      std::fprintf(stderr,
+                   "[the KV pool has room for %lld more tokens: this reply is limited to %lld "
+                   "tokens]\n",
+                   static_cast<long long>(room), static_cast<long long>(turn.max_tokens));
+    }
+    auto res = generate(e, conv, fresh, turn, [](std::string_view piece) {
       std::fwrite(piece.data(), 1, piece.size(), stdout);
       std::fflush(stdout);
     });

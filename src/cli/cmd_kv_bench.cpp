@@ -24,6 +24,7 @@
 #include "cli/args.h"
 #include "cli/bench_stats.h"
 #include "cli/engine_options.h"
+#include "cli/progress.h"
 #include "core/half.h"
 #include "kv/block_pool.h"
 #include "kv/kv_write.h"
@@ -249,6 +250,7 @@ int run_kv_bench(const std::vector<std::string>& argv) {
   // of load on this shared machine hits all formats of one round alike:
   // tok/s is the median over rounds, "vs f16" the median of the rounds'
   // ratios to that round's f16 (the paired figure), with its range.
+  Progress progress;
   for (int64_t ctx : e2e) {
     std::vector<std::vector<double>> rates(formats.size());
     for (int64_t rep = 0; rep < *reps; ++rep) {
@@ -258,12 +260,12 @@ int run_kv_bench(const std::vector<std::string>& argv) {
         auto r = e2e_tokens_per_s(c, ctx, static_cast<int>(*steps));
         if (!r) return fail("kv-bench", r.error().message);
         rates[fi].push_back(*r);
-        std::fprintf(stderr, "\rkv-bench: end-to-end ctx %lld, round %lld/%lld, %s: %.2f tok/s   ",
-                     static_cast<long long>(ctx), static_cast<long long>(rep) + 1,
-                     static_cast<long long>(*reps), kv_dtype_name(formats[fi]), *r);
+        progress.update(strprintf("kv-bench: end-to-end ctx %lld, round %lld/%lld, %s: %.2f tok/s",
+                                  static_cast<long long>(ctx), static_cast<long long>(rep) + 1,
+                                  static_cast<long long>(*reps), kv_dtype_name(formats[fi]), *r));
       }
     }
-    std::fprintf(stderr, "\n");
+    progress.finish();
     const auto f16 = std::find(formats.begin(), formats.end(), KvDtype::kF16);
     for (size_t fi = 0; fi < formats.size(); ++fi) {
       std::string vs = "-";

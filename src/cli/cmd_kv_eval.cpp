@@ -2,11 +2,16 @@
 // the same text (issue 7): perplexity and its relative change, mean and p99
 // KL divergence of the next-token distributions, top-1 agreement, and
 // greedy-continuation agreement over --gen tokens for a set of prompts.
-// A format written X+rot runs with --kv-rotate (Hadamard rotation of Q, K and
-// V) and X+ctr with --kv-center (calibrated key means subtracted; both:
-// X+ctr+rot), so one invocation can compare a format with and without them;
-// K/V (e.g. int8/int4, int8/int4+rot) gives K and V different formats. The
-// f32 baseline is never rotated or centered.
+// A bare format X runs X as `kvstack run --kv-dtype X` would, with its
+// quality defaults (engine_options.h: rotation for fp8/int8/int4, key
+// centring for int8/int4 keys). Suffixes say exactly what runs instead: X+rot
+// with --kv-rotate only (Hadamard rotation of Q, K and V), X+ctr with
+// --kv-center only (calibrated key means subtracted), X+ctr+rot both, and
+// X+plain neither, so one invocation can compare a format with and without
+// them; K/V (e.g. int8/int4, int8/int4+rot) gives K and V different formats.
+// The f32 baseline is never rotated or centered. KIVI formats keep their
+// newest tokens in f16, so a window in one prefill chunk would read them
+// unquantized: with any KIVI format every entry is scored by one-token steps.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -19,6 +24,7 @@
 
 #include "cli/args.h"
 #include "cli/engine_options.h"
+#include "cli/progress.h"
 #include "cli/text_input.h"
 
 namespace kvstack::cli {
@@ -39,12 +45,14 @@ int64_t argmax(const float* row, int64_t n) {
   return std::max_element(row, row + n) - row;
 }
 
-// One entry of --kv-dtype: K[/V][+ctr][+rot] (the suffixes in any order).
+// One entry of --kv-dtype: K[/V][+ctr][+rot][+plain] (suffixes in any order).
 struct FormatSpec {
   KvDtype k = KvDtype::kF32;
   std::optional<KvDtype> v;  // V's format when it differs from K's
   bool rotate = false;
   bool center = false;
+  bool plain = false;
+  bool explicit_transforms() const { return rotate || center || plain; }
 };
 
 Result<FormatSpec> parse_format(std::string_view f) {
@@ -52,7 +60,8 @@ Result<FormatSpec> parse_format(std::string_view f) {
   for (bool found = true; found;) {
     found = false;
     for (auto [suffix, flag] : {std::pair<std::string_view, bool*>{"+rot", &spec.rotate},
-                                std::pair<std::string_view, bool*>{"+ctr", &spec.center}}) {
+                                std::pair<std::string_view, bool*>{"+ctr", &spec.center},
+                                std::pair<std::string_view, bool*>{"+plain", &spec.plain}}) {
       if (f.size() > suffix.size() && f.substr(f.size() - suffix.size()) == suffix) {
         *flag = true;
         f.remove_suffix(suffix.size());
@@ -68,6 +77,9 @@ Result<FormatSpec> parse_format(std::string_view f) {
     auto v = parse_kv_dtype(f.substr(slash + 1));
     if (!v) return v.error();
     if (*v != *k) spec.v = *v;
+  }
+  if (spec.plain && (spec.rotate || spec.center)) {
+    return make_error(Errc::kInvalidArgument, "+plain cannot be combined with +rot or +ctr");
   }
   return spec;
 }
@@ -130,7 +142,8 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
   specs.push_back({"gen", 0, "N", "greedy tokens per prompt (default 128)"});
   specs.push_back({"score-steps", 0, "",
                    "score each window with one-token forward steps (the decode kernels, as "
-                   "generation runs) instead of one prefill"});
+                   "generation runs) instead of one prefill (always on when a KIVI format is "
+                   "listed)"});
   specs.push_back({"json", 0, "", "print one JSON object per format"});
   specs.push_back(help_option());
   auto args = Args::parse(argv, specs);
@@ -142,9 +155,12 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
                     "perplexity over non-overlapping --ctx windows and its relative change, mean "
                     "and p99 KL(f32 || X) of next-token distributions, top-1 agreement, and "
                     "agreement of --gen greedy tokens after --prompts prompts of --prompt-len "
-                    "tokens (taken at evenly spaced offsets of FILE). X+rot (e.g. int4+rot) runs X "
-                    "with --kv-rotate, X+ctr with --kv-center (both: X+ctr+rot); --kv-rotate and "
-                    "--kv-center apply to every listed format. K/V (e.g. "
+                    "tokens (taken at evenly spaced offsets of FILE). A bare X runs with X's "
+                    "quality defaults (as `run --kv-dtype X`: rotation for fp8/int8/int4, key "
+                    "centring for int8/int4 keys). X+rot (e.g. int4+rot) runs X with --kv-rotate "
+                    "only, X+ctr with --kv-center only, X+ctr+rot with both, X+plain with "
+                    "neither; --kv-rotate and --kv-center apply to every listed format, "
+                    "--no-kv-rotate and --no-kv-center to every bare one. K/V (e.g. "
                     "int8/int4, int8/int4+rot) stores K as K and V as V; --kv-dtype-k/-v "
                     "override that side of every listed format.",
                     specs)
@@ -165,18 +181,21 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
   auto n_gen = args->get_int("gen", 128, 1, 1 << 20);
   if (!n_gen) return fail("kv-eval", n_gen.error().message);
   const bool json = args->flag("json");
-  const bool score_steps = args->flag("score-steps");
+  bool score_steps = args->flag("score-steps");
   auto text = read_file(*args->get("file"));
   if (!text) return fail("kv-eval", text.error().message);
 
   auto base_cfg = engine_config_from(*args);
   if (!base_cfg) return fail("kv-eval", base_cfg.error().message);
-  // --kv-rotate applies to every listed format (as a +rot suffix would), never
-  // to the f32 baseline.
-  const bool rotate_all = base_cfg->kv_rotation != KvRotation::kNone;
+  // --kv-rotate / --kv-center apply to every listed format (as a suffix
+  // would), --no-kv-rotate / --no-kv-center to every bare one; none of them
+  // to the f32 baseline (engine_config_from saw no --kv-dtype, so base_cfg
+  // carries only the explicit flags).
+  const bool rotate_all = args->flag("kv-rotate");
+  const bool center_all = args->flag("kv-center") || args->has("kv-center-text");
   base_cfg->kv_rotation = KvRotation::kNone;
-  const bool center_all = base_cfg->kv_center;
   base_cfg->kv_center = false;
+  const bool rotation_ok = model_supports_rotation(base_cfg->model_path);
   // --kv-dtype-k/-v likewise override one side of every listed format only.
   const std::optional<KvDtype> k_all = base_cfg->kv_dtype_k, v_all = base_cfg->kv_dtype_v;
   base_cfg->kv_dtype_k.reset();
@@ -198,9 +217,21 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
     const KvDtype v = fi > 0 && v_all ? *v_all : spec->v.value_or(spec->k);
     cfg.kv_dtype = k;
     cfg.kv_dtype_v = v != k ? std::optional<KvDtype>(v) : std::nullopt;
-    const bool rotate = fi > 0 && (spec->rotate || rotate_all);
+    bool rotate = false, center = false;
+    if (fi > 0) {
+      const KvQualityDefaults q = kv_quality_defaults(k, v);
+      if (spec->explicit_transforms()) {
+        rotate = spec->rotate;
+        center = spec->center;
+      } else {
+        rotate = q.rotate && rotation_ok && !args->flag("no-kv-rotate");
+        center = q.center && !args->flag("no-kv-center");
+      }
+      rotate = rotate || rotate_all;
+      center = center || center_all;
+      if (kv_dtype_is_kivi(k) || kv_dtype_is_kivi(v)) score_steps = true;
+    }
     if (rotate) cfg.kv_rotation = KvRotation::kHadamard;
-    const bool center = fi > 0 && (spec->center || center_all);
     cfg.kv_center = center;
     auto e = Engine::create(cfg);
     if (!e) return fail("kv-eval", "--kv-dtype " + f + ": " + e.error().message);
@@ -221,6 +252,12 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
     stats.push_back(std::move(s));
     engines.push_back(std::move(*e));
   }
+  if (score_steps && !args->flag("score-steps") && !json) {
+    std::fprintf(stderr,
+                 "kvstack kv-eval: KIVI keeps the newest tokens in f16 (one prefill chunk would "
+                 "read the whole window unquantized): scoring every format by one-token decode "
+                 "steps\n");
+  }
   Engine& base = *engines[0];
   const int64_t n_vocab = base.model().config().n_vocab;
   if (*ctx > base.model().config().n_ctx_train) {
@@ -240,6 +277,7 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
   std::vector<double> lp_base, lp;
   std::vector<float> step_row;  // --score-steps: one step's logits
   int64_t n_scored = 0;
+  Progress progress;
   for (int64_t w = 0; w < n_windows; ++w) {
     const std::span<const int32_t> win(tokens.data() + w * *ctx, static_cast<size_t>(*ctx));
     for (size_t fi = 0; fi < engines.size(); ++fi) {
@@ -273,8 +311,9 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
     }
     n_scored += *ctx - 1;
     if (!json) {
-      std::fprintf(stderr, "\rkv-eval: window %lld/%lld", static_cast<long long>(w) + 1,
-                   static_cast<long long>(n_windows));
+      progress.update(strprintf("kv-eval: window %lld/%lld", static_cast<long long>(w) + 1,
+                                static_cast<long long>(n_windows)),
+                      /*force=*/w + 1 == n_windows);
     }
   }
   // Greedy continuations from prompts at evenly spaced offsets.
@@ -299,11 +338,12 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
       stats[fi].greedy_prefix += static_cast<double>(prefix);
     }
     if (!json) {
-      std::fprintf(stderr, "\rkv-eval: greedy prompt %lld/%lld   ", static_cast<long long>(pi) + 1,
-                   static_cast<long long>(*n_prompts));
+      progress.update(strprintf("kv-eval: greedy prompt %lld/%lld", static_cast<long long>(pi) + 1,
+                                static_cast<long long>(*n_prompts)),
+                      /*force=*/pi + 1 == *n_prompts);
     }
   }
-  if (!json) std::fprintf(stderr, "\n");
+  progress.finish();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double ppl_base = std::exp(stats[0].nll / static_cast<double>(n_scored));
   if (!json) {

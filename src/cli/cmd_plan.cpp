@@ -310,12 +310,27 @@ Result<ModelArch> arch_from_gguf(const std::string& path, std::vector<std::strin
   return m;
 }
 
-Result<ModelArch> arch_from_flags(const Args& args) {
+// What explicit dimensions left out: KV bytes need only layers, KV heads and
+// the head dimension; figures built on the query heads or the weights are
+// omitted from the output (with a note) when those are not given.
+struct Omitted {
+  bool q_heads = false;  // workspace estimate, attention FLOPs
+  bool weights = false;  // weights, total, crossover, budget and decode figures
+};
+
+Result<ModelArch> arch_from_flags(const Args& args, Omitted* omitted) {
   auto layers = args.get_int("layers", 0, 1, 1000000);
   if (!layers) return layers.error();
-  auto q = args.get_int("q-heads", 0, 1, 1000000);
+  if (!args.has("q-heads") && !args.has("kv-heads")) {
+    return make_error(Errc::kInvalidArgument, "give --kv-heads (or --q-heads for MHA)");
+  }
+  // Without --q-heads the query heads are taken equal to the KV heads; the
+  // figures that depend on them are omitted, never shown from this guess.
+  omitted->q_heads = !args.has("q-heads");
+  auto kv0 = args.get_int("kv-heads", 0, 1, 1000000);
+  if (!kv0) return kv0.error();
+  auto q = args.get_int("q-heads", *kv0, 1, 1000000);
   if (!q) return q.error();
-  if (!args.has("q-heads")) return make_error(Errc::kInvalidArgument, "--q-heads is required");
   auto kv = args.get_int("kv-heads", *q, 1, 1000000);
   if (!kv) return kv.error();
   auto hidden = args.get_int("hidden", 0, 1, int64_t{1} << 40);
@@ -326,8 +341,8 @@ Result<ModelArch> arch_from_flags(const Args& args) {
     if (!hd) return hd.error();
     head_dim = *hd;
   } else {
-    if (*hidden == 0) {
-      return make_error(Errc::kInvalidArgument, "give --head-dim or --hidden");
+    if (*hidden == 0 || omitted->q_heads) {
+      return make_error(Errc::kInvalidArgument, "give --head-dim (or --hidden and --q-heads)");
     }
     if (*hidden % *q != 0) {
       return make_error(Errc::kInvalidArgument, "--hidden " + std::to_string(*hidden) +
@@ -341,13 +356,13 @@ Result<ModelArch> arch_from_flags(const Args& args) {
   if (args.has("params") && *params == 0) {
     return make_error(Errc::kInvalidArgument, "--params must be > 0");
   }
-  if (!args.has("params") && !args.has("weights")) {
-    return make_error(Errc::kInvalidArgument,
-                      "give --params (parameter count) or --weights (bytes) for explicit "
-                      "dimensions");
-  }
+  omitted->weights = !args.has("params") && !args.has("weights");
   ModelArch m = capacity::make_uniform_arch("explicit", *layers, *q, *kv, head_dim, *hidden,
                                             static_cast<uint64_t>(*params));
+  if (omitted->weights) {
+    m.weight_bytes = 0;  // unknown: every figure that reads it is omitted
+    m.weight_format_name = "not given";
+  }
   if (args.has("weights")) {
     auto wb = args.get_bytes("weights", 0);
     if (!wb) return wb.error();
@@ -435,7 +450,7 @@ std::string fmt_double(double v) {
   return buf;
 }
 
-void print_table(const PlanInput& in, const PlanResult& r, const Out& o) {
+void print_table(const PlanInput& in, const PlanResult& r, const Out& o, const Omitted& omit) {
   std::printf("model: %s\n", r.model_name.c_str());
   if (!in.arch.source.empty()) std::printf("source: %s\n", in.arch.source.c_str());
   std::printf("\nKV format: %s (%s)\n", r.kv_format_name.c_str(), in.kv_format.description.c_str());
@@ -490,15 +505,21 @@ void print_table(const PlanInput& in, const PlanResult& r, const Out& o) {
     row("payload / tp (ignores replication)", o.bytes(t.naive_per_rank_bytes));
   }
   const auto& m = r.memory;
+  // The workspace estimate reads the query heads; --act-bytes replaces it.
+  const bool act_known = !omit.q_heads || !m.activation_estimated;
   std::printf("\nmemory per device\n");
-  row("weights",
-      o.bytes(m.weights_bytes) + (in.arch.weight_bytes ? " [" + in.arch.weight_format_name + "]"
-                                                       : " [" + in.weight_format.name + "]"));
+  if (!omit.weights) {
+    row("weights",
+        o.bytes(m.weights_bytes) + (in.arch.weight_bytes ? " [" + in.arch.weight_format_name + "]"
+                                                         : " [" + in.weight_format.name + "]"));
+  }
   row("KV (allocator total or payload)", o.bytes(m.kv_bytes));
-  row(m.activation_estimated ? "activations/workspace (estimate)" : "activations/workspace",
-      o.bytes(m.activation_bytes));
+  if (act_known) {
+    row(m.activation_estimated ? "activations/workspace (estimate)" : "activations/workspace",
+        o.bytes(m.activation_bytes));
+  }
   row("overhead", o.bytes(m.overhead_bytes));
-  row("total", o.bytes(m.total_bytes));
+  if (!omit.weights && act_known) row("total", o.bytes(m.total_bytes));
   if (in.hw.mem_budget) row("budget (--mem)", o.bytes(in.hw.mem_budget));
   if (r.max_batch_for_budget) {
     row("max batch for budget", std::to_string(*r.max_batch_for_budget) + " requests of " +
@@ -508,12 +529,14 @@ void print_table(const PlanInput& in, const PlanResult& r, const Out& o) {
     row("max context for budget", std::to_string(*r.max_ctx_for_budget) + " tokens x " +
                                       std::to_string(r.ref_batch) + " sequence(s)");
   }
-  if (r.crossover_tokens) {
+  if (r.crossover_tokens && !omit.weights) {
     row("crossover (KV = weights)", std::to_string(*r.crossover_tokens) + " tokens (1 sequence)");
   }
-  std::printf("\ndecode\n");
-  row("attention FLOPs per step", fmt_double(r.attention.flops_per_step) + " FLOP");
-  row("attention intensity", fmt_double(r.attention.flop_per_byte) + " FLOP/B");
+  if (!omit.q_heads || r.decode) std::printf("\ndecode\n");
+  if (!omit.q_heads) {
+    row("attention FLOPs per step", fmt_double(r.attention.flops_per_step) + " FLOP");
+    row("attention intensity", fmt_double(r.attention.flop_per_byte) + " FLOP/B");
+  }
   if (r.decode) {
     row("bytes read per step", o.bytes(r.decode->bytes_per_step));
     row("step lower bound", Out::secs(r.decode->step_lower_bound_s));
@@ -574,7 +597,7 @@ class Json {
   std::string body_;
 };
 
-std::string to_json(const PlanInput& in, const PlanResult& r) {
+std::string to_json(const PlanInput& in, const PlanResult& r, const Omitted& omit) {
   Json j;
   j.str("model", r.model_name);
   j.str("kv_dtype", r.kv_format_name);
@@ -626,14 +649,19 @@ std::string to_json(const PlanInput& in, const PlanResult& r) {
     j.u64("kv_naive_per_rank_bytes", t.naive_per_rank_bytes);
   }
   const auto& m = r.memory;
-  j.u64("weights_bytes", m.weights_bytes);
-  j.u64("weights_bytes_total", m.weights_bytes_total);
-  j.u64("active_weights_bytes", m.active_weights_bytes);
+  const bool act_known = !omit.q_heads || !m.activation_estimated;
+  if (!omit.weights) {
+    j.u64("weights_bytes", m.weights_bytes);
+    j.u64("weights_bytes_total", m.weights_bytes_total);
+    j.u64("active_weights_bytes", m.active_weights_bytes);
+  }
   j.u64("kv_memory_bytes", m.kv_bytes);
-  j.u64("activation_bytes", m.activation_bytes);
-  j.boolean("activation_estimated", m.activation_estimated);
+  if (act_known) {
+    j.u64("activation_bytes", m.activation_bytes);
+    j.boolean("activation_estimated", m.activation_estimated);
+  }
   j.u64("overhead_bytes", m.overhead_bytes);
-  j.u64("total_bytes", m.total_bytes);
+  if (!omit.weights && act_known) j.u64("total_bytes", m.total_bytes);
   if (in.hw.mem_budget) j.u64("mem_budget_bytes", in.hw.mem_budget);
   if (r.max_batch_for_budget) j.i64("max_batch_for_budget", *r.max_batch_for_budget);
   if (r.max_ctx_for_budget) j.i64("max_ctx_for_budget", *r.max_ctx_for_budget);
@@ -641,9 +669,11 @@ std::string to_json(const PlanInput& in, const PlanResult& r) {
     j.i64("budget_ref_ctx", r.ref_ctx);
     j.i64("budget_ref_batch", r.ref_batch);
   }
-  if (r.crossover_tokens) j.i64("crossover_tokens", *r.crossover_tokens);
-  j.num("decode_attention_flops_per_step", r.attention.flops_per_step);
-  j.num("decode_attention_flop_per_byte", r.attention.flop_per_byte);
+  if (r.crossover_tokens && !omit.weights) j.i64("crossover_tokens", *r.crossover_tokens);
+  if (!omit.q_heads) {
+    j.num("decode_attention_flops_per_step", r.attention.flops_per_step);
+    j.num("decode_attention_flop_per_byte", r.attention.flop_per_byte);
+  }
   if (r.decode) {
     j.u64("decode_bytes_per_step", r.decode->bytes_per_step);
     j.num("decode_step_lower_bound_s", r.decode->step_lower_bound_s);
@@ -897,12 +927,14 @@ std::vector<OptionSpec> plan_specs() {
       {"preset", 0, "NAME", "architecture preset instead of a GGUF (see --list-presets)"},
       {"list-presets", 0, "", "print the presets and exit"},
       {"layers", 0, "N", "explicit model: transformer layers"},
-      {"q-heads", 0, "N", "explicit model: query heads"},
+      {"q-heads", 0, "N",
+       "explicit model: query heads (optional: KV figures need only --kv-heads)"},
       {"kv-heads", 0, "N", "explicit model: key/value heads (default: q-heads, i.e. MHA)"},
       {"head-dim", 0, "D", "explicit model: head dimension (default: hidden / q-heads)"},
       {"hidden", 0, "N", "explicit model: embedding width"},
       {"params", 0, "N",
-       "explicit model: parameters, e.g. 7e9 or 7B (weights = params x --weight-dtype)"},
+       "explicit model: parameters, e.g. 7e9 or 7B (weights = params x --weight-dtype; "
+       "optional: without it or --weights, figures that need the weights are omitted)"},
       {"weights", 0, "SIZE", "explicit model: weight bytes instead of --params (e.g. 13GiB)"},
       {"ffn", 0, "N", "explicit model: FFN width per token (workspace estimate; default 0)"},
       {"vocab", 0, "N", "explicit model: vocabulary size (workspace estimate; default 0)"},
@@ -971,7 +1003,9 @@ int run_plan(const std::vector<std::string>& argv) {
 
   // Model.
   std::vector<std::string> notes;
-  const bool explicit_dims = args.has("layers") || args.has("q-heads");
+  const bool explicit_dims =
+      args.has("layers") || args.has("q-heads") || args.has("kv-heads") || args.has("head-dim");
+  Omitted omit;
   if (args.has("preset") + args.has("model") + explicit_dims > 1) {
     return fail(kCmd, "give one model source: -m FILE, --preset NAME or explicit dimensions");
   }
@@ -981,7 +1015,7 @@ int run_plan(const std::vector<std::string>& argv) {
     arch = capacity::find_preset(*args.get("preset"));
   } else if (explicit_dims) {
     if (!args.has("layers")) return fail(kCmd, "--layers is required with explicit dimensions");
-    arch = arch_from_flags(args);
+    arch = arch_from_flags(args, &omit);
   } else {
     model_path = resolve_model_path(args);
     arch = arch_from_gguf(model_path, &notes);
@@ -1098,6 +1132,34 @@ int run_plan(const std::vector<std::string>& argv) {
     notes.push_back("--recompute-rate/--compute are used with --link-bw (fetch and transfer)");
   }
 
+  // Figures that would rest on what explicit dimensions left out.
+  const bool act_given = in.activation_bytes.has_value();
+  if (omit.weights || (omit.q_heads && !act_given)) {
+    const std::string missing = omit.weights ? "--params or --weights" : "--q-heads or --act-bytes";
+    for (const char* flag : {"mem", "mem-bw", "svg"}) {
+      if (args.has(flag)) {
+        return fail(kCmd,
+                    std::string("--") + flag + " needs the model's total memory: give " + missing);
+      }
+    }
+  }
+  if (omit.weights && args.has("compute")) {
+    return fail(kCmd, "--compute (FLOP-based recompute) needs the parameter count: give --params");
+  }
+  if (omit.q_heads && args.has("compute")) {
+    return fail(kCmd, "--compute (FLOP-based recompute) needs the query heads: give --q-heads");
+  }
+  if (omit.weights) {
+    notes.push_back(
+        "weights not given (--params or --weights): weights, total and the figures "
+        "built on them are omitted");
+  }
+  if (omit.q_heads) {
+    notes.push_back(std::string("query heads not given (--q-heads): ") +
+                    (act_given ? "" : "the workspace estimate, total and ") +
+                    "the attention FLOPs are omitted; KV figures need only --kv-heads");
+  }
+
   auto result = capacity::plan(in);
   if (!result) return fail(kCmd, result.error().message);
   PlanResult& r = *result;
@@ -1113,9 +1175,9 @@ int run_plan(const std::vector<std::string>& argv) {
   Out out;
   out.gb = args.flag("gb");
   if (args.flag("json")) {
-    std::fputs(to_json(in, r).c_str(), stdout);
+    std::fputs(to_json(in, r, omit).c_str(), stdout);
   } else {
-    print_table(in, r, out);
+    print_table(in, r, out, omit);
   }
   if (args.flag("verify")) {
     if (model_path.empty()) {

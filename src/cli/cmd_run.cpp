@@ -41,7 +41,8 @@ int run_run(const std::vector<std::string>& argv) {
     std::fputs(
         format_help("kvstack run [-m MODEL] -p PROMPT [-n N] [--chat] [--temp T] [--top-k K] "
                     "[--top-p P] [--seed S] [--threads T] [--block-size P] "
-                    "[--kv-cache-mem SIZE] [--kv-dtype f32|f16|bf16]",
+                    "[--kv-cache-mem SIZE] [--kv-dtype " +
+                        kv_dtype_choices("|") + "]",
                     "Generate a continuation of the prompt through the paged KV cache. Text "
                     "streams to stdout; timings and KV memory go to stderr.",
                     specs)
@@ -116,13 +117,30 @@ int run_run(const std::vector<std::string>& argv) {
 
   Sequence seq = e.new_sequence(salt);
   BlockTable& table = seq.table();
+  // Up front: the pool must hold the prompt and every token -n allows (the
+  // prefix cache of this fresh engine holds at most the public prefixes,
+  // which count as available only when evictable).
+  if (Status fit = check_pool_fits(e, table, static_cast<int64_t>(tokens->size()), gen->max_tokens);
+      !fit.ok()) {
+    return fail("run", fit.error().message);
+  }
+  bool streamed = false, ends_in_newline = true;
   auto on_text = [&](std::string_view piece) {
-    if (json) return;
+    if (json || piece.empty()) return;
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
+    streamed = true;
+    ends_in_newline = piece.back() == '\n';
   };
   auto res = generate(e, seq, *tokens, *gen, on_text);
-  if (!res) return fail("run", res.error().message);
+  if (!res) {
+    // The error goes on its own line, never glued to the streamed text.
+    if (streamed && !ends_in_newline) {
+      std::fputc('\n', stdout);
+      std::fflush(stdout);
+    }
+    return fail("run", res.error().message);
+  }
   const GenerateStats& st = res->stats;
   const BlockPoolStats kv = e.pool().stats();
   if (json) {

@@ -10,6 +10,9 @@
 #include "core/cpu_features.h"
 #include "core/units.h"
 #include "engine/model.h"
+#include "kv/rotation.h"
+#include "model/config.h"
+#include "model/gguf.h"
 #include "ops/matmul.h"
 
 namespace kvstack::cli {
@@ -24,7 +27,8 @@ std::vector<OptionSpec> engine_options() {
       {"kv-dtype", 0, "TYPE",
        "KV cache format: f32, f16, bf16, fp8 (E4M3, per-block scale), int8 (per-token scale) or "
        "int4 (groups of 32), kivi2/kivi4 (KIVI: keys per channel, values per token, newest "
-       "tokens in f16) (default f16)"},
+       "tokens in f16) (default f16); fp8/int8/int4 turn on --kv-rotate, int8/int4 keys "
+       "also --kv-center (see --no-kv-rotate, --no-kv-center)"},
       {"kv-dtype-k", 0, "TYPE", "K's format when it differs from --kv-dtype"},
       {"kv-dtype-v", 0, "TYPE", "V's format when it differs from --kv-dtype"},
       {"kv-residual", 0, "R",
@@ -32,12 +36,16 @@ std::vector<OptionSpec> engine_options() {
       {"kv-rotate", 0, "",
        "rotate queries, keys and values per head (normalized Walsh-Hadamard with fixed random "
        "signs) before K/V are stored, and each attention output back: spreads outlier channels "
-       "for quantized caches; exact for float caches"},
+       "for quantized caches; exact for float caches (default: on when K or V is fp8, int8 or "
+       "int4 and the head dimension is a power of two)"},
+      {"no-kv-rotate", 0, "", "do not rotate, also for fp8/int8/int4 (opt out of the default)"},
       {"kv-center", 0, "",
        "subtract a per-layer, per-channel key mean (taken at start-up over a built-in "
        "calibration text) from every key before it is stored: removes the keys' channel "
        "offsets for quantized caches (int4: about a third less KL divergence); exact for "
-       "float caches"},
+       "float caches (default: on when K is int8 or int4)"},
+      {"no-kv-center", 0, "",
+       "do not centre the keys, also for int8/int4 (opt out of the default)"},
       {"kv-center-text", 0, "FILE", "calibrate --kv-center on this text instead (implies it)"},
       {"prefill-chunk", 0, "N", "max tokens per prefill step (default 512)"},
       {"no-prefix-cache", 0, "", "do not share KV between requests (no prefix cache)"},
@@ -46,6 +54,37 @@ std::vector<OptionSpec> engine_options() {
        "repeatable",
        true},
   };
+}
+
+std::string kv_dtype_choices(const char* sep) {
+  std::string out;
+  for (KvDtype t : {KvDtype::kF32, KvDtype::kF16, KvDtype::kBF16, KvDtype::kFp8, KvDtype::kInt8,
+                    KvDtype::kInt4, kKvDtypeKivi2, kKvDtypeKivi4}) {
+    if (!out.empty()) out += sep;
+    out += kv_dtype_name(t);
+  }
+  return out;
+}
+
+KvQualityDefaults kv_quality_defaults(KvDtype k, KvDtype v) {
+  auto per_token_quantized = [](KvDtype t) {
+    return t == KvDtype::kFp8 || t == KvDtype::kInt8 || t == KvDtype::kInt4;
+  };
+  return {.rotate = per_token_quantized(k) || per_token_quantized(v),
+          .center = k == KvDtype::kInt4 || k == KvDtype::kInt8};
+}
+
+bool model_supports_rotation(const std::string& model_path) {
+  auto file = GgufFile::open(model_path);
+  if (!file) return false;
+  auto mc = load_model_config(*file);
+  return mc && kv_rotation_check(KvRotation::kHadamard, mc->head_dim).ok();
+}
+
+std::string kv_dtype_label(const EngineConfig& c) {
+  std::string s = kv_dtype_name(c.key_dtype());
+  if (c.value_dtype() != c.key_dtype()) s += std::string("/") + kv_dtype_name(c.value_dtype());
+  return s;
 }
 
 Result<EngineConfig> engine_config_from(const Args& args) {
@@ -88,8 +127,21 @@ Result<EngineConfig> engine_config_from(const Args& args) {
   auto residual = args.get_int("kv-residual", 128, 0, 1 << 20);
   if (!residual) return residual.error();
   c.kv_residual = static_cast<int>(*residual);
-  if (args.flag("kv-rotate")) c.kv_rotation = KvRotation::kHadamard;
-  c.kv_center = args.flag("kv-center") || args.has("kv-center-text");
+  if (args.flag("kv-rotate") && args.flag("no-kv-rotate")) {
+    return make_error(Errc::kInvalidArgument, "give --kv-rotate or --no-kv-rotate, not both");
+  }
+  if ((args.flag("kv-center") || args.has("kv-center-text")) && args.flag("no-kv-center")) {
+    return make_error(Errc::kInvalidArgument,
+                      "give --kv-center (or --kv-center-text) or --no-kv-center, not both");
+  }
+  const KvQualityDefaults q = kv_quality_defaults(c.key_dtype(), c.value_dtype());
+  // The rotation default applies only where the model allows it; an explicit
+  // --kv-rotate on such a model is an error from Engine::create.
+  const bool rotate = args.flag("kv-rotate") || (q.rotate && !args.flag("no-kv-rotate") &&
+                                                 model_supports_rotation(c.model_path));
+  if (rotate) c.kv_rotation = KvRotation::kHadamard;
+  c.kv_center = args.flag("kv-center") || args.has("kv-center-text") ||
+                (q.center && !args.flag("no-kv-center"));
   if (args.has("kv-center-text")) {
     auto text = read_file(args.get_or("kv-center-text", ""));
     if (!text) return make_error(text.error().code, "--kv-center-text: " + text.error().message);
@@ -167,11 +219,21 @@ Result<std::unique_ptr<Engine>> load_engine(const Args& args, bool quiet) {
                        : std::string()))
                      .c_str(),
                  format_bytes(static_cast<double>(st.pool_bytes)).c_str());
+    if (cfg->kv_rotation != KvRotation::kNone) {
+      std::fprintf(stderr, "kvstack: --kv-rotate: Q/K/V rotated per head (%s)%s\n",
+                   kv_rotation_name(cfg->kv_rotation),
+                   args.flag("kv-rotate") ? ""
+                                          : "; the default for this KV format, --no-kv-rotate "
+                                            "turns it off");
+    }
     if (const KeyCenter* kc = (*engine)->key_center(); kc != nullptr) {
       std::fprintf(
-          stderr, "kvstack: --kv-center: key means over %lld calibration tokens (%s)\n",
+          stderr, "kvstack: --kv-center: key means over %lld calibration tokens (%s)%s\n",
           static_cast<long long>(kc->n_tokens),
-          args.has("kv-center-text") ? args.get_or("kv-center-text", "").c_str() : "built-in text");
+          args.has("kv-center-text") ? args.get_or("kv-center-text", "").c_str() : "built-in text",
+          args.flag("kv-center") || args.has("kv-center-text")
+              ? ""
+              : "; the default for int8/int4 keys, --no-kv-center turns it off");
     }
     if (!cfg->prefix_cache) {
       std::fprintf(stderr, "kvstack: prefix cache off\n");

@@ -17,7 +17,9 @@ void print_usage(FILE* out) {
                "usage: kvstack <command> [options]\n\n"
                "kvstack: an LLM inference engine built around its KV cache.\n\ncommands:\n");
   for (const auto& c : commands) std::fprintf(out, "  %-14s %s\n", c.name, c.summary);
-  std::fprintf(out, "\nRun 'kvstack <command> --help' for a command's options.\n");
+  std::fprintf(out,
+               "\nRun 'kvstack <command> --help' for a command's options, 'kvstack --version' "
+               "for the version.\n");
 }
 
 }  // namespace
@@ -30,6 +32,10 @@ int main(int argc, char** argv) {
   const std::string name = argv[1];
   if (name == "--help" || name == "-h" || name == "help") {
     print_usage(stdout);
+    return 0;
+  }
+  if (name == "--version" || name == "-V" || name == "version") {
+    std::printf("kvstack %s\n", KVSTACK_VERSION);
     return 0;
   }
   const std::vector<std::string> args(argv + 2, argv + argc);

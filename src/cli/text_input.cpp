@@ -1,5 +1,6 @@
 #include "cli/text_input.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -16,6 +17,28 @@ Result<std::string> read_file(const std::string& path) {
   ss << in.rdbuf();
   if (in.bad()) return make_error(Errc::kIo, path + ": read failed");
   return ss.str();
+}
+
+int64_t pool_room_tokens(Engine& engine, const BlockTable& table) {
+  const int64_t p = engine.layout().block_size();
+  const int64_t in_tail = table.capacity() - table.length();
+  return engine.pool().n_available() * p + in_tail;
+}
+
+Status check_pool_fits(Engine& engine, const BlockTable& table, int64_t n_prompt,
+                       int64_t max_tokens) {
+  const int64_t n_new = n_prompt + std::max<int64_t>(max_tokens - 1, 0);
+  const int64_t need = table.blocks_needed(n_new);
+  const int64_t have = engine.pool().n_available();
+  if (need <= have) return {};
+  const int64_t p = engine.layout().block_size();
+  return make_error(Errc::kOutOfBlocks,
+                    "the KV pool has room for " + std::to_string(have * p) + " tokens (" +
+                        std::to_string(have) + " free blocks of " + std::to_string(p) +
+                        "), but the prompt (" + std::to_string(n_prompt) + " tokens) plus up to " +
+                        std::to_string(max_tokens) + " generated tokens (-n) needs " +
+                        std::to_string(need) +
+                        " blocks: raise --kv-cache-tokens or --kv-cache-mem, or lower -n");
 }
 
 Status check_utf8(const std::string& text, const std::string& what) {

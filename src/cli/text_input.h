@@ -24,6 +24,16 @@ Result<std::string> read_file(const std::string& path);
 std::vector<OptionSpec> sampling_options();
 Result<GenerateOptions> generate_options_from(const Args& args);
 
+// Tokens `table` can still grow by from the pool's free and evictable
+// blocks (whole free blocks plus the room left in its last block).
+int64_t pool_room_tokens(Engine& engine, const BlockTable& table);
+
+// Up-front check for run: kOutOfBlocks naming the numbers and the flags to
+// change when the pool cannot hold n_prompt more tokens plus the max_tokens
+// - 1 generated tokens that are stored (the last sampled one never is).
+Status check_pool_fits(Engine& engine, const BlockTable& table, int64_t n_prompt,
+                       int64_t max_tokens);
+
 // Validates UTF-8; error names `what`.
 Status check_utf8(const std::string& text, const std::string& what);
 

@@ -1,5 +1,7 @@
 // `kvstack plan --verify`: runs the real engine on a synthetic workload of
 // exactly the planned shape and reports what the pool measured.
+#include <unistd.h>
+
 #include <cstdio>
 #include <random>
 
@@ -66,8 +68,14 @@ Result<VerifyReport> run_plan_verify(const VerifyRequest& request) {
     tables.push_back(e.new_table());
     KV_TRY_STATUS(e.prefill(tables.back(), tokens, LogitsMode::kNone, nullptr));
     done += t;
-    std::fprintf(stderr, "\rplan --verify: ran %lld/%lld tokens through the engine",
-                 static_cast<long long>(done), static_cast<long long>(total));
+    // In place on a terminal; on a pipe only the last count, on its own line.
+    if (isatty(STDERR_FILENO) != 0) {
+      std::fprintf(stderr, "\rplan --verify: ran %lld/%lld tokens through the engine",
+                   static_cast<long long>(done), static_cast<long long>(total));
+    } else if (done == total) {
+      std::fprintf(stderr, "plan --verify: ran %lld tokens through the engine\n",
+                   static_cast<long long>(total));
+    }
   }
   const int64_t rss_after = process_rss_bytes();
   e.pool().check_invariants();
@@ -78,8 +86,9 @@ Result<VerifyReport> run_plan_verify(const VerifyRequest& request) {
   r.block_count = static_cast<uint64_t>(st.n_blocks_used + st.n_blocks_cached);
   r.block_bytes = static_cast<uint64_t>(st.block_bytes);
   r.rss_growth_bytes = st.resident_bytes - pool_resident_before;
+  if (isatty(STDERR_FILENO) != 0) std::fputc('\n', stderr);
   std::fprintf(stderr,
-               "\nplan --verify: KV pool resident growth %lld bytes; whole-process RSS growth %lld "
+               "plan --verify: KV pool resident growth %lld bytes; whole-process RSS growth %lld "
                "bytes (includes weights paged in and activation buffers)\n",
                static_cast<long long>(r.rss_growth_bytes),
                static_cast<long long>(rss_after - rss_before));

@@ -19,12 +19,10 @@ import subprocess
 
 import pytest
 
-SRC = os.environ.get("KVSTACK_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
-BUILD = os.environ.get("KVSTACK_BUILD_DIR", "/work/main/build-samp")
+from conftest import BUILD_DIR, MODEL
+
 TOOL = os.environ.get("KVSTACK_CHAT_RENDER",
-                      os.path.join(BUILD, "src", "tokenizer", "tools", "kvstack_chat_render"))
-MODEL = os.environ.get("KVSTACK_MODEL",
-                       os.path.join(SRC, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+                      str(BUILD_DIR / "src" / "tokenizer" / "tools" / "kvstack_chat_render"))
 
 SYSTEM = ("system", "You are terse.\nAnswer in one line.")
 CONVERSATIONS = [

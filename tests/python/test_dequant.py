@@ -20,12 +20,10 @@ import pytest
 import gguf
 from gguf import GGMLQuantizationType as Q
 
-ROOT = Path(os.environ.get("KVSTACK_SOURCE_DIR", Path(__file__).resolve().parents[2]))
-BUILD_DIR = Path(os.environ.get("KVSTACK_BUILD_DIR", ROOT / "build-gguf"))
+from conftest import BUILD_DIR, MODEL as _MODEL
+
 TOOL = BUILD_DIR / "src" / "model" / "tools" / "kvstack_gguf_tool"
-MODEL = Path(
-    os.environ.get("KVSTACK_MODEL", ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
-)
+MODEL = Path(_MODEL)
 
 # Byte offsets of the f16 scale fields inside one block, per type.
 F16_FIELDS = {

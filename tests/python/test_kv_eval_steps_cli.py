@@ -22,7 +22,7 @@ def need_inputs():
 
 
 def kv_eval(*extra):
-    r = run_kvstack("kv-eval", "-m", MODEL, "-f", TEXT, "--kv-dtype", "int8,int4+ctr+rot",
+    r = run_kvstack("kv-eval", "-m", MODEL, "-f", TEXT, "--kv-dtype", "int8+plain,int4+ctr+rot",
                     "--ctx", 128, "--max-windows", 2, "--prompts", 0, "-t", 2, "--json", *extra)
     return {row["kv_dtype"]: row for row in
             (json.loads(l) for l in r.stdout.splitlines() if l.startswith("{"))}

@@ -7,10 +7,7 @@ import subprocess
 
 import pytest
 
-SRC = os.environ.get("KVSTACK_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
-BIN = os.environ.get("KVSTACK_BIN", os.path.join(SRC, "build-prefix", "src", "cli", "kvstack"))
-MODEL = os.environ.get("KVSTACK_MODEL",
-                       os.path.join(SRC, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+from conftest import KVSTACK_BIN as BIN, MODEL
 
 
 @pytest.fixture(scope="module")

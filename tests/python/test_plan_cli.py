@@ -113,3 +113,24 @@ def test_unreadable_gguf(tmp_path):
     proc = run_kvstack("plan", "-m", bad, check=False)
     assert proc.returncode == 2
     assert str(bad) in proc.stderr
+
+
+def test_plan_needs_neither_q_heads_nor_params_for_kv_bytes():
+    args = ["plan", "--layers", 32, "--kv-heads", 8, "--head-dim", 128, "--kv-dtype", "bf16",
+            "--ctx", 8192]
+    table = run_kvstack(*args)
+    assert "KV per token (all layers)          131072 B" in table.stdout, table.stdout
+    assert "weights not given" in table.stdout and "query heads not given" in table.stdout
+    out = json.loads(run_kvstack(*args, "--json").stdout)
+    # 2 (K and V) x 8 heads x 128 x 2 B x 32 layers per token.
+    assert out["kv_bytes_per_token"] == 131072
+    assert out["kv_payload_bytes"] == 8192 * 131072
+    for key in ["weights_bytes", "total_bytes", "crossover_tokens", "activation_bytes",
+                "decode_attention_flops_per_step"]:
+        assert key not in out, key
+    # With --q-heads and --params the omitted figures come back.
+    full = json.loads(run_kvstack(*args, "--q-heads", 32, "--params", "8B", "--json").stdout)
+    assert full["kv_bytes_per_token"] == 131072 and "total_bytes" in full
+    # A figure that needs the weights is an error naming what to give.
+    r = run_kvstack(*args, "--mem", "80GiB", check=False)
+    assert r.returncode != 0 and "--params or --weights" in r.stderr, r.stderr

@@ -20,10 +20,7 @@ import subprocess
 
 import pytest
 
-SRC = os.environ.get("KVSTACK_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
-BIN = os.environ.get("KVSTACK_BIN", "/work/main/build-tok/src/cli/kvstack")
-MODEL = os.environ.get("KVSTACK_MODEL",
-                       os.path.join(SRC, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+from conftest import KVSTACK_BIN as BIN, MODEL
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
