@@ -1,5 +1,8 @@
 #include "server/openai_protocol.h"
 
+#include <openssl/evp.h>
+
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -192,6 +195,19 @@ json ApiError::to_json() const {
   return json{{"error", err}};
 }
 
+std::string cache_salt_key(std::string_view salt) {
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int n = 0;
+  EVP_Digest(salt.data(), salt.size(), md, &n, EVP_sha256(), nullptr);
+  static const char kHex[] = "0123456789abcdef";
+  std::string out = "sha256:";
+  for (unsigned int i = 0; i < n; ++i) {
+    out += kHex[md[i] >> 4];
+    out += kHex[md[i] & 15];
+  }
+  return out;
+}
+
 const char* openai_finish_reason(FinishReason r) {
   return r == FinishReason::kLength ? "length" : "stop";
 }
@@ -278,6 +294,12 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
                                                     const Tokenizer& tokenizer,
                                                     const ChatTemplate* chat,
                                                     const ProtocolLimits& limits) {
+  // nlohmann's lexer ends the input at a NUL byte; JSON never holds a raw
+  // one (not even in strings), so a NUL means bytes after or inside the value.
+  if (const size_t nul = body_text.find('\0'); nul != std::string::npos) {
+    return bad("",
+               "the request body is not valid JSON: a NUL byte at offset " + std::to_string(nul));
+  }
   json body;
   try {
     body = json::parse(body_text);
@@ -287,6 +309,9 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
         what.find("UTF-8") != std::string::npos || what.find("surrogate") != std::string::npos;
     return bad("", utf8 ? "the request body is not valid UTF-8 JSON: " + what
                         : "the request body is not valid JSON: " + what);
+  } catch (const json::exception& e) {
+    // e.g. out_of_range 406: a number outside double's range (1e400).
+    return bad("", std::string("the request body is not valid JSON: ") + e.what());
   }
   if (!body.is_object()) {
     return bad("", std::string("the request body must be a JSON object, not ") + type_name(body));
@@ -305,7 +330,10 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
   s.penalty_last_n = -1;
 
   if (auto e = read_string(body, "model", &out.model)) return *e;
-  if (!out.model.empty() && out.model != limits.model_id) {
+  const bool known_model = out.model.empty() || out.model == limits.model_id ||
+                           std::find(limits.model_aliases.begin(), limits.model_aliases.end(),
+                                     out.model) != limits.model_aliases.end();
+  if (!known_model) {
     return api_error(404, "invalid_request_error",
                      "the model '" + out.model + "' does not exist; this server serves '" +
                          limits.model_id + "'",
@@ -357,6 +385,11 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
   }
   if (auto e = read_bool(body, "ignore_eos", &q.ignore_eos)) return *e;
   if (auto e = read_string(body, "cache_salt", &q.cache_salt)) return *e;
+  if (q.cache_salt.size() > kMaxCacheSaltBytes) {
+    return bad("cache_salt", "'cache_salt' is " + std::to_string(q.cache_salt.size()) +
+                                 " bytes, over the limit of " + std::to_string(kMaxCacheSaltBytes));
+  }
+  if (!q.cache_salt.empty()) q.cache_salt = cache_salt_key(q.cache_salt);
   if (auto it = body.find("stop"); it != body.end() && !it->is_null()) {
     if (it->is_string()) {
       q.stop.push_back(it->get<std::string>());
@@ -470,6 +503,8 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
       }
       ChatMessage cm;
       cm.role = m["role"].get<std::string>();
+      // OpenAI's newer name for the system role (sent by current clients).
+      if (cm.role == "developer") cm.role = "system";
       if (auto e = read_content(m, k, &cm.content)) return *e;
       if (!m.contains("content") || (m["content"].is_null() && cm.role != "assistant")) {
         return bad(where + ".content", "'" + where + ".content' is required");

@@ -27,11 +27,14 @@ openai = pytest.importorskip("openai")
 class ServerProcess:
     """A `kvstack serve` child on 127.0.0.1 and a free port."""
 
-    def __init__(self, *extra, api_key=None, timeout=120):
+    def __init__(self, *extra, api_key=None, admin_key=None, timeout=120):
         cmd = [KVSTACK_BIN, "serve", "-m", MODEL, "--port", "0", "--threads", str(THREADS), *extra]
         if api_key:
             cmd += ["--api-key", api_key]
+        if admin_key:
+            cmd += ["--admin-api-key", admin_key]
         self.api_key = api_key
+        self.admin_key = admin_key
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stderr_lines = []
         self.port = None
@@ -61,8 +64,12 @@ class ServerProcess:
     def get(self, path, **kw):
         return requests.get(self.base + path, timeout=30, **kw)
 
-    def kv_stats(self):
-        return self.get("/v1/kv/stats", headers=self.auth()).json()
+    def kv_stats(self, admin=True, **params):
+        """/v1/kv/stats; with the admin key (when the server has one) unless admin=False."""
+        headers = self.auth()
+        if admin and self.admin_key:
+            headers = {"Authorization": f"Bearer {self.admin_key}"}
+        return self.get("/v1/kv/stats", headers=headers, params=params).json()
 
     def auth(self):
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -91,7 +98,7 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--kv-cache-tokens", "4096", "--max-seqs", "16")
+    s = ServerProcess("--kv-cache-tokens", "4096", "--max-seqs", "16", admin_key="adm")
     yield s
     assert s.stop() == 0, "".join(s.stderr_lines[-20:])
 
