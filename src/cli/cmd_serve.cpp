@@ -7,6 +7,7 @@
 // (streams included) finish for up to --shutdown-grace seconds, what is left
 // is cancelled (a stream then ends with an error event and [DONE]), and the
 // HTTP server stops once every handler wrote its last event; exit 0.
+#include <malloc.h>
 #include <pthread.h>
 
 #include <atomic>
@@ -168,6 +169,12 @@ int run_serve(const std::vector<std::string>& argv) {
   sc.reserve_output_tokens = *reserve;
   auto cfg = engine_config_from(*args);
   if (!cfg) return fail("serve", cfg.error().message);
+
+  // Request bodies and their JSON (up to the 8 MiB limit) are transient: a
+  // fixed mmap threshold returns such buffers to the system when freed
+  // (glibc's threshold otherwise grows to the largest freed block and the
+  // memory stays in the heap, RSS never returning to its baseline).
+  mallopt(M_MMAP_THRESHOLD, 256 << 10);
 
   // Signals go to the signal thread only (blocked before any thread starts).
   sigset_t sigs;

@@ -247,6 +247,10 @@ GuardStats GuardedServer::stats() const {
   return s;
 }
 
+void GuardedServer::widen_backlog(int backlog) {
+  ::listen(svr_sock_, backlog);
+}
+
 bool GuardedServer::process_and_close_socket(socket_t sock) {
   // On a worker thread, right after accept: hand the socket to the waiter.
   auto c = std::make_shared<Conn>();

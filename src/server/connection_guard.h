@@ -90,6 +90,11 @@ class GuardedServer : public httplib::Server {
 
   GuardStats stats() const;
 
+  // Re-listens on the bound socket with a larger accept backlog (httplib
+  // listens with 5: a burst of connections past it waits for SYN
+  // retransmits, a second and more). REQUIRES: a bind_to_* succeeded.
+  void widen_backlog(int backlog);
+
   struct Conn;  // one accepted connection (connection_guard.cpp)
 
  private:

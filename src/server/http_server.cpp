@@ -284,6 +284,7 @@ Status HttpServer::bind() {
                                      std::to_string(config_.port) +
                                      " (address in use or not available)");
   }
+  http_->widen_backlog(1024);
   return {};
 }
 
