@@ -599,13 +599,18 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
     RequestUsage usage;
     std::optional<Error> error;
     TokenClock clock;
+    auto last_check = std::chrono::steady_clock::now();
     bool done = false;
     while (!done) {
       std::vector<SeqEvent> evs;
-      if (!(*handle)->wait(&evs, std::chrono::milliseconds(50)) && !current_connection_alive()) {
-        // Nobody waits for the answer: free the request's blocks (the
-        // scheduler drops it within one step, queued or running).
-        (*handle)->cancel();
+      (*handle)->wait(&evs, std::chrono::milliseconds(50));
+      // Every 50 ms, tokens arriving or not: is the client still there? If
+      // not, nobody waits for the answer: free the request's blocks (the
+      // scheduler drops it within one step, queued or running).
+      const auto now = std::chrono::steady_clock::now();
+      if (now - last_check >= std::chrono::milliseconds(50)) {
+        last_check = now;
+        if (!(*handle)->cancelled() && !current_connection_alive()) (*handle)->cancel();
       }
       for (SeqEvent& ev : evs) {
         ChoiceOut& c = choices[ev.index];

@@ -13,13 +13,14 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import requests
 
-from conftest import KVSTACK_BIN, MODEL, THREADS, run_kvstack
+from conftest import KVSTACK_BIN, MODEL, SOURCE_DIR, THREADS, run_kvstack
 
 openai = pytest.importorskip("openai")
 
@@ -446,3 +447,57 @@ def test_kv_events_file(tmp_path):
                            str(tmp_path / "no" / "such" / "dir.jsonl")], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and "--kv-events" in proc.stderr
+
+
+def _readme_block(lang, needle):
+    text = (SOURCE_DIR / "README.md").read_text()
+    for m in re.finditer(r"```" + lang + r"\n(.*?)```", text, re.S):
+        if needle in m[1]:
+            return m[1]
+    raise AssertionError(f"README.md has no ```{lang} block with {needle!r}")
+
+
+def test_readme_quick_start_runs_as_written(server):
+    """The README's curl line and openai snippet, with only the port changed."""
+    port = f"127.0.0.1:{server.port}"
+    curl = _readme_block("sh", "curl http://127.0.0.1:8080").replace("127.0.0.1:8080", port)
+    out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    reply = json.loads(out.stdout)
+    assert reply["model"] == "kvstack" and reply["choices"][0]["message"]["content"]
+    snippet = _readme_block("python", "from openai import OpenAI").replace("127.0.0.1:8080", port)
+    out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "completion_tokens" in out.stdout
+
+
+def test_developer_role_prompt_list_echo_logprobs(server):
+    c = server.client()
+    r = c.chat.completions.create(model="kvstack", max_tokens=4, temperature=0, messages=[
+        {"role": "developer", "content": "You answer briefly."},
+        {"role": "user", "content": "Hi"}])
+    assert r.choices[0].message.content is not None
+    # echo + logprobs: the prompt's tokens first (the very first without a logprob).
+    prompt = "The capital of France is"
+    r = requests.post(server.base + "/v1/completions", timeout=60, json={
+        "model": "kvstack", "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True,
+        "logprobs": 2}).json()
+    lp = r["choices"][0]["logprobs"]
+    n_prompt = r["usage"]["prompt_tokens"]
+    assert len(lp["tokens"]) == n_prompt + 2 == len(lp["token_logprobs"])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(x < 0 for x in lp["token_logprobs"][1:])
+    assert "".join(lp["tokens"][:n_prompt]) == prompt
+    assert r["choices"][0]["text"].startswith(prompt)
+    # The prompt logprobs agree with what the model gives when it samples that
+    # token: " Paris" after the prompt (greedy) vs the echo of prompt + " Paris".
+    greedy = requests.post(server.base + "/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1}).json()
+    tok = greedy["choices"][0]["logprobs"]["tokens"][0]
+    first = greedy["choices"][0]["logprobs"]["token_logprobs"][0]
+    again = requests.post(server.base + "/v1/completions", timeout=60, json={
+        "prompt": prompt + tok, "max_tokens": 1, "echo": True, "logprobs": 0}).json()
+    echoed = again["choices"][0]["logprobs"]
+    assert echoed["tokens"][n_prompt] == tok
+    assert abs(echoed["token_logprobs"][n_prompt] - first) < 0.05
