@@ -13,6 +13,7 @@
 
 #include "kv/prefix_index.h"
 #include "server/openai_protocol.h"
+#include "server/request_group.h"
 
 namespace kvstack::server {
 
@@ -564,17 +565,26 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
     p->seq.max_tokens = std::max<int64_t>(1, std::min(n_ctx - n_prompt, per_choice));
   }
   if (p->model.empty()) p->model = config_.model_id;
-  const int64_t n_prompt_echo = static_cast<int64_t>(p->prompt_text.size());
+  // Every prompt of the request (a list on /v1/completions): one scheduler
+  // request each, seen as one through a RequestGroup.
+  std::vector<std::vector<int32_t>> prompts = {p->seq.prompt};
+  auto texts = std::make_shared<std::vector<std::string>>(1, p->prompt_text);
+  for (size_t k = 0; k < p->more_prompts.size(); ++k) {
+    prompts.push_back(p->more_prompts[k]);
+    texts->push_back(p->more_prompt_texts[k]);
+  }
   // echo + logprobs: the prompt tokens' own logprobs (the first has none).
-  auto echo_lps = std::make_shared<std::vector<SampledToken>>();
+  auto echo_lps = std::make_shared<std::vector<std::vector<SampledToken>>>(prompts.size());
   if (p->echo && p->logprobs && endpoint == Endpoint::kCompletions) {
     Status st = Status();
     const Status ran = s->inspect([&](Engine& e) {
-      auto r = prompt_logprobs(e, p->seq.prompt, std::max(0, p->seq.n_logprobs));
-      if (r) {
-        *echo_lps = std::move(*r);
-      } else {
-        st = r.error();
+      for (size_t k = 0; k < prompts.size() && st.ok(); ++k) {
+        auto r = prompt_logprobs(e, prompts[k], std::max(0, p->seq.n_logprobs));
+        if (r) {
+          (*echo_lps)[k] = std::move(*r);
+        } else {
+          st = r.error();
+        }
       }
     });
     if (!ran.ok()) st = ran;
@@ -583,11 +593,20 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
       return;
     }
   }
-  auto handle = s->submit(p->seq);
-  if (!handle) {
-    send_error(res, api_error_from(handle.error()));
-    return;
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  for (const auto& prompt : prompts) {
+    SeqRequest q = p->seq;
+    q.prompt = prompt;
+    auto h = s->submit(std::move(q));
+    if (!h) {
+      for (auto& done : handles) done->cancel();
+      send_error(res, api_error_from(h.error()));
+      return;
+    }
+    handles.push_back(*h);
   }
+  auto group = std::make_shared<RequestGroup>(std::move(handles), p->seq.n);
+  const int n_per_prompt = p->seq.n;
   const bool chat = endpoint == Endpoint::kChat;
   const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_.fetch_add(1)) +
                          "-" + std::to_string(unix_now());
@@ -603,14 +622,14 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
     bool done = false;
     while (!done) {
       std::vector<SeqEvent> evs;
-      (*handle)->wait(&evs, std::chrono::milliseconds(50));
+      group->wait(&evs, std::chrono::milliseconds(50));
       // Every 50 ms, tokens arriving or not: is the client still there? If
       // not, nobody waits for the answer: free the request's blocks (the
       // scheduler drops it within one step, queued or running).
       const auto now = std::chrono::steady_clock::now();
       if (now - last_check >= std::chrono::milliseconds(50)) {
         last_check = now;
-        if (!(*handle)->cancelled() && !current_connection_alive()) (*handle)->cancel();
+        if (!group->cancelled() && !current_connection_alive()) group->cancel();
       }
       for (SeqEvent& ev : evs) {
         ChoiceOut& c = choices[ev.index];
@@ -638,8 +657,14 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
     json arr = json::array();
     for (auto& [i, c] : choices) {
       json lp = nullptr;
-      if (p->logprobs) lp = logprobs_json(endpoint, tok, c.logprobs, n_prompt_echo);
-      if (p->logprobs && p->echo) lp = echo_logprobs_json(tok, *echo_lps, lp);
+      const std::string& prompt_text = (*texts)[static_cast<size_t>(i / n_per_prompt)];
+      if (p->logprobs) {
+        lp = logprobs_json(endpoint, tok, c.logprobs,
+                           p->echo ? static_cast<int64_t>(prompt_text.size()) : 0);
+      }
+      if (p->logprobs && p->echo) {
+        lp = echo_logprobs_json(tok, (*echo_lps)[static_cast<size_t>(i / n_per_prompt)], lp);
+      }
       json choice = {
           {"index", i},
           {"logprobs", lp},
@@ -647,7 +672,7 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
       if (chat) {
         choice["message"] = {{"role", "assistant"}, {"content", c.text}};
       } else {
-        choice["text"] = p->echo ? p->prompt_text + c.text : c.text;
+        choice["text"] = p->echo ? prompt_text + c.text : c.text;
       }
       arr.push_back(choice);
     }
@@ -659,15 +684,15 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
   }
 
   // Server-sent events.
-  auto h = *handle;
+  auto h = group;
   auto state = std::make_shared<std::map<int, ChoiceOut>>();
   auto finished = std::make_shared<bool>(false);
   auto clock = std::make_shared<TokenClock>();
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [this, count, h, p, state, finished, id, created, chat, endpoint, tokp, echo_lps, clock](
-          size_t, httplib::DataSink& sink) {
+      [this, count, h, p, state, finished, id, created, chat, endpoint, tokp, echo_lps, texts,
+       clock, n_per_prompt](size_t, httplib::DataSink& sink) {
         auto send = [&](const json& j) {
           const std::string line = "data: " + dump(j) + "\n\n";
           return sink.write(line.data(), line.size());
@@ -677,7 +702,8 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
           json lp = nullptr;
           if (p->logprobs && !lps.empty()) lp = logprobs_json(endpoint, *tokp, lps, 0);
           if (p->logprobs && p->echo && first && !chat) {
-            lp = echo_logprobs_json(*tokp, *echo_lps, lp);
+            lp = echo_logprobs_json(*tokp, (*echo_lps)[static_cast<size_t>(index / n_per_prompt)],
+                                    lp);
           }
           json c = {
               {"index", index},
@@ -716,7 +742,9 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
           const bool first = !c.role_sent;
           if (ev.kind == SeqEvent::Kind::kToken) {
             std::string text = ev.text;
-            if (first && p->echo && !chat) text.insert(0, p->prompt_text);
+            if (first && p->echo && !chat) {
+              text.insert(0, (*texts)[static_cast<size_t>(ev.index / n_per_prompt)]);
+            }
             std::vector<SampledToken> lps;
             if (ev.logprob) lps.push_back(*ev.logprob);
             if (!text.empty() || !lps.empty() || first) {

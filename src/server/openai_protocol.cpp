@@ -441,36 +441,65 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
     if (auto e = read_bool(body, "echo", &out.echo)) return *e;
     auto it = body.find("prompt");
     if (it == body.end() || it->is_null()) return bad("prompt", "'prompt' is required");
-    const json* p = &*it;
-    if (p->is_array() && p->size() == 1 && (*p)[0].is_string()) p = &(*p)[0];
-    if (p->is_string()) {
-      out.prompt_text = p->get<std::string>();
-      if (out.prompt_text.empty()) return bad("prompt", "'prompt' is empty");
-      q.prompt = tokenizer.tokenize(out.prompt_text, {.add_special = true, .parse_special = true});
-    } else if (p->is_array() && !p->empty() && (*p)[0].is_number()) {
-      for (const json& t : *p) {
-        if (!t.is_number_integer())
-          return bad("prompt", "'prompt' token arrays must hold integers");
-        const int64_t id = t.get<int64_t>();
-        if (id < 0 || id >= tokenizer.n_vocab()) {
-          return bad("prompt", "'prompt' token id " + std::to_string(id) + " is out of range [0, " +
-                                   std::to_string(tokenizer.n_vocab()) + ")");
+    // One prompt: a string or an array of token ids.
+    auto one = [&](const json& p, const std::string& param, std::vector<int32_t>* ids,
+                   std::string* text) -> std::optional<ApiError> {
+      if (p.is_string()) {
+        *text = p.get<std::string>();
+        if (text->empty()) return bad("prompt", "'" + param + "' is empty");
+        *ids = tokenizer.tokenize(*text, {.add_special = true, .parse_special = true});
+      } else if (p.is_array() && !p.empty() && p[0].is_number()) {
+        for (const json& t : p) {
+          if (!t.is_number_integer()) {
+            return bad("prompt", "'" + param + "' token arrays must hold integers");
+          }
+          const int64_t id = t.get<int64_t>();
+          if (id < 0 || id >= tokenizer.n_vocab()) {
+            return bad("prompt", "'" + param + "' token id " + std::to_string(id) +
+                                     " is out of range [0, " + std::to_string(tokenizer.n_vocab()) +
+                                     ")");
+          }
+          ids->push_back(static_cast<int32_t>(id));
         }
-        q.prompt.push_back(static_cast<int32_t>(id));
+        if (out.echo) {
+          auto t = tokenizer.detokenize(*ids);
+          if (t) *text = *t;
+        }
+      } else if (p.is_array() && p.empty()) {
+        return bad("prompt", "'" + param + "' is empty");
+      } else {
+        return bad("prompt", "'" + param + "' must be a string or an array of token ids, not " +
+                                 type_name(p));
       }
-      if (out.echo) {
-        auto text = tokenizer.detokenize(q.prompt);
-        if (text) out.prompt_text = *text;
+      if (ids->empty()) return bad("prompt", "'" + param + "' has no tokens");
+      return std::nullopt;
+    };
+    const json& p = *it;
+    const bool single = p.is_string() || (p.is_array() && (p.empty() || p[0].is_number()));
+    if (single) {
+      if (auto e = one(p, "prompt", &q.prompt, &out.prompt_text)) return *e;
+    } else if (p.is_array()) {
+      // A list of prompts (strings or token arrays): one choice set each.
+      if (p.size() > kMaxPrompts) {
+        return bad("prompt", "'prompt' lists " + std::to_string(p.size()) +
+                                 " prompts, over the limit of " + std::to_string(kMaxPrompts));
       }
-    } else if (p->is_array() && p->empty()) {
-      return bad("prompt", "'prompt' is empty");
-    } else if (p->is_array()) {
-      return bad("prompt",
-                 "'prompt' must be a string, one string in an array, or an array of token ids "
-                 "(batched prompts are not supported: send one request per prompt)");
+      for (size_t k = 0; k < p.size(); ++k) {
+        std::vector<int32_t> ids;
+        std::string text;
+        if (auto e = one(p[k], "prompt[" + std::to_string(k) + "]", &ids, &text)) return *e;
+        if (k == 0) {
+          q.prompt = std::move(ids);
+          out.prompt_text = std::move(text);
+        } else {
+          out.more_prompts.push_back(std::move(ids));
+          out.more_prompt_texts.push_back(std::move(text));
+        }
+      }
     } else {
-      return bad("prompt", std::string("'prompt' must be a string or an array of token ids, not ") +
-                               type_name(*p));
+      return bad("prompt", std::string("'prompt' must be a string, an array of token ids or a "
+                                       "list of those, not ") +
+                               type_name(p));
     }
     if (q.prompt.empty()) return bad("prompt", "'prompt' has no tokens");
     q.max_tokens = max_tokens > 0 ? max_tokens : limits.default_max_tokens_completions;

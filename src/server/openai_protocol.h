@@ -47,7 +47,14 @@ struct ParsedRequest {
   bool logprobs = false;       // report logprobs (completions: logprobs=k; chat: logprobs=true)
   bool echo = false;           // completions: prepend the prompt text
   std::string prompt_text;     // for echo
+  // completions: the prompts after the first when "prompt" is a list (each
+  // one a scheduler request like seq; choice index = prompt * n + choice).
+  std::vector<std::vector<int32_t>> more_prompts;
+  std::vector<std::string> more_prompt_texts;  // for echo
 };
+
+// Prompts in one /v1/completions request at most.
+inline constexpr size_t kMaxPrompts = 64;
 
 struct ProtocolLimits {
   std::string model_id;                    // served model name (requests may name it or omit it)

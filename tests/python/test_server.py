@@ -276,7 +276,11 @@ def _bad_table():
         (C, {"prompt": []}, 400, "invalid_request_error"),
         (C, {"prompt": [1, -3]}, 400, "invalid_request_error"),
         (C, {"prompt": [1, 10**9]}, 400, "invalid_request_error"),
-        (C, {"prompt": ["a", "b"]}, 400, "invalid_request_error"),
+        (C, {"prompt": ["a", ""]}, 400, "invalid_request_error"),
+        (C, {"prompt": ["a"] * 65}, 400, "invalid_request_error"),
+        (C, b'{"prompt": "x", "temperature": 1e400}', 400, "invalid_request_error"),
+        (C, {"prompt": "x", "cache_salt": "s" * 1025}, 400, "invalid_request_error"),
+        (C, {"prompt": "x", "model": "gpt-4"}, 404, "invalid_request_error"),
         (C, {"prompt": "x", "max_tokens": "ten"}, 400, "invalid_request_error"),
         (C, {"prompt": "x", "max_tokens": 0}, 400, "invalid_request_error"),
         (C, {"prompt": "x", "max_tokens": 1.5}, 400, "invalid_request_error"),
@@ -472,7 +476,7 @@ def test_readme_quick_start_runs_as_written(server):
     assert "completion_tokens" in out.stdout
 
 
-def test_developer_role_prompt_list_echo_logprobs(server):
+def test_developer_role_and_echo_logprobs(server):
     c = server.client()
     r = c.chat.completions.create(model="kvstack", max_tokens=4, temperature=0, messages=[
         {"role": "developer", "content": "You answer briefly."},
@@ -501,3 +505,30 @@ def test_developer_role_prompt_list_echo_logprobs(server):
     echoed = again["choices"][0]["logprobs"]
     assert echoed["tokens"][n_prompt] == tok
     assert abs(echoed["token_logprobs"][n_prompt] - first) < 0.05
+
+
+def test_prompt_list(server):
+    prompts = ["The capital of France is", "def quicksort(arr):\n   "]
+    c = server.client()
+    r = c.completions.create(model="kvstack", prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    singles = [c.completions.create(model="kvstack", prompt=p, max_tokens=6, temperature=0)
+               for p in prompts]
+    # Choice prompt * n + j answers prompt `prompt` (greedy: every choice the same text).
+    for i, ch in enumerate(r.choices):
+        assert ch.text == singles[i // 2].choices[0].text
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert r.usage.completion_tokens == 4 * 6
+    # Streaming: every choice index, one [DONE] at the end.
+    seen, done = set(), 0
+    with requests.post(server.base + "/v1/completions", stream=True, timeout=60, json={
+            "prompt": prompts, "max_tokens": 4, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line == b"data: [DONE]":
+                done += 1
+            elif line.startswith(b"data: "):
+                seen.add(json.loads(line[6:])["choices"][0]["index"])
+    assert seen == {0, 1} and done == 1
+    bad = requests.post(server.base + "/v1/completions", timeout=30,
+                        json={"prompt": ["ok", 5], "max_tokens": 1})
+    assert bad.status_code == 400 and "prompt[1]" in bad.json()["error"]["message"]
