@@ -243,7 +243,10 @@ std::string prometheus_text(const SchedulerMetrics& m, const BlockPoolStats& poo
                                                        {"busy", guard->busy},
                                                        {"body_timeout", guard->body_timeouts}};
     for (const auto& [reason, n] : reasons) {
-      out += name + "{" + labels + ",reason=\"" + reason + "\"} " + std::to_string(n) + "\n";
+      out += name;
+      out += "{" + labels + ",reason=\"";
+      out += reason;
+      out += "\"} " + std::to_string(n) + "\n";
     }
     append_metric(out, "kvstack:http_requests_served_total", "counter",
                   "Requests handed to the HTTP handlers.", static_cast<double>(guard->served),
@@ -684,7 +687,7 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
   }
 
   // Server-sent events.
-  auto h = group;
+  const std::shared_ptr<RequestGroup>& h = group;
   auto state = std::make_shared<std::map<int, ChoiceOut>>();
   auto finished = std::make_shared<bool>(false);
   auto clock = std::make_shared<TokenClock>();
