@@ -3,8 +3,11 @@
 //
 // Threads: the main thread serves HTTP (httplib workers handle requests),
 // one engine thread runs the scheduler loop, one signal thread waits for
-// SIGINT/SIGTERM. On a signal: stop accepting, let in-flight requests finish
-// for up to --shutdown-grace seconds, cancel what is left, exit 0.
+// SIGINT/SIGTERM. On a signal: new requests get 503, in-flight requests
+// (streams included) finish for up to --shutdown-grace seconds, what is left
+// is cancelled (a stream then ends with an error event and [DONE]), and the
+// HTTP server stops once every handler wrote its last event; exit 0.
+#include <malloc.h>
 #include <pthread.h>
 
 #include <atomic>
@@ -106,6 +109,13 @@ int run_serve(const std::vector<std::string>& argv) {
   specs.push_back({"host", 0, "ADDR", "address to listen on (default 127.0.0.1)"});
   specs.push_back({"port", 0, "N", "TCP port, 0 = any free port (default 8080)"});
   specs.push_back({"api-key", 0, "KEY", "require 'Authorization: Bearer KEY' on /v1/*"});
+  specs.push_back({"admin-api-key", 0, "KEY",
+                   "a key that also sees every tenant's prefix-cache statistics in /v1/kv/stats"});
+  specs.push_back({"request-timeout", 0, "S",
+                   "seconds a client has to send its request head and body (default 30; the "
+                   "head alone 10 at most)"});
+  specs.push_back({"max-conns-per-client", 0, "N",
+                   "requests served at once per client address (default: half the HTTP threads)"});
   specs.push_back({"max-seqs", 0, "N", "sequences decoded together per step (default 16)"});
   specs.push_back(
       {"max-batch-tokens", 0, "N", "tokens per step, decodes + prefill chunks (default 256)"});
@@ -140,12 +150,16 @@ int run_serve(const std::vector<std::string>& argv) {
   auto max_queue = args->get_int("max-queue", 256, 1, 1 << 20);
   auto reserve = args->get_int("reserve-output", 32, -1, 1 << 24);
   auto grace = args->get_double("shutdown-grace", 10, 0, 3600);
+  auto request_timeout = args->get_double("request-timeout", 30, 0.1, 3600);
+  auto per_client = args->get_int("max-conns-per-client", 0, 0, 1 << 20);
   for (const Status& st : {port.ok() ? Status() : Status(port.error()),
                            max_seqs.ok() ? Status() : Status(max_seqs.error()),
                            max_batch.ok() ? Status() : Status(max_batch.error()),
                            max_queue.ok() ? Status() : Status(max_queue.error()),
                            reserve.ok() ? Status() : Status(reserve.error()),
-                           grace.ok() ? Status() : Status(grace.error())}) {
+                           grace.ok() ? Status() : Status(grace.error()),
+                           request_timeout.ok() ? Status() : Status(request_timeout.error()),
+                           per_client.ok() ? Status() : Status(per_client.error())}) {
     if (!st.ok()) return fail("serve", st.error().message);
   }
   SchedulerConfig sc;
@@ -155,6 +169,12 @@ int run_serve(const std::vector<std::string>& argv) {
   sc.reserve_output_tokens = *reserve;
   auto cfg = engine_config_from(*args);
   if (!cfg) return fail("serve", cfg.error().message);
+
+  // Request bodies and their JSON (up to the 8 MiB limit) are transient: a
+  // fixed mmap threshold returns such buffers to the system when freed
+  // (glibc's threshold otherwise grows to the largest freed block and the
+  // memory stays in the heap, RSS never returning to its baseline).
+  mallopt(M_MMAP_THRESHOLD, 256 << 10);
 
   // Signals go to the signal thread only (blocked before any thread starts).
   sigset_t sigs;
@@ -169,8 +189,14 @@ int run_serve(const std::vector<std::string>& argv) {
   hc.host = args->get_or("host", "127.0.0.1");
   hc.port = static_cast<int>(*port);
   hc.api_key = args->get_or("api-key", "");
+  hc.admin_api_key = args->get_or("admin-api-key", "");
   hc.model_id = args->get_or("model-id", model_id_from_path(cfg->model_path));
+  // "kvstack" (the README's examples) and the file name always name it too.
+  hc.model_aliases = {"kvstack", model_id_from_path(cfg->model_path)};
   hc.n_http_threads = static_cast<int>(std::min<int64_t>(1024, *max_seqs + *max_queue + 16));
+  hc.request_timeout_s = *request_timeout;
+  hc.head_timeout_s = std::min(10.0, *request_timeout);
+  hc.max_conns_per_client = static_cast<int>(*per_client);
   server::HttpServer http(hc);
   if (auto st = http.bind(); !st.ok()) return fail("serve", st.error().message);
   // HTTP answers /health (503 "loading") while the model loads.
@@ -224,15 +250,23 @@ int run_serve(const std::vector<std::string>& argv) {
     if (sig == SIGUSR1) return;  // internal wake-up: the server ended by itself
     std::fprintf(stderr, "kvstack serve: %s: draining in-flight requests\n",
                  sig == SIGINT ? "SIGINT" : "SIGTERM");
+    // New submissions fail (503) from here; the HTTP server keeps serving
+    // so that running streams can write their last events: httplib's
+    // stop() would cut every chunked response at once.
     s.shutdown(/*drain=*/true);
-    std::thread stopper([&] { http.stop(); });
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(*grace);
     while (std::chrono::steady_clock::now() < deadline &&
            s.metrics().n_running + s.metrics().n_waiting > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    s.shutdown(/*drain=*/false);
-    stopper.join();
+    s.shutdown(/*drain=*/false);  // past the grace period: cancel the rest
+    // Every handler writes its request's last event (finish or error, then
+    // [DONE]) within a poll interval; a client that stopped reading is
+    // given up on after a few seconds.
+    if (!http.wait_handlers(std::chrono::seconds(5))) {
+      std::fprintf(stderr, "kvstack serve: some responses did not finish writing\n");
+    }
+    http.stop();
   });
 
   http_thread.join();

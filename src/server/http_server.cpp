@@ -2,14 +2,18 @@
 
 #include <httplib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <map>
+#include <thread>
 
 #include "kv/prefix_index.h"
 #include "server/openai_protocol.h"
+#include "server/request_group.h"
 
 namespace kvstack::server {
 
@@ -69,10 +73,116 @@ void append_metric(std::string& out, const std::string& name, const char* type,
          labels + "} " + buf + "\n";
 }
 
+// Counts a running completion handler (HttpServer::wait_handlers).
+struct HandlerCount {
+  std::atomic<int>& n;
+  explicit HandlerCount(std::atomic<int>& c) : n(c) { n.fetch_add(1); }
+  ~HandlerCount() { n.fetch_sub(1); }
+  HandlerCount(const HandlerCount&) = delete;
+  HandlerCount& operator=(const HandlerCount&) = delete;
+};
+
+// First and last token times per choice, for the TPOT histogram.
+class TokenClock {
+ public:
+  void on_event(const SeqEvent& ev) {
+    if (ev.kind != SeqEvent::Kind::kToken) return;
+    Times& t = by_choice_[ev.index];
+    const auto now = std::chrono::steady_clock::now();
+    if (t.n == 0) t.first = now;
+    t.last = now;
+    t.n++;
+  }
+  // Mean over choices with >= 2 tokens of (last - first) / (tokens - 1).
+  std::optional<double> tpot() const {
+    double sum = 0;
+    int n = 0;
+    for (const auto& [i, t] : by_choice_) {
+      if (t.n < 2) continue;
+      sum += std::chrono::duration<double>(t.last - t.first).count() / (t.n - 1);
+      n++;
+    }
+    if (n == 0) return std::nullopt;
+    return sum / n;
+  }
+
+ private:
+  struct Times {
+    std::chrono::steady_clock::time_point first, last;
+    int64_t n = 0;
+  };
+  std::map<int, Times> by_choice_;
+};
+
+// Log-probabilities of each prompt token given the ones before it (the
+// first token has none: its entry holds token only), with the `n_top` most
+// likely alternatives, from the model's raw logits (log-softmax in double).
+// Runs the prompt through a scratch table in chunks (its blocks return to
+// the pool at the end). REQUIRES: the engine thread (Scheduler::inspect).
+Result<std::vector<SampledToken>> prompt_logprobs(Engine& e, const std::vector<int32_t>& prompt,
+                                                  int n_top) {
+  std::vector<SampledToken> out(prompt.size());
+  if (prompt.empty()) return out;
+  out[0].token = prompt[0];
+  BlockTable table = e.new_table();
+  const int n_vocab = e.tokenizer().n_vocab();
+  const size_t chunk = 64;
+  std::vector<float> logits;
+  std::vector<int32_t> order(static_cast<size_t>(n_vocab));
+  for (size_t from = 0; from + 1 < prompt.size(); from += chunk) {
+    const size_t to = std::min(prompt.size() - 1, from + chunk);  // rows predict [from+1, to]
+    logits.clear();
+    const std::span<const int32_t> tokens(prompt.data() + from, to - from);
+    if (auto st = e.prefill(table, tokens, LogitsMode::kAll, &logits); !st.ok()) return st.error();
+    for (size_t r = 0; r < to - from; ++r) {
+      const float* row = logits.data() + r * static_cast<size_t>(n_vocab);
+      double mx = row[0];
+      for (int v = 1; v < n_vocab; ++v) mx = std::max<double>(mx, row[v]);
+      double z = 0;
+      for (int v = 0; v < n_vocab; ++v) z += std::exp(static_cast<double>(row[v]) - mx);
+      const double lse = mx + std::log(z);
+      SampledToken& t = out[from + r + 1];
+      t.token = prompt[from + r + 1];
+      t.logprob = static_cast<float>(row[t.token] - lse);
+      if (n_top > 0) {
+        for (int v = 0; v < n_vocab; ++v) order[static_cast<size_t>(v)] = v;
+        const auto k = static_cast<ptrdiff_t>(std::min(n_top, n_vocab));
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+          return row[a] > row[b] || (row[a] == row[b] && a < b);
+        });
+        for (ptrdiff_t j = 0; j < k; ++j) {
+          t.top.push_back({order[static_cast<size_t>(j)],
+                           static_cast<float>(row[order[static_cast<size_t>(j)]] - lse)});
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// The completions logprobs object of an echoed prompt followed by the
+// generated tokens' object `generated` (null when there are none yet): the
+// prompt's first token has a null logprob and null top_logprobs, as OpenAI's.
+json echo_logprobs_json(const Tokenizer& tok, const std::vector<SampledToken>& prompt,
+                        const json& generated) {
+  json lp = logprobs_json(Endpoint::kCompletions, tok, prompt, 0);
+  if (!prompt.empty()) {
+    lp["token_logprobs"][0] = nullptr;
+    lp["top_logprobs"][0] = nullptr;
+  }
+  if (generated.is_object()) {
+    for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"}) {
+      for (const json& v : generated[key]) lp[key].push_back(v);
+    }
+  }
+  return lp;
+}
+
 }  // namespace
 
 std::string prometheus_text(const SchedulerMetrics& m, const BlockPoolStats& pool,
-                            const std::string& model_id) {
+                            const std::string& model_id, const GuardStats* guard,
+                            const Histogram* tpot) {
   const std::string labels = "model_name=\"" + model_id + "\"";
   std::string out;
   const double usage =
@@ -116,13 +226,51 @@ std::string prometheus_text(const SchedulerMetrics& m, const BlockPoolStats& poo
                    "Time between consecutive tokens of a sequence.", m.itl, labels);
   append_histogram(out, "kvstack:e2e_request_latency_seconds",
                    "Arrival to the last token of the request.", m.e2e, labels);
+  if (tpot != nullptr) {
+    append_histogram(out, "kvstack:time_per_output_token_seconds",
+                     "Per request: (last token - first token) / (tokens per choice - 1).", *tpot,
+                     labels);
+  }
+  if (guard != nullptr) {
+    const std::string name = "kvstack:http_connections_dropped_total";
+    out += "# HELP " + name +
+           " Connections closed or refused before a handler ran, by reason.\n# TYPE " + name +
+           " counter\n";
+    const std::pair<const char*, int64_t> reasons[] = {{"head_timeout", guard->head_timeouts},
+                                                       {"evicted", guard->evicted},
+                                                       {"bad_framing", guard->bad_framing},
+                                                       {"client_limit", guard->client_limit},
+                                                       {"busy", guard->busy},
+                                                       {"body_timeout", guard->body_timeouts}};
+    for (const auto& [reason, n] : reasons) {
+      out += name;
+      out += "{" + labels + ",reason=\"";
+      out += reason;
+      out += "\"} " + std::to_string(n) + "\n";
+    }
+    append_metric(out, "kvstack:http_requests_served_total", "counter",
+                  "Requests handed to the HTTP handlers.", static_cast<double>(guard->served),
+                  labels);
+  }
   return out;
 }
 
+namespace {
+
+GuardLimits guard_limits(const ServerConfig& c) {
+  GuardLimits g;
+  g.head_timeout_s = std::min(c.head_timeout_s, c.request_timeout_s);
+  g.request_timeout_s = c.request_timeout_s;
+  g.max_body_bytes = c.max_body_bytes;
+  g.n_threads = std::max(4, c.n_http_threads);
+  g.max_active_per_client = c.max_conns_per_client;
+  return g;
+}
+
+}  // namespace
+
 HttpServer::HttpServer(ServerConfig config)
-    : config_(std::move(config)), http_(std::make_unique<httplib::Server>()) {
-  const int n = std::max(4, config_.n_http_threads);
-  http_->new_task_queue = [n] { return new httplib::ThreadPool(static_cast<size_t>(n)); };
+    : config_(std::move(config)), http_(std::make_unique<GuardedServer>(guard_limits(config_))) {
   http_->set_payload_max_length(config_.max_body_bytes);
   routes();
 }
@@ -140,6 +288,7 @@ Status HttpServer::bind() {
                                      std::to_string(config_.port) +
                                      " (address in use or not available)");
   }
+  http_->widen_backlog(1024);
   return {};
 }
 
@@ -153,7 +302,22 @@ void HttpServer::listen() {
 }
 
 void HttpServer::stop() {
+  http_->stop_guard();
   http_->stop();
+}
+
+bool HttpServer::wait_handlers(std::chrono::milliseconds timeout) const {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (n_handlers_.load() > 0) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
+void HttpServer::observe_tpot(double seconds) {
+  std::lock_guard<std::mutex> lock(tpot_mu_);
+  tpot_.observe(seconds);
 }
 
 void HttpServer::routes() {
@@ -164,7 +328,9 @@ void HttpServer::routes() {
     if (req.path.rfind("/v1/", 0) != 0) return httplib::Server::HandlerResponse::Unhandled;
     if (!config_.api_key.empty()) {
       const std::string auth = req.get_header_value("Authorization");
-      if (auth != "Bearer " + config_.api_key) {
+      const bool admin =
+          !config_.admin_api_key.empty() && auth == "Bearer " + config_.admin_api_key;
+      if (auth != "Bearer " + config_.api_key && !admin) {
         send_error(res, api_error(401, "authentication_error",
                                   auth.empty() ? "missing API key: send the header "
                                                  "'Authorization: Bearer KEY'"
@@ -222,12 +388,30 @@ void HttpServer::routes() {
     }
     BlockPoolStats pool;
     (void)s->inspect([&](Engine& e) { pool = e.pool().stats(); });
-    res.set_content(prometheus_text(s->metrics(), pool, config_.model_id),
+    const GuardStats guard = http_->stats();
+    Histogram tpot;
+    {
+      std::lock_guard<std::mutex> lock(tpot_mu_);
+      tpot = tpot_;
+    }
+    res.set_content(prometheus_text(s->metrics(), pool, config_.model_id, &guard, &tpot),
                     "text/plain; version=0.0.4");
   });
 
-  h.Get("/v1/kv/stats", [this](const httplib::Request&, httplib::Response& res) {
+  h.Get("/v1/kv/stats", [this](const httplib::Request& req, httplib::Response& res) {
     Scheduler* s = scheduler_.load();
+    const bool admin = !config_.admin_api_key.empty() &&
+                       req.get_header_value("Authorization") == "Bearer " + config_.admin_api_key;
+    // The caller's namespace: the one its requests with this salt use.
+    const std::string salt = req.get_param_value("cache_salt");
+    if (salt.size() > kMaxCacheSaltBytes) {
+      send_error(res,
+                 api_error(400, "invalid_request_error",
+                           "'cache_salt' is over " + std::to_string(kMaxCacheSaltBytes) + " bytes",
+                           "cache_salt"));
+      return;
+    }
+    const std::string own_name = salt.empty() ? std::string() : "salt:" + cache_salt_key(salt);
     json out;
     const Status st = s->inspect([&](Engine& e) {
       const BlockPoolStats p = e.pool().stats();
@@ -251,7 +435,33 @@ void HttpServer::routes() {
       for (int32_t b = 0; b < p.n_blocks_total; ++b) n_refs += e.pool().ref_count(BlockId{b});
       out["pool"]["references"] = n_refs;
       json pc = {{"enabled", e.kv().index() != nullptr}};
-      if (const PrefixIndex* idx = e.kv().index()) {
+      if (e.kv().index() == nullptr) {
+        out["prefix_cache"] = pc;
+        return;
+      }
+      const KvPrefixStats ks = e.kv().prefix_stats();
+      auto ns_json = [](const KvNamespaceStats& n) {
+        return json{{"namespace", n.ns},
+                    {"name", n.name},
+                    {"queries", n.counts.n_queries},
+                    {"query_tokens", n.counts.n_query_tokens},
+                    {"hit_blocks", n.counts.n_hit_blocks},
+                    {"hit_tokens", n.counts.n_hit_tokens},
+                    {"hit_rate", n.counts.hit_rate()},
+                    {"published_blocks", n.counts.n_published},
+                    {"blocks", n.counts.n_nodes}};
+      };
+      // The caller's own namespace (zeros when it was never used).
+      const std::string& want = own_name.empty() ? e.config().default_namespace : own_name;
+      json own = {{"name", want},    {"queries", 0},    {"query_tokens", 0},     {"hit_blocks", 0},
+                  {"hit_tokens", 0}, {"hit_rate", 0.0}, {"published_blocks", 0}, {"blocks", 0}};
+      for (const KvNamespaceStats& n : ks.namespaces) {
+        if (n.name == want) own = ns_json(n);
+      }
+      pc["block_size"] = ks.block_size;
+      pc["namespace"] = own;
+      if (admin) {
+        const PrefixIndex* idx = e.kv().index();
         const PrefixIndexStats is = idx->stats();
         pc["nodes"] = is.n_nodes;
         pc["cached_blocks"] = is.n_cached_blocks;
@@ -269,18 +479,14 @@ void HttpServer::routes() {
         pc["collisions"] = is.n_collisions;
         pc["duplicates"] = is.n_duplicates;
         pc["events_dropped"] = is.n_events_dropped;
+        // Namespaces holding blocks (bounded by the pool), and how many
+        // were ever created.
         json ns = json::array();
-        for (const auto& [id, n] : is.per_namespace) {
-          ns.push_back({{"namespace", id},
-                        {"queries", n.n_queries},
-                        {"query_tokens", n.n_query_tokens},
-                        {"hit_blocks", n.n_hit_blocks},
-                        {"hit_tokens", n.n_hit_tokens},
-                        {"hit_rate", n.hit_rate()},
-                        {"published_blocks", n.n_published},
-                        {"blocks", n.n_nodes}});
+        for (const KvNamespaceStats& n : ks.namespaces) {
+          if (n.counts.n_nodes > 0) ns.push_back(ns_json(n));
         }
         pc["namespaces"] = ns;
+        pc["namespaces_created"] = static_cast<int64_t>(ks.namespaces.size());
       }
       out["prefix_cache"] = pc;
     });
@@ -298,188 +504,287 @@ void HttpServer::routes() {
     res.set_content(dump(out), "application/json");
   });
 
-  auto completion = [this](Endpoint endpoint) {
-    return [this, endpoint](const httplib::Request& req, httplib::Response& res) {
-      Scheduler* s = scheduler_.load();
-      Engine& engine = s->engine();
-      const Tokenizer& tok = engine.tokenizer();
-      const int64_t n_ctx = engine.model().config().n_ctx_train;
-      ProtocolLimits limits;
-      limits.model_id = config_.model_id;
-      limits.n_ctx = n_ctx;
-      auto parsed = parse_request(endpoint, req.body, tok, chat_, limits);
-      if (auto* e = std::get_if<ApiError>(&parsed)) {
-        send_error(res, *e);
+  // Bodies are read through a capped receiver: the limit holds for every
+  // transfer encoding (Content-Length was checked by the guard already).
+  auto post = [this, &h](const char* path, Endpoint endpoint) {
+    h.Post(path, [this, endpoint](const httplib::Request&, httplib::Response& res,
+                                  const httplib::ContentReader& reader) {
+      std::string body;
+      bool too_large = false;
+      const bool ok = reader([&](const char* data, size_t n) {
+        if (body.size() + n > config_.max_body_bytes) {
+          too_large = true;
+          return false;
+        }
+        body.append(data, n);
+        return true;
+      });
+      if (too_large) {
+        send_error(res, api_error(413, "invalid_request_error",
+                                  "the request body is over the " +
+                                      std::to_string(config_.max_body_bytes) + "-byte limit"));
         return;
       }
-      auto p = std::make_shared<ParsedRequest>(std::move(std::get<ParsedRequest>(parsed)));
-      if (p->seq.max_tokens < 0) {
-        // Chat without a limit: as much as the context and the pool allow.
-        const auto n_prompt = static_cast<int64_t>(p->seq.prompt.size());
-        const int64_t pool_tokens = engine.pool().n_blocks() * engine.pool().block_size();
-        const int64_t per_choice =
-            (pool_tokens - n_prompt) / std::max(1, p->seq.n) - engine.pool().block_size();
-        p->seq.max_tokens = std::max<int64_t>(1, std::min(n_ctx - n_prompt, per_choice));
-      }
-      if (p->model.empty()) p->model = config_.model_id;
-      const int64_t n_prompt_echo = static_cast<int64_t>(p->prompt_text.size());
-      auto handle = s->submit(p->seq);
-      if (!handle) {
-        send_error(res, api_error_from(handle.error()));
+      if (!ok) {
+        send_error(res, api_error(400, "invalid_request_error",
+                                  "the request body could not be read (malformed chunked "
+                                  "encoding, or not received in time)"));
         return;
       }
-      const bool chat = endpoint == Endpoint::kChat;
-      const std::string id = (chat ? "chatcmpl-" : "cmpl-") +
-                             std::to_string(next_id_.fetch_add(1)) + "-" +
-                             std::to_string(unix_now());
-      const int64_t created = unix_now();
-      const Tokenizer* tokp = &tok;
-
-      if (!p->stream) {
-        std::map<int, ChoiceOut> choices;
-        RequestUsage usage;
-        std::optional<Error> error;
-        bool done = false;
-        while (!done) {
-          std::vector<SeqEvent> evs;
-          (*handle)->wait(&evs, std::chrono::milliseconds(200));
-          for (SeqEvent& ev : evs) {
-            ChoiceOut& c = choices[ev.index];
-            if (ev.kind == SeqEvent::Kind::kToken) {
-              c.text += ev.text;
-              if (ev.logprob) c.logprobs.push_back(std::move(*ev.logprob));
-            } else if (ev.kind == SeqEvent::Kind::kFinish) {
-              c.text += ev.text;
-              c.finish = ev.finish;
-            } else {
-              error = ev.error.error();
-            }
-            if (ev.request_done) {
-              done = true;
-              usage = ev.usage;
-            }
-          }
-        }
-        if (error) {
-          send_error(res, api_error_from(*error));
-          return;
-        }
-        json arr = json::array();
-        for (auto& [i, c] : choices) {
-          json lp = nullptr;
-          if (p->logprobs) lp = logprobs_json(endpoint, tok, c.logprobs, n_prompt_echo);
-          json choice = {
-              {"index", i},
-              {"logprobs", lp},
-              {"finish_reason", openai_finish_reason(c.finish.value_or(FinishReason::kLength))}};
-          if (chat) {
-            choice["message"] = {{"role", "assistant"}, {"content", c.text}};
-          } else {
-            choice["text"] = p->echo ? p->prompt_text + c.text : c.text;
-          }
-          arr.push_back(choice);
-        }
-        json out = {{"id", id},           {"object", chat ? "chat.completion" : "text_completion"},
-                    {"created", created}, {"model", p->model},
-                    {"choices", arr},     {"usage", usage_json(usage)}};
-        res.set_content(dump(out), "application/json");
-        return;
-      }
-
-      // Server-sent events.
-      auto h = *handle;
-      auto state = std::make_shared<std::map<int, ChoiceOut>>();
-      auto finished = std::make_shared<bool>(false);
-      res.set_header("Cache-Control", "no-cache");
-      res.set_chunked_content_provider(
-          "text/event-stream",
-          [h, p, state, finished, id, created, chat, endpoint, tokp, n_prompt_echo](
-              size_t, httplib::DataSink& sink) {
-            auto send = [&](const json& j) {
-              const std::string line = "data: " + dump(j) + "\n\n";
-              return sink.write(line.data(), line.size());
-            };
-            auto chunk = [&](int index, const std::string& text,
-                             const std::vector<SampledToken>& lps,
-                             std::optional<FinishReason> finish, bool first) {
-              json lp = nullptr;
-              if (p->logprobs && !lps.empty()) lp = logprobs_json(endpoint, *tokp, lps, 0);
-              json c = {
-                  {"index", index},
-                  {"logprobs", lp},
-                  {"finish_reason", finish ? json(openai_finish_reason(*finish)) : json(nullptr)}};
-              if (chat) {
-                json delta = json::object();
-                if (first) delta["role"] = "assistant";
-                if (!text.empty() || (first && !finish)) delta["content"] = text;
-                c["delta"] = delta;
-              } else {
-                c["text"] = text;
-              }
-              json j = {{"id", id},
-                        {"object", chat ? "chat.completion.chunk" : "text_completion"},
-                        {"created", created},
-                        {"model", p->model},
-                        {"choices", json::array({c})}};
-              if (p->include_usage) j["usage"] = nullptr;
-              return send(j);
-            };
-            if (*finished) return false;
-            if (!sink.is_writable()) {
-              h->cancel();
-              return false;
-            }
-            std::vector<SeqEvent> evs;
-            h->wait(&evs, std::chrono::milliseconds(100));
-            for (SeqEvent& ev : evs) {
-              ChoiceOut& c = (*state)[ev.index];
-              bool ok = true;
-              const bool first = !c.role_sent;
-              if (ev.kind == SeqEvent::Kind::kToken) {
-                std::string text = ev.text;
-                if (first && p->echo && !chat) text.insert(0, p->prompt_text);
-                std::vector<SampledToken> lps;
-                if (ev.logprob) lps.push_back(*ev.logprob);
-                if (!text.empty() || !lps.empty() || first) {
-                  ok = chunk(ev.index, text, lps, std::nullopt, first);
-                  c.role_sent = true;
-                }
-              } else if (ev.kind == SeqEvent::Kind::kFinish) {
-                ok = chunk(ev.index, ev.text, {}, ev.finish, first);
-                c.role_sent = true;
-              } else {
-                ok = send(api_error_from(ev.error.error()).to_json());
-              }
-              if (ok && ev.request_done) {
-                if (p->include_usage && ev.kind != SeqEvent::Kind::kError) {
-                  ok = send(json{{"id", id},
-                                 {"object", chat ? "chat.completion.chunk" : "text_completion"},
-                                 {"created", created},
-                                 {"model", p->model},
-                                 {"choices", json::array()},
-                                 {"usage", usage_json(ev.usage)}});
-                }
-                static const char kDone[] = "data: [DONE]\n\n";
-                ok = ok && sink.write(kDone, sizeof(kDone) - 1);
-                *finished = true;
-                if (ok) sink.done();
-                return ok;
-              }
-              if (!ok) {
-                h->cancel();  // the client went away: free its blocks
-                return false;
-              }
-            }
-            (void)n_prompt_echo;
-            return true;
-          },
-          [h](bool) {
-            if (!h->done()) h->cancel();
-          });
-    };
+      completion(endpoint, body, res);
+    });
+    // A POST without a body (Content-Length: 0) takes the plain handler.
+    h.Post(path, [this, endpoint](const httplib::Request& req, httplib::Response& res) {
+      completion(endpoint, req.body, res);
+    });
   };
-  h.Post("/v1/completions", completion(Endpoint::kCompletions));
-  h.Post("/v1/chat/completions", completion(Endpoint::kChat));
+  post("/v1/completions", Endpoint::kCompletions);
+  post("/v1/chat/completions", Endpoint::kChat);
+}
+
+void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib::Response& res) {
+  // Counts this handler (and its stream, which outlives this function).
+  auto count = std::make_shared<HandlerCount>(n_handlers_);
+  Scheduler* s = scheduler_.load();
+  Engine& engine = s->engine();
+  const Tokenizer& tok = engine.tokenizer();
+  const int64_t n_ctx = engine.model().config().n_ctx_train;
+  ProtocolLimits limits;
+  limits.model_id = config_.model_id;
+  limits.model_aliases = config_.model_aliases;
+  limits.n_ctx = n_ctx;
+  auto parsed = parse_request(endpoint, body, tok, chat_, limits);
+  if (auto* e = std::get_if<ApiError>(&parsed)) {
+    send_error(res, *e);
+    return;
+  }
+  auto p = std::make_shared<ParsedRequest>(std::move(std::get<ParsedRequest>(parsed)));
+  if (p->seq.max_tokens < 0) {
+    // Chat without a limit: as much as the context and the pool allow.
+    const auto n_prompt = static_cast<int64_t>(p->seq.prompt.size());
+    const int64_t pool_tokens = engine.pool().n_blocks() * engine.pool().block_size();
+    const int64_t per_choice =
+        (pool_tokens - n_prompt) / std::max(1, p->seq.n) - engine.pool().block_size();
+    p->seq.max_tokens = std::max<int64_t>(1, std::min(n_ctx - n_prompt, per_choice));
+  }
+  if (p->model.empty()) p->model = config_.model_id;
+  // Every prompt of the request (a list on /v1/completions): one scheduler
+  // request each, seen as one through a RequestGroup.
+  std::vector<std::vector<int32_t>> prompts = {p->seq.prompt};
+  auto texts = std::make_shared<std::vector<std::string>>(1, p->prompt_text);
+  for (size_t k = 0; k < p->more_prompts.size(); ++k) {
+    prompts.push_back(p->more_prompts[k]);
+    texts->push_back(p->more_prompt_texts[k]);
+  }
+  // echo + logprobs: the prompt tokens' own logprobs (the first has none).
+  auto echo_lps = std::make_shared<std::vector<std::vector<SampledToken>>>(prompts.size());
+  if (p->echo && p->logprobs && endpoint == Endpoint::kCompletions) {
+    Status st = Status();
+    const Status ran = s->inspect([&](Engine& e) {
+      for (size_t k = 0; k < prompts.size() && st.ok(); ++k) {
+        auto r = prompt_logprobs(e, prompts[k], std::max(0, p->seq.n_logprobs));
+        if (r) {
+          (*echo_lps)[k] = std::move(*r);
+        } else {
+          st = r.error();
+        }
+      }
+    });
+    if (!ran.ok()) st = ran;
+    if (!st.ok()) {
+      send_error(res, api_error_from(st.error()));
+      return;
+    }
+  }
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  for (const auto& prompt : prompts) {
+    SeqRequest q = p->seq;
+    q.prompt = prompt;
+    auto h = s->submit(std::move(q));
+    if (!h) {
+      for (auto& done : handles) done->cancel();
+      send_error(res, api_error_from(h.error()));
+      return;
+    }
+    handles.push_back(*h);
+  }
+  auto group = std::make_shared<RequestGroup>(std::move(handles), p->seq.n);
+  const int n_per_prompt = p->seq.n;
+  const bool chat = endpoint == Endpoint::kChat;
+  const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_.fetch_add(1)) +
+                         "-" + std::to_string(unix_now());
+  const int64_t created = unix_now();
+  const Tokenizer* tokp = &tok;
+
+  if (!p->stream) {
+    std::map<int, ChoiceOut> choices;
+    RequestUsage usage;
+    std::optional<Error> error;
+    TokenClock clock;
+    auto last_check = std::chrono::steady_clock::now();
+    bool done = false;
+    while (!done) {
+      std::vector<SeqEvent> evs;
+      group->wait(&evs, std::chrono::milliseconds(50));
+      // Every 50 ms, tokens arriving or not: is the client still there? If
+      // not, nobody waits for the answer: free the request's blocks (the
+      // scheduler drops it within one step, queued or running).
+      const auto now = std::chrono::steady_clock::now();
+      if (now - last_check >= std::chrono::milliseconds(50)) {
+        last_check = now;
+        if (!group->cancelled() && !current_connection_alive()) group->cancel();
+      }
+      for (SeqEvent& ev : evs) {
+        ChoiceOut& c = choices[ev.index];
+        clock.on_event(ev);
+        if (ev.kind == SeqEvent::Kind::kToken) {
+          c.text += ev.text;
+          if (ev.logprob) c.logprobs.push_back(std::move(*ev.logprob));
+        } else if (ev.kind == SeqEvent::Kind::kFinish) {
+          c.text += ev.text;
+          c.finish = ev.finish;
+        } else {
+          error = ev.error.error();
+        }
+        if (ev.request_done) {
+          done = true;
+          usage = ev.usage;
+        }
+      }
+    }
+    if (error) {
+      send_error(res, api_error_from(*error));
+      return;
+    }
+    if (auto t = clock.tpot()) observe_tpot(*t);
+    json arr = json::array();
+    for (auto& [i, c] : choices) {
+      json lp = nullptr;
+      const std::string& prompt_text = (*texts)[static_cast<size_t>(i / n_per_prompt)];
+      if (p->logprobs) {
+        lp = logprobs_json(endpoint, tok, c.logprobs,
+                           p->echo ? static_cast<int64_t>(prompt_text.size()) : 0);
+      }
+      if (p->logprobs && p->echo) {
+        lp = echo_logprobs_json(tok, (*echo_lps)[static_cast<size_t>(i / n_per_prompt)], lp);
+      }
+      json choice = {
+          {"index", i},
+          {"logprobs", lp},
+          {"finish_reason", openai_finish_reason(c.finish.value_or(FinishReason::kLength))}};
+      if (chat) {
+        choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+      } else {
+        choice["text"] = p->echo ? prompt_text + c.text : c.text;
+      }
+      arr.push_back(choice);
+    }
+    json out = {{"id", id},           {"object", chat ? "chat.completion" : "text_completion"},
+                {"created", created}, {"model", p->model},
+                {"choices", arr},     {"usage", usage_json(usage)}};
+    res.set_content(dump(out), "application/json");
+    return;
+  }
+
+  // Server-sent events.
+  const std::shared_ptr<RequestGroup>& h = group;
+  auto state = std::make_shared<std::map<int, ChoiceOut>>();
+  auto finished = std::make_shared<bool>(false);
+  auto clock = std::make_shared<TokenClock>();
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, count, h, p, state, finished, id, created, chat, endpoint, tokp, echo_lps, texts,
+       clock, n_per_prompt](size_t, httplib::DataSink& sink) {
+        auto send = [&](const json& j) {
+          const std::string line = "data: " + dump(j) + "\n\n";
+          return sink.write(line.data(), line.size());
+        };
+        auto chunk = [&](int index, const std::string& text, const std::vector<SampledToken>& lps,
+                         std::optional<FinishReason> finish, bool first) {
+          json lp = nullptr;
+          if (p->logprobs && !lps.empty()) lp = logprobs_json(endpoint, *tokp, lps, 0);
+          if (p->logprobs && p->echo && first && !chat) {
+            lp = echo_logprobs_json(*tokp, (*echo_lps)[static_cast<size_t>(index / n_per_prompt)],
+                                    lp);
+          }
+          json c = {
+              {"index", index},
+              {"logprobs", lp},
+              {"finish_reason", finish ? json(openai_finish_reason(*finish)) : json(nullptr)}};
+          if (chat) {
+            json delta = json::object();
+            if (first) delta["role"] = "assistant";
+            if (!text.empty() || (first && !finish)) delta["content"] = text;
+            c["delta"] = delta;
+          } else {
+            c["text"] = text;
+          }
+          json j = {{"id", id},
+                    {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                    {"created", created},
+                    {"model", p->model},
+                    {"choices", json::array({c})}};
+          if (p->include_usage) j["usage"] = nullptr;
+          return send(j);
+        };
+        if (*finished) return false;
+        if (!sink.is_writable()) {
+          h->cancel();
+          return false;
+        }
+        std::vector<SeqEvent> evs;
+        h->wait(&evs, std::chrono::milliseconds(100));
+        for (SeqEvent& ev : evs) {
+          ChoiceOut& c = (*state)[ev.index];
+          clock->on_event(ev);
+          if (ev.request_done && ev.kind != SeqEvent::Kind::kError) {
+            if (auto t = clock->tpot()) observe_tpot(*t);
+          }
+          bool ok = true;
+          const bool first = !c.role_sent;
+          if (ev.kind == SeqEvent::Kind::kToken) {
+            std::string text = ev.text;
+            if (first && p->echo && !chat) {
+              text.insert(0, (*texts)[static_cast<size_t>(ev.index / n_per_prompt)]);
+            }
+            std::vector<SampledToken> lps;
+            if (ev.logprob) lps.push_back(*ev.logprob);
+            if (!text.empty() || !lps.empty() || first) {
+              ok = chunk(ev.index, text, lps, std::nullopt, first);
+              c.role_sent = true;
+            }
+          } else if (ev.kind == SeqEvent::Kind::kFinish) {
+            ok = chunk(ev.index, ev.text, {}, ev.finish, first);
+            c.role_sent = true;
+          } else {
+            ok = send(api_error_from(ev.error.error()).to_json());
+          }
+          if (ok && ev.request_done) {
+            if (p->include_usage && ev.kind != SeqEvent::Kind::kError) {
+              ok = send(json{{"id", id},
+                             {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                             {"created", created},
+                             {"model", p->model},
+                             {"choices", json::array()},
+                             {"usage", usage_json(ev.usage)}});
+            }
+            static const char kDone[] = "data: [DONE]\n\n";
+            ok = ok && sink.write(kDone, sizeof(kDone) - 1);
+            *finished = true;
+            if (ok) sink.done();
+            return ok;
+          }
+          if (!ok) {
+            h->cancel();  // the client went away: free its blocks
+            return false;
+          }
+        }
+        return true;
+      },
+      [h](bool) {
+        if (!h->done()) h->cancel();
+      });
 }
 
 }  // namespace kvstack::server

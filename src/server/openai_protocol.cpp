@@ -1,5 +1,8 @@
 #include "server/openai_protocol.h"
 
+#include <openssl/evp.h>
+
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -192,6 +195,19 @@ json ApiError::to_json() const {
   return json{{"error", err}};
 }
 
+std::string cache_salt_key(std::string_view salt) {
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int n = 0;
+  EVP_Digest(salt.data(), salt.size(), md, &n, EVP_sha256(), nullptr);
+  static const char kHex[] = "0123456789abcdef";
+  std::string out = "sha256:";
+  for (unsigned int i = 0; i < n; ++i) {
+    out += kHex[md[i] >> 4];
+    out += kHex[md[i] & 15];
+  }
+  return out;
+}
+
 const char* openai_finish_reason(FinishReason r) {
   return r == FinishReason::kLength ? "length" : "stop";
 }
@@ -278,6 +294,12 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
                                                     const Tokenizer& tokenizer,
                                                     const ChatTemplate* chat,
                                                     const ProtocolLimits& limits) {
+  // nlohmann's lexer ends the input at a NUL byte; JSON never holds a raw
+  // one (not even in strings), so a NUL means bytes after or inside the value.
+  if (const size_t nul = body_text.find('\0'); nul != std::string::npos) {
+    return bad("",
+               "the request body is not valid JSON: a NUL byte at offset " + std::to_string(nul));
+  }
   json body;
   try {
     body = json::parse(body_text);
@@ -287,6 +309,9 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
         what.find("UTF-8") != std::string::npos || what.find("surrogate") != std::string::npos;
     return bad("", utf8 ? "the request body is not valid UTF-8 JSON: " + what
                         : "the request body is not valid JSON: " + what);
+  } catch (const json::exception& e) {
+    // e.g. out_of_range 406: a number outside double's range (1e400).
+    return bad("", std::string("the request body is not valid JSON: ") + e.what());
   }
   if (!body.is_object()) {
     return bad("", std::string("the request body must be a JSON object, not ") + type_name(body));
@@ -305,7 +330,10 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
   s.penalty_last_n = -1;
 
   if (auto e = read_string(body, "model", &out.model)) return *e;
-  if (!out.model.empty() && out.model != limits.model_id) {
+  const bool known_model = out.model.empty() || out.model == limits.model_id ||
+                           std::find(limits.model_aliases.begin(), limits.model_aliases.end(),
+                                     out.model) != limits.model_aliases.end();
+  if (!known_model) {
     return api_error(404, "invalid_request_error",
                      "the model '" + out.model + "' does not exist; this server serves '" +
                          limits.model_id + "'",
@@ -357,6 +385,11 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
   }
   if (auto e = read_bool(body, "ignore_eos", &q.ignore_eos)) return *e;
   if (auto e = read_string(body, "cache_salt", &q.cache_salt)) return *e;
+  if (q.cache_salt.size() > kMaxCacheSaltBytes) {
+    return bad("cache_salt", "'cache_salt' is " + std::to_string(q.cache_salt.size()) +
+                                 " bytes, over the limit of " + std::to_string(kMaxCacheSaltBytes));
+  }
+  if (!q.cache_salt.empty()) q.cache_salt = cache_salt_key(q.cache_salt);
   if (auto it = body.find("stop"); it != body.end() && !it->is_null()) {
     if (it->is_string()) {
       q.stop.push_back(it->get<std::string>());
@@ -408,36 +441,65 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
     if (auto e = read_bool(body, "echo", &out.echo)) return *e;
     auto it = body.find("prompt");
     if (it == body.end() || it->is_null()) return bad("prompt", "'prompt' is required");
-    const json* p = &*it;
-    if (p->is_array() && p->size() == 1 && (*p)[0].is_string()) p = &(*p)[0];
-    if (p->is_string()) {
-      out.prompt_text = p->get<std::string>();
-      if (out.prompt_text.empty()) return bad("prompt", "'prompt' is empty");
-      q.prompt = tokenizer.tokenize(out.prompt_text, {.add_special = true, .parse_special = true});
-    } else if (p->is_array() && !p->empty() && (*p)[0].is_number()) {
-      for (const json& t : *p) {
-        if (!t.is_number_integer())
-          return bad("prompt", "'prompt' token arrays must hold integers");
-        const int64_t id = t.get<int64_t>();
-        if (id < 0 || id >= tokenizer.n_vocab()) {
-          return bad("prompt", "'prompt' token id " + std::to_string(id) + " is out of range [0, " +
-                                   std::to_string(tokenizer.n_vocab()) + ")");
+    // One prompt: a string or an array of token ids.
+    auto one = [&](const json& p, const std::string& param, std::vector<int32_t>* ids,
+                   std::string* text) -> std::optional<ApiError> {
+      if (p.is_string()) {
+        *text = p.get<std::string>();
+        if (text->empty()) return bad("prompt", "'" + param + "' is empty");
+        *ids = tokenizer.tokenize(*text, {.add_special = true, .parse_special = true});
+      } else if (p.is_array() && !p.empty() && p[0].is_number()) {
+        for (const json& t : p) {
+          if (!t.is_number_integer()) {
+            return bad("prompt", "'" + param + "' token arrays must hold integers");
+          }
+          const int64_t id = t.get<int64_t>();
+          if (id < 0 || id >= tokenizer.n_vocab()) {
+            return bad("prompt", "'" + param + "' token id " + std::to_string(id) +
+                                     " is out of range [0, " + std::to_string(tokenizer.n_vocab()) +
+                                     ")");
+          }
+          ids->push_back(static_cast<int32_t>(id));
         }
-        q.prompt.push_back(static_cast<int32_t>(id));
+        if (out.echo) {
+          auto t = tokenizer.detokenize(*ids);
+          if (t) *text = *t;
+        }
+      } else if (p.is_array() && p.empty()) {
+        return bad("prompt", "'" + param + "' is empty");
+      } else {
+        return bad("prompt", "'" + param + "' must be a string or an array of token ids, not " +
+                                 type_name(p));
       }
-      if (out.echo) {
-        auto text = tokenizer.detokenize(q.prompt);
-        if (text) out.prompt_text = *text;
+      if (ids->empty()) return bad("prompt", "'" + param + "' has no tokens");
+      return std::nullopt;
+    };
+    const json& p = *it;
+    const bool single = p.is_string() || (p.is_array() && (p.empty() || p[0].is_number()));
+    if (single) {
+      if (auto e = one(p, "prompt", &q.prompt, &out.prompt_text)) return *e;
+    } else if (p.is_array()) {
+      // A list of prompts (strings or token arrays): one choice set each.
+      if (p.size() > kMaxPrompts) {
+        return bad("prompt", "'prompt' lists " + std::to_string(p.size()) +
+                                 " prompts, over the limit of " + std::to_string(kMaxPrompts));
       }
-    } else if (p->is_array() && p->empty()) {
-      return bad("prompt", "'prompt' is empty");
-    } else if (p->is_array()) {
-      return bad("prompt",
-                 "'prompt' must be a string, one string in an array, or an array of token ids "
-                 "(batched prompts are not supported: send one request per prompt)");
+      for (size_t k = 0; k < p.size(); ++k) {
+        std::vector<int32_t> ids;
+        std::string text;
+        if (auto e = one(p[k], "prompt[" + std::to_string(k) + "]", &ids, &text)) return *e;
+        if (k == 0) {
+          q.prompt = std::move(ids);
+          out.prompt_text = std::move(text);
+        } else {
+          out.more_prompts.push_back(std::move(ids));
+          out.more_prompt_texts.push_back(std::move(text));
+        }
+      }
     } else {
-      return bad("prompt", std::string("'prompt' must be a string or an array of token ids, not ") +
-                               type_name(*p));
+      return bad("prompt", std::string("'prompt' must be a string, an array of token ids or a "
+                                       "list of those, not ") +
+                               type_name(p));
     }
     if (q.prompt.empty()) return bad("prompt", "'prompt' has no tokens");
     q.max_tokens = max_tokens > 0 ? max_tokens : limits.default_max_tokens_completions;
@@ -470,6 +532,8 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
       }
       ChatMessage cm;
       cm.role = m["role"].get<std::string>();
+      // OpenAI's newer name for the system role (sent by current clients).
+      if (cm.role == "developer") cm.role = "system";
       if (auto e = read_content(m, k, &cm.content)) return *e;
       if (!m.contains("content") || (m["content"].is_null() && cm.role != "assistant")) {
         return bad(where + ".content", "'" + where + ".content' is required");

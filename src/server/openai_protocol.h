@@ -14,6 +14,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -46,11 +47,19 @@ struct ParsedRequest {
   bool logprobs = false;       // report logprobs (completions: logprobs=k; chat: logprobs=true)
   bool echo = false;           // completions: prepend the prompt text
   std::string prompt_text;     // for echo
+  // completions: the prompts after the first when "prompt" is a list (each
+  // one a scheduler request like seq; choice index = prompt * n + choice).
+  std::vector<std::vector<int32_t>> more_prompts;
+  std::vector<std::string> more_prompt_texts;  // for echo
 };
 
+// Prompts in one /v1/completions request at most.
+inline constexpr size_t kMaxPrompts = 64;
+
 struct ProtocolLimits {
-  std::string model_id;  // served model name (requests may name it or omit it)
-  int64_t n_ctx = 0;     // model context
+  std::string model_id;                    // served model name (requests may name it or omit it)
+  std::vector<std::string> model_aliases;  // other accepted names ("kvstack", the file name)
+  int64_t n_ctx = 0;                       // model context
   int64_t default_max_tokens_completions = 16;  // OpenAI's default for /v1/completions
 };
 
@@ -61,6 +70,15 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
                                                     const Tokenizer& tokenizer,
                                                     const ChatTemplate* chat,
                                                     const ProtocolLimits& limits);
+
+// cache_salt: at most this many bytes (400 past it).
+inline constexpr size_t kMaxCacheSaltBytes = 1024;
+
+// The fixed-size key a cache salt names its prefix-cache namespace by:
+// "sha256:" and the SHA-256 of the salt in hex (71 bytes whatever the salt,
+// and a tenant's salt text is never stored or shown). parse_request puts it
+// in SeqRequest::cache_salt.
+std::string cache_salt_key(std::string_view salt);
 
 // "stop" / "length" as OpenAI names them (EOS is "stop").
 const char* openai_finish_reason(FinishReason r);

@@ -13,13 +13,14 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import requests
 
-from conftest import KVSTACK_BIN, MODEL, THREADS, run_kvstack
+from conftest import KVSTACK_BIN, MODEL, SOURCE_DIR, THREADS, run_kvstack
 
 openai = pytest.importorskip("openai")
 
@@ -27,11 +28,14 @@ openai = pytest.importorskip("openai")
 class ServerProcess:
     """A `kvstack serve` child on 127.0.0.1 and a free port."""
 
-    def __init__(self, *extra, api_key=None, timeout=120):
+    def __init__(self, *extra, api_key=None, admin_key=None, timeout=120):
         cmd = [KVSTACK_BIN, "serve", "-m", MODEL, "--port", "0", "--threads", str(THREADS), *extra]
         if api_key:
             cmd += ["--api-key", api_key]
+        if admin_key:
+            cmd += ["--admin-api-key", admin_key]
         self.api_key = api_key
+        self.admin_key = admin_key
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stderr_lines = []
         self.port = None
@@ -61,8 +65,12 @@ class ServerProcess:
     def get(self, path, **kw):
         return requests.get(self.base + path, timeout=30, **kw)
 
-    def kv_stats(self):
-        return self.get("/v1/kv/stats", headers=self.auth()).json()
+    def kv_stats(self, admin=True, **params):
+        """/v1/kv/stats; with the admin key (when the server has one) unless admin=False."""
+        headers = self.auth()
+        if admin and self.admin_key:
+            headers = {"Authorization": f"Bearer {self.admin_key}"}
+        return self.get("/v1/kv/stats", headers=headers, params=params).json()
 
     def auth(self):
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -91,7 +99,7 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--kv-cache-tokens", "4096", "--max-seqs", "16")
+    s = ServerProcess("--kv-cache-tokens", "4096", "--max-seqs", "16", admin_key="adm")
     yield s
     assert s.stop() == 0, "".join(s.stderr_lines[-20:])
 
@@ -268,7 +276,11 @@ def _bad_table():
         (C, {"prompt": []}, 400, "invalid_request_error"),
         (C, {"prompt": [1, -3]}, 400, "invalid_request_error"),
         (C, {"prompt": [1, 10**9]}, 400, "invalid_request_error"),
-        (C, {"prompt": ["a", "b"]}, 400, "invalid_request_error"),
+        (C, {"prompt": ["a", ""]}, 400, "invalid_request_error"),
+        (C, {"prompt": ["a"] * 65}, 400, "invalid_request_error"),
+        (C, b'{"prompt": "x", "temperature": 1e400}', 400, "invalid_request_error"),
+        (C, {"prompt": "x", "cache_salt": "s" * 1025}, 400, "invalid_request_error"),
+        (C, {"prompt": "x", "model": "gpt-4"}, 404, "invalid_request_error"),
         (C, {"prompt": "x", "max_tokens": "ten"}, 400, "invalid_request_error"),
         (C, {"prompt": "x", "max_tokens": 0}, 400, "invalid_request_error"),
         (C, {"prompt": "x", "max_tokens": 1.5}, 400, "invalid_request_error"),
@@ -439,3 +451,84 @@ def test_kv_events_file(tmp_path):
                            str(tmp_path / "no" / "such" / "dir.jsonl")], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and "--kv-events" in proc.stderr
+
+
+def _readme_block(lang, needle):
+    text = (SOURCE_DIR / "README.md").read_text()
+    for m in re.finditer(r"```" + lang + r"\n(.*?)```", text, re.S):
+        if needle in m[1]:
+            return m[1]
+    raise AssertionError(f"README.md has no ```{lang} block with {needle!r}")
+
+
+def test_readme_quick_start_runs_as_written(server):
+    """The README's curl line and openai snippet, with only the port changed."""
+    port = f"127.0.0.1:{server.port}"
+    curl = _readme_block("sh", "curl http://127.0.0.1:8080").replace("127.0.0.1:8080", port)
+    out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    reply = json.loads(out.stdout)
+    assert reply["model"] == "kvstack" and reply["choices"][0]["message"]["content"]
+    snippet = _readme_block("python", "from openai import OpenAI").replace("127.0.0.1:8080", port)
+    out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "completion_tokens" in out.stdout
+
+
+def test_developer_role_and_echo_logprobs(server):
+    c = server.client()
+    r = c.chat.completions.create(model="kvstack", max_tokens=4, temperature=0, messages=[
+        {"role": "developer", "content": "You answer briefly."},
+        {"role": "user", "content": "Hi"}])
+    assert r.choices[0].message.content is not None
+    # echo + logprobs: the prompt's tokens first (the very first without a logprob).
+    prompt = "The capital of France is"
+    r = requests.post(server.base + "/v1/completions", timeout=60, json={
+        "model": "kvstack", "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True,
+        "logprobs": 2}).json()
+    lp = r["choices"][0]["logprobs"]
+    n_prompt = r["usage"]["prompt_tokens"]
+    assert len(lp["tokens"]) == n_prompt + 2 == len(lp["token_logprobs"])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(x < 0 for x in lp["token_logprobs"][1:])
+    assert "".join(lp["tokens"][:n_prompt]) == prompt
+    assert r["choices"][0]["text"].startswith(prompt)
+    # The prompt logprobs agree with what the model gives when it samples that
+    # token: " Paris" after the prompt (greedy) vs the echo of prompt + " Paris".
+    greedy = requests.post(server.base + "/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1}).json()
+    tok = greedy["choices"][0]["logprobs"]["tokens"][0]
+    first = greedy["choices"][0]["logprobs"]["token_logprobs"][0]
+    again = requests.post(server.base + "/v1/completions", timeout=60, json={
+        "prompt": prompt + tok, "max_tokens": 1, "echo": True, "logprobs": 0}).json()
+    echoed = again["choices"][0]["logprobs"]
+    assert echoed["tokens"][n_prompt] == tok
+    assert abs(echoed["token_logprobs"][n_prompt] - first) < 0.05
+
+
+def test_prompt_list(server):
+    prompts = ["The capital of France is", "def quicksort(arr):\n   "]
+    c = server.client()
+    r = c.completions.create(model="kvstack", prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    singles = [c.completions.create(model="kvstack", prompt=p, max_tokens=6, temperature=0)
+               for p in prompts]
+    # Choice prompt * n + j answers prompt `prompt` (greedy: every choice the same text).
+    for i, ch in enumerate(r.choices):
+        assert ch.text == singles[i // 2].choices[0].text
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert r.usage.completion_tokens == 4 * 6
+    # Streaming: every choice index, one [DONE] at the end.
+    seen, done = set(), 0
+    with requests.post(server.base + "/v1/completions", stream=True, timeout=60, json={
+            "prompt": prompts, "max_tokens": 4, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line == b"data: [DONE]":
+                done += 1
+            elif line.startswith(b"data: "):
+                seen.add(json.loads(line[6:])["choices"][0]["index"])
+    assert seen == {0, 1} and done == 1
+    bad = requests.post(server.base + "/v1/completions", timeout=30,
+                        json={"prompt": ["ok", 5], "max_tokens": 1})
+    assert bad.status_code == 400 and "prompt[1]" in bad.json()["error"]["message"]
