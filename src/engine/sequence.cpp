@@ -16,6 +16,7 @@ int64_t Sequence::adopt_cached_prefix(std::span<const int32_t> prompt) {
            "adopt_cached_prefix: the sequence is not empty");
   PrefixIndex* index = kv_->index();
   if (index == nullptr || ns_ == kNoNamespace || prompt.size() < 2) return 0;
+  if (table_.n_groups() > 1) return 0;  // hybrid prefix hits: not yet
   const auto max_tokens = static_cast<int64_t>(prompt.size()) - 1;
   PrefixMatch m = index->match(ns_, prompt, max_tokens, kv_->config().partial_reuse);
   const int64_t n_full = static_cast<int64_t>(m.blocks.size());
@@ -42,6 +43,7 @@ void Sequence::on_committed(std::span<const int32_t> tokens) {
 void Sequence::publish() {
   PrefixIndex* index = kv_->index();
   if (index == nullptr || ns_ == kNoNamespace || publish_stopped_) return;
+  if (table_.n_groups() > 1) return;  // hybrid prefix hits: not yet
   const int64_t n_full = table_.shareable_length() / table_.pool().block_size();
   if (n_published_ >= n_full) return;
   // Stops for good at the first block another sequence already published
