@@ -107,6 +107,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
     pc.mem_bytes = static_cast<int64_t>(config.kv_cache_mem);
   } else {
     pc.n_tokens = config.kv_cache_tokens > 0 ? config.kv_cache_tokens : c.n_ctx_train;
+    pc.prefill_chunk = config.prefill_chunk;
   }
   auto pool = BlockPool::create(*layout, pc);
   if (!pool) return pool.error();

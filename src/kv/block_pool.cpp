@@ -78,9 +78,8 @@ Result<std::unique_ptr<BlockPool>> BlockPool::create(const KvLayout& layout,
                             " bytes = " + std::to_string(p) + " tokens)");
     }
   } else {
-    // One sequence of n_tokens tokens in every group (window groups hold all
-    // of it during a single-chunk prefill).
-    n_blocks = (config.n_tokens / p + (config.n_tokens % p != 0 ? 1 : 0)) * groups->n_groups();
+    const int64_t chunk = config.prefill_chunk > 0 ? config.prefill_chunk : config.n_tokens;
+    n_blocks = groups->peak_blocks_for_sequence(config.n_tokens, chunk);
   }
   if (n_blocks > std::numeric_limits<int32_t>::max()) {
     return make_error(Errc::kInvalidArgument,

@@ -73,8 +73,12 @@ enum class BlockState : uint8_t { kFree = 0, kUsed = 1, kCached = 2 };
 struct BlockPoolConfig {
   // Exactly one of the two sizes must be set (> 0).
   int64_t mem_bytes = 0;  // --kv-cache-mem: n_blocks = floor(mem_bytes / block_bytes)
-  int64_t n_tokens = 0;   // --kv-cache-tokens: n_blocks = ceil(n_tokens / block_size)
-  bool populate = false;  // pre-fault every page at creation (MAP_POPULATE)
+  // --kv-cache-tokens: blocks for one sequence of n_tokens tokens in every
+  // KV group (KvGroups::peak_blocks_for_sequence with prefill_chunk; a
+  // single-group model: ceil(n_tokens / block_size)).
+  int64_t n_tokens = 0;
+  int64_t prefill_chunk = 0;  // tokens per step bounding window groups (0 = n_tokens)
+  bool populate = false;      // pre-fault every page at creation (MAP_POPULATE)
 };
 
 // One KV group's share of the pool (BlockPoolStats::groups).

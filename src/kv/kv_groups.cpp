@@ -89,4 +89,33 @@ int64_t KvGroups::blocks_for_sequence(int64_t n_tokens, int64_t chunk) const {
   return n;
 }
 
+int64_t KvGroups::peak_blocks(int g, int64_t n_tokens, int64_t chunk) const {
+  const int64_t p = block_size_;
+  const int64_t all = (n_tokens + p - 1) / p;
+  const KvGroup& gr = group(g);
+  if (!gr.drops_blocks) return all;
+  const int64_t c = std::max<int64_t>(1, std::min(chunk, n_tokens));
+  return std::min(all, (gr.window - 1 + c + p - 1) / p + 1);
+}
+
+int64_t KvGroups::peak_blocks_for_sequence(int64_t n_tokens, int64_t chunk) const {
+  int64_t n = 0;
+  for (int g = 0; g < n_groups(); ++g) n += peak_blocks(g, n_tokens, chunk);
+  return n;
+}
+
+int64_t KvGroups::max_tokens_in(int64_t n_blocks, int64_t chunk) const {
+  // peak_blocks_for_sequence is non-decreasing in T: binary search.
+  int64_t lo = 0, hi = n_blocks * block_size_;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (peak_blocks_for_sequence(mid, chunk) <= n_blocks) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
 }  // namespace kvstack

@@ -68,6 +68,15 @@ class KvGroups {
   int64_t blocks_for(int g, int64_t n_tokens, int64_t chunk) const;
   // Sum over groups.
   int64_t blocks_for_sequence(int64_t n_tokens, int64_t chunk) const;
+  // The most blocks group g ever holds for one sequence that grows to
+  // n_tokens tokens in steps of at most `chunk` tokens: ceil(T / P) for a
+  // group that keeps everything, min(ceil(T / P), ceil((w - 1 + chunk) / P)
+  // + 1) for a dropping window group. What admission reserves ("does it
+  // fit"), never a model-wide ceil(T / P).
+  int64_t peak_blocks(int g, int64_t n_tokens, int64_t chunk) const;
+  int64_t peak_blocks_for_sequence(int64_t n_tokens, int64_t chunk) const;
+  // The longest sequence whose peak_blocks_for_sequence fits n_blocks.
+  int64_t max_tokens_in(int64_t n_blocks, int64_t chunk) const;
 
  private:
   std::vector<KvGroup> groups_;

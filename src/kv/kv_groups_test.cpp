@@ -61,8 +61,20 @@ TEST(KvGroups, GemmaPatternIsSixGroupsOfThree) {
   // Residency formula: full T / P; window blocks the next chunk can see.
   EXPECT_EQ(groups->blocks_for(0, 8192, 0), 512);
   EXPECT_EQ(groups->blocks_for(1, 8192, 0), 512 - (8192 - 511) / 16);
-  EXPECT_LE(groups->blocks_for(1, 8192, 512), (511 + 512 + 15) / 16 + 1);
-  EXPECT_EQ(groups->blocks_for(1, 100, 28), 8);  // short: everything
+  EXPECT_LE(groups->blocks_for(1, 8192, 512), (511 + 512 + 15) / 16 + 1);  // 65
+  EXPECT_EQ(groups->blocks_for(1, 100, 28), 8);                            // short: everything
+  // Admission: the peak over a sequence's life, window groups capped.
+  EXPECT_EQ(groups->peak_blocks(0, 8192, 512), 512);
+  EXPECT_EQ(groups->peak_blocks(1, 8192, 512), (511 + 512 + 15) / 16 + 1);  // 65
+  EXPECT_EQ(groups->peak_blocks(1, 100, 512), 7);
+  EXPECT_EQ(groups->peak_blocks_for_sequence(8192, 512), 512 + 5 * 65);
+  const int64_t t = groups->max_tokens_in(512 + 5 * 65, 512);
+  EXPECT_EQ(t, 8192);
+  EXPECT_GT(groups->peak_blocks_for_sequence(t + 1, 512), 512 + 5 * 65);
+  // A pool sized for 8192 tokens holds exactly that peak, not 6 x 512.
+  auto pool = BlockPool::create(windowed(w, 16, 1, 256), {.n_tokens = 8192, .prefill_chunk = 512});
+  ASSERT_TRUE(pool.ok());
+  EXPECT_EQ((*pool)->n_blocks(), 512 + 5 * 65);
 }
 
 TEST(KvGroups, OneClassIsTheModelLayoutItself) {
