@@ -61,6 +61,23 @@ int64_t prefill_chunk_end(int64_t from, int64_t n_end, int64_t chunk) {
   return end;
 }
 
+Result<KvLayout> engine_kv_layout(const ModelConfig& c, const EngineConfig& config) {
+  // One standard layer per model layer, each with its own window: the pool
+  // groups them (kv_groups.h).
+  std::vector<KvLayerSpec> layers(static_cast<size_t>(c.n_layers));
+  for (int l = 0; l < c.n_layers; ++l) {
+    layers[static_cast<size_t>(l)] = KvLayerSpec{.kind = KvLayerKind::kStandard,
+                                                 .n_kv_heads = c.n_kv_heads,
+                                                 .head_dim_k = c.head_dim,
+                                                 .head_dim_v = c.head_dim,
+                                                 .dtype = config.key_dtype(),
+                                                 .window = c.window(l),
+                                                 .dtype_v = config.value_dtype()};
+  }
+  return KvLayout::create(std::move(layers), config.block_size,
+                          KvLayoutOptions{.kivi_residual = config.kv_residual});
+}
+
 Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   std::unique_ptr<Engine> e(new Engine());
   e->config_ = config;
@@ -70,6 +87,9 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   auto model = Model::load(config.model_path);
   if (!model) return model.error();
   e->model_ = std::move(*model);
+  if (!config.layer_windows.empty()) {
+    KV_TRY_STATUS(e->model_->set_layer_windows(config.layer_windows));
+  }
   const ModelConfig& c = e->model_->config();
   auto tokenizer = Tokenizer::load_from_gguf(e->model_->file());
   if (!tokenizer) return tokenizer.error();
@@ -80,15 +100,14 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
                                               std::to_string(c.n_vocab));
   }
   e->tokenizer_ = std::make_unique<Tokenizer>(std::move(*tokenizer));
-  auto layout =
-      KvLayout::uniform(c.n_layers, c.n_kv_heads, c.head_dim, config.key_dtype(), config.block_size,
-                        config.value_dtype(), KvLayoutOptions{.kivi_residual = config.kv_residual});
+  auto layout = engine_kv_layout(c, config);
   if (!layout) return layout.error();
   BlockPoolConfig pc;
   if (config.kv_cache_mem > 0) {
     pc.mem_bytes = static_cast<int64_t>(config.kv_cache_mem);
   } else {
     pc.n_tokens = config.kv_cache_tokens > 0 ? config.kv_cache_tokens : c.n_ctx_train;
+    pc.prefill_chunk = config.prefill_chunk;
   }
   auto pool = BlockPool::create(*layout, pc);
   if (!pool) return pool.error();

@@ -48,6 +48,9 @@ struct EngineConfig {
   uint64_t kv_cache_mem = 0;    // bytes for the pool (0 = use kv_cache_tokens)
   int64_t kv_cache_tokens = 0;  // tokens for the pool (0 = the model's context length)
   int prefill_chunk = 512;      // max tokens per prefill step
+  // Per-layer attention windows replacing the model's (Model::set_layer_windows;
+  // empty = the model's own): runs a model as a hybrid sliding-window one.
+  std::vector<int> layer_windows;
   // Prefix cache (sequence.h): off = every request computes its own K/V.
   bool prefix_cache = true;
   std::string default_namespace = "default";  // namespace of requests without a cache salt
@@ -71,6 +74,10 @@ struct EngineConfig {
 // `chunk` when `from` is a multiple of it (3 when chunk is 2: an odd rest
 // cannot be cut into pairs), and `chunk` + 1 (4) otherwise.
 int64_t prefill_chunk_end(int64_t from, int64_t n_end, int64_t chunk);
+
+// The KV layout an engine with `config` uses for a model of config `c`: one
+// standard layer per model layer with that layer's window.
+Result<KvLayout> engine_kv_layout(const ModelConfig& c, const EngineConfig& config);
 
 class Engine {
  public:

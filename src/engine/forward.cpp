@@ -187,8 +187,11 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   for (const StepSeq& s : batch) {
     const auto n = static_cast<int64_t>(s.tokens.size());
     s.table->write(l, s.table->length(), k_.data() + row * kv_dim, v_.data() + row * kv_dim, n);
-    seqs.push_back(AttnSeq{.block_table = s.table->data(),
-                           .n_blocks = static_cast<int32_t>(s.table->n_blocks()),
+    // Layer l's group table: entries before the window may be kNullBlock
+    // (never read: the kernels start at the first visible key).
+    const std::span<const int32_t> ids = s.table->ids_for_layer(l);
+    seqs.push_back(AttnSeq{.block_table = ids.data(),
+                           .n_blocks = static_cast<int32_t>(ids.size()),
                            .n_past = static_cast<int32_t>(s.table->length()),
                            .n_new = static_cast<int32_t>(n),
                            .q = q_.data() + row * q_dim,

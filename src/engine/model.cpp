@@ -134,4 +134,20 @@ void Model::embed(const int32_t* tokens, int64_t n, float* out) const {
   if (config_.embd_scale != 1.0f) scale(out, config_.embd_scale, n * token_embd_.n_in);
 }
 
+Status Model::set_layer_windows(std::vector<int> windows) {
+  if (static_cast<int>(windows.size()) != config_.n_layers) {
+    return make_error(Errc::kInvalidArgument, "layer windows: " + std::to_string(windows.size()) +
+                                                  " given for " + std::to_string(config_.n_layers) +
+                                                  " layers");
+  }
+  for (size_t l = 0; l < windows.size(); ++l) {
+    if (windows[l] < 0) {
+      return make_error(Errc::kInvalidArgument,
+                        "layer windows: layer " + std::to_string(l) + " has a negative window");
+    }
+  }
+  config_.layer_window = std::move(windows);
+  return {};
+}
+
 }  // namespace kvstack

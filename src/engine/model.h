@@ -38,6 +38,10 @@ class Model {
   Model& operator=(const Model&) = delete;
 
   const ModelConfig& config() const { return config_; }
+  // Replaces the per-layer attention windows (ModelConfig::layer_window):
+  // tests and experiments that run a model as a hybrid sliding-window one.
+  // kInvalidArgument unless windows has n_layers entries, each >= 0.
+  Status set_layer_windows(std::vector<int> windows);
   const GgufFile& file() const { return file_; }
   const std::vector<LayerWeights>& layers() const { return layers_; }
   const WeightView& token_embd() const { return token_embd_; }  // [n_vocab, n_embd]

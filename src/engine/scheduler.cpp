@@ -13,10 +13,6 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-int64_t ceil_div(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
-}
-
 }  // namespace
 
 void Histogram::observe(double v) {
@@ -158,10 +154,8 @@ Status Scheduler::validate_request(const SeqRequest& r) const {
                                                   ") exceeds the model's context length of " +
                                                   std::to_string(n_ctx_) + " tokens");
   }
-  const int64_t P = engine_.pool().block_size();
   const int64_t n_written = n_prompt + r.max_tokens - 1;
-  const int64_t per_choice = ceil_div(n_written, P) - n_prompt / P;
-  const int64_t need = ceil_div(n_written, P) + (r.n - 1) * (per_choice + 1);
+  const int64_t need = request_blocks(n_prompt, n_written, r.n);
   if (need > engine_.pool().n_blocks()) {
     return make_error(Errc::kInvalidArgument,
                       "max_tokens: prompt (" + std::to_string(n_prompt) + ") + max_tokens (" +
@@ -309,13 +303,39 @@ int64_t Scheduler::target_tokens(const Choice& s) const {
   return std::min(n_prompt + q.max_tokens - 1, static_cast<int64_t>(s.tokens.size()) + reserve);
 }
 
-int64_t Scheduler::reserve_blocks(const Choice& s) const {
+int64_t Scheduler::choice_blocks(int64_t n_prompt, int64_t n_tokens) const {
+  // Per KV group (kv_groups.h): a fork shares the prompt's full blocks of
+  // the groups that keep every block and copies one partial tail per group;
+  // window groups hold at most their window's blocks.
+  const KvGroups& groups = engine_.pool().groups();
   const int64_t P = engine_.pool().block_size();
-  const int64_t target = ceil_div(target_tokens(s), P);
-  int64_t n = std::max<int64_t>(0, target - s.kv.table().n_blocks());
+  const int64_t chunk = engine_.config().prefill_chunk;
+  int64_t n = 0;
+  for (int g = 0; g < groups.n_groups(); ++g) {
+    const int64_t peak = groups.peak_blocks(g, n_tokens, chunk);
+    n += (groups.group(g).drops_blocks ? peak : peak - n_prompt / P) + 1;
+  }
+  return n;
+}
+
+int64_t Scheduler::request_blocks(int64_t n_prompt, int64_t n_tokens, int64_t n_choices) const {
+  const int64_t chunk = engine_.config().prefill_chunk;
+  return engine_.pool().groups().peak_blocks_for_sequence(n_tokens, chunk) +
+         (n_choices - 1) * choice_blocks(n_prompt, n_tokens);
+}
+
+int64_t Scheduler::reserve_blocks(const Choice& s) const {
+  const KvGroups& groups = engine_.pool().groups();
+  const int64_t chunk = engine_.config().prefill_chunk;
+  const int64_t target_tokens_now = target_tokens(s);
+  int64_t n = 0;
+  for (int g = 0; g < groups.n_groups(); ++g) {
+    n += std::max<int64_t>(0, groups.peak_blocks(g, target_tokens_now, chunk) -
+                                  s.kv.table().group(g).n_resident_blocks());
+  }
   if (s.pending_forks > 0) {
     const auto n_prompt = static_cast<int64_t>(s.req->req.prompt.size());
-    n += s.pending_forks * (target - n_prompt / P + 1);
+    n += s.pending_forks * choice_blocks(n_prompt, target_tokens_now);
   }
   return n;
 }

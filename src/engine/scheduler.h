@@ -233,6 +233,11 @@ class Scheduler {
   void drop_cancelled();
   void admit();
   void preempt(size_t running_index);
+  // Blocks one more choice (a fork) of a request needs beyond what it shares,
+  // and a whole request of n_choices choices growing to n_tokens tokens:
+  // per KV group, window groups capped (KvGroups::peak_blocks).
+  int64_t choice_blocks(int64_t n_prompt, int64_t n_tokens) const;
+  int64_t request_blocks(int64_t n_prompt, int64_t n_tokens, int64_t n_choices) const;
   int64_t reserve_blocks(const Choice& s) const;
   int64_t target_tokens(const Choice& s) const;
   // Prefill chunk length L for prefill_chunk_end() (see the header comment).

@@ -16,6 +16,7 @@ int64_t Sequence::adopt_cached_prefix(std::span<const int32_t> prompt) {
            "adopt_cached_prefix: the sequence is not empty");
   PrefixIndex* index = kv_->index();
   if (index == nullptr || ns_ == kNoNamespace || prompt.size() < 2) return 0;
+  if (table_.n_groups() > 1) return 0;  // hybrid prefix hits: not yet
   const auto max_tokens = static_cast<int64_t>(prompt.size()) - 1;
   PrefixMatch m = index->match(ns_, prompt, max_tokens, kv_->config().partial_reuse);
   const int64_t n_full = static_cast<int64_t>(m.blocks.size());
@@ -42,6 +43,7 @@ void Sequence::on_committed(std::span<const int32_t> tokens) {
 void Sequence::publish() {
   PrefixIndex* index = kv_->index();
   if (index == nullptr || ns_ == kNoNamespace || publish_stopped_) return;
+  if (table_.n_groups() > 1) return;  // hybrid prefix hits: not yet
   const int64_t n_full = table_.shareable_length() / table_.pool().block_size();
   if (n_published_ >= n_full) return;
   // Stops for good at the first block another sequence already published
@@ -135,10 +137,11 @@ namespace kvstack {
 KvPrefixStats KvManager::prefix_stats() const {
   KvPrefixStats s;
   s.block_size = pool_.block_size();
+  const BlockPoolStats ps = pool_.stats();
+  s.groups = ps.groups;
   if (!index_) return s;
   s.enabled = true;
   const PrefixIndexStats is = index_->stats();
-  const BlockPoolStats ps = pool_.stats();
   s.n_queries = is.total.n_queries;
   s.n_query_tokens = is.total.n_query_tokens;
   s.n_hit_blocks = is.total.n_hit_blocks;
@@ -221,11 +224,43 @@ std::string prefix_stats_json(const KvPrefixStats& s) {
     out += "{\"namespace\": " + std::to_string(n.ns) + ", \"name\": " + json_quote(n.name) + ", " +
            counts_json(n.counts) + "}";
   }
+  out += "], \"groups\": [";
+  for (size_t g = 0; g < s.groups.size(); ++g) {
+    const BlockPoolGroupStats& gs = s.groups[g];
+    char buf[320];
+    std::snprintf(
+        buf, sizeof(buf),
+        "%s{\"group\": %zu, \"layers\": %lld, \"window\": %lld, \"blocks_used\": %lld, "
+        "\"blocks_cached\": %lld, \"tokens_resident\": %lld, \"payload_bytes\": %lld, "
+        "\"allocated_bytes\": %lld}",
+        g > 0 ? ", " : "", g, static_cast<long long>(gs.n_layers),
+        static_cast<long long>(gs.window), static_cast<long long>(gs.n_blocks_used),
+        static_cast<long long>(gs.n_blocks_cached), static_cast<long long>(gs.n_tokens_resident),
+        static_cast<long long>(gs.payload_bytes), static_cast<long long>(gs.allocated_bytes));
+    out += buf;
+  }
   return out + "]}";
 }
 
+// One line per KV group (kv_groups.h).
+std::string format_group_stats(const std::vector<BlockPoolGroupStats>& groups) {
+  std::string out =
+      "  KV group  layers  window  blocks used  cached  tokens resident  payload bytes\n";
+  char buf[200];
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const BlockPoolGroupStats& gs = groups[g];
+    std::snprintf(
+        buf, sizeof(buf), "  %8zu %7lld %7lld %12lld %7lld %16lld %14lld\n", g,
+        static_cast<long long>(gs.n_layers), static_cast<long long>(gs.window),
+        static_cast<long long>(gs.n_blocks_used), static_cast<long long>(gs.n_blocks_cached),
+        static_cast<long long>(gs.n_tokens_resident), static_cast<long long>(gs.payload_bytes));
+    out += buf;
+  }
+  return out;
+}
+
 std::string format_prefix_stats(const KvPrefixStats& s) {
-  if (!s.enabled) return "prefix cache: off\n";
+  if (!s.enabled) return "prefix cache: off\n" + format_group_stats(s.groups);
   const auto ll = [](int64_t v) { return static_cast<long long>(v); };
   char buf[1600];
   std::snprintf(
@@ -251,7 +286,7 @@ std::string format_prefix_stats(const KvPrefixStats& s) {
                   ll(n.counts.n_hit_tokens), 100.0 * n.counts.hit_rate(), ll(n.counts.n_nodes));
     out += buf;
   }
-  return out;
+  return out + format_group_stats(s.groups);
 }
 
 KvEventFile::~KvEventFile() {

@@ -80,12 +80,17 @@ struct KvPrefixStats {
   int64_t n_duplicates = 0;      // publishes refused: an equal block was published
   int64_t n_events_dropped = 0;  // queued events lost to the queue bound
   std::vector<KvNamespaceStats> namespaces;  // by namespace id
+  // The pool per KV group (kv_groups.h; one entry for a single-group model),
+  // filled whether or not the prefix cache is on.
+  std::vector<BlockPoolGroupStats> groups;
 };
 
 // A human table (units spelled out, one line per namespace) and a JSON
 // object of the same figures (keys are the field names without n_).
 std::string format_prefix_stats(const KvPrefixStats& stats);
 std::string prefix_stats_json(const KvPrefixStats& stats);
+// The per-group table that format_prefix_stats ends with.
+std::string format_group_stats(const std::vector<BlockPoolGroupStats>& groups);
 // One event as a JSON line (no newline), the format of --kv-events:
 //   {"event":"stored","hash":"<32 hex>","parent":"<32 hex>","n_tokens":16,"namespace":0}
 std::string kv_event_json(const KvEvent& event);

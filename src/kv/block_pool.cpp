@@ -3,12 +3,13 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <limits>
 #include <string>
 
-#include "kv/block_table.h"
+#include "kv/group_table.h"
 #include "kv/prefix_index.h"
 
 namespace kvstack {
@@ -54,7 +55,9 @@ int64_t page_size() {
 
 Result<std::unique_ptr<BlockPool>> BlockPool::create(const KvLayout& layout,
                                                      const BlockPoolConfig& config) {
-  const int64_t bb = layout.block_bytes();
+  auto groups = KvGroups::create(layout);
+  if (!groups) return groups.error();
+  const int64_t bb = groups->block_bytes();
   const int64_t p = layout.block_size();
   if ((config.mem_bytes > 0) == (config.n_tokens > 0)) {
     return make_error(Errc::kInvalidArgument,
@@ -75,7 +78,8 @@ Result<std::unique_ptr<BlockPool>> BlockPool::create(const KvLayout& layout,
                             " bytes = " + std::to_string(p) + " tokens)");
     }
   } else {
-    n_blocks = config.n_tokens / p + (config.n_tokens % p != 0 ? 1 : 0);
+    const int64_t chunk = config.prefill_chunk > 0 ? config.prefill_chunk : config.n_tokens;
+    n_blocks = groups->peak_blocks_for_sequence(config.n_tokens, chunk);
   }
   if (n_blocks > std::numeric_limits<int32_t>::max()) {
     return make_error(Errc::kInvalidArgument,
@@ -95,16 +99,21 @@ Result<std::unique_ptr<BlockPool>> BlockPool::create(const KvLayout& layout,
   }
   madvise(mem, static_cast<size_t>(map_bytes), MADV_HUGEPAGE);  // fewer TLB misses; advisory
   return std::unique_ptr<BlockPool>(
-      new BlockPool(layout, static_cast<uint8_t*>(mem), map_bytes, n_blocks));
+      new BlockPool(layout, std::move(*groups), static_cast<uint8_t*>(mem), map_bytes, n_blocks));
 }
 
-BlockPool::BlockPool(const KvLayout& layout, uint8_t* base, int64_t map_bytes, int64_t n_blocks)
+BlockPool::BlockPool(const KvLayout& layout, KvGroups groups, uint8_t* base, int64_t map_bytes,
+                     int64_t n_blocks)
     : layout_(layout),
+      groups_(std::move(groups)),
       base_(base),
       map_bytes_(map_bytes),
       state_(n_blocks, BlockState::kFree),
       ref_count_(n_blocks, 0),
-      loose_refs_(n_blocks, 0) {
+      loose_refs_(n_blocks, 0),
+      group_of_(n_blocks, -1),
+      n_tokens_committed_(groups_.n_groups(), 0),
+      n_tokens_reserved_(groups_.n_groups(), 0) {
   free_list_.reserve(n_blocks);
   for (int64_t i = n_blocks - 1; i >= 0; --i) free_list_.push_back(static_cast<int32_t>(i));
 }
@@ -129,7 +138,7 @@ Result<BlockRef> BlockPool::allocate() {
                                               std::to_string(n_blocks()));
   }
   std::vector<int32_t> got;
-  take_free(1, got);
+  take_free(1, got, 0);
   ++loose_refs_[got[0]];
   debug_check();
   return BlockRef(this, BlockId{got[0]});
@@ -142,7 +151,7 @@ BlockRef BlockPool::ref_block(BlockId id) {
   return BlockRef(this, id);
 }
 
-void BlockPool::take_free(int64_t n, std::vector<int32_t>& out) {
+void BlockPool::take_free(int64_t n, std::vector<int32_t>& out, int group) {
   KV_CHECK(n >= 0 && n <= n_available(), "take_free: not enough blocks (plan violated)");
   if (n > n_free()) {
     KV_CHECK(index_ != nullptr, "take_free: cached blocks without an index");
@@ -156,6 +165,7 @@ void BlockPool::take_free(int64_t n, std::vector<int32_t>& out) {
     KV_DCHECK(state_[id] == BlockState::kFree && ref_count_[id] == 0, "free list corrupt");
     state_[id] = BlockState::kUsed;
     ref_count_[id] = 1;
+    group_of_[id] = static_cast<int16_t>(group);
     out.push_back(id);
   }
   n_allocations_ += n;
@@ -178,6 +188,7 @@ void BlockPool::reclaim(int32_t id) {
   KV_CHECK(state_[id] == BlockState::kCached && ref_count_[id] == 0,
            "reclaim: block is not cached");
   state_[id] = BlockState::kFree;
+  group_of_[id] = -1;
   --n_cached_;
   ++n_evictions_;
   ++n_releases_;
@@ -211,6 +222,7 @@ void BlockPool::drop_ref(int32_t id) {
       return;
     }
     state_[id] = BlockState::kFree;
+    group_of_[id] = -1;
     free_list_.push_back(id);
     ++n_releases_;
   }
@@ -222,18 +234,34 @@ BlockPoolStats BlockPool::stats() const {
   s.n_blocks_free = n_free();
   s.n_blocks_cached = n_cached_;
   s.n_blocks_used = s.n_blocks_total - s.n_blocks_free - s.n_blocks_cached;
-  s.n_tables = static_cast<int64_t>(tables_.size());
-  s.n_tokens_committed = n_tokens_committed_;
-  s.n_tokens_reserved = n_tokens_reserved_;
+  s.n_tokens_committed = n_tokens_committed_[0];
+  s.n_tokens_reserved = n_tokens_reserved_[0];
   s.block_size = block_size();
   s.block_bytes = block_bytes();
-  if (layout_.block_meta_bytes() == 0) {
-    s.payload_bytes = layout_.payload_bytes_per_token() * n_tokens_committed_;
-  } else {
-    // Formats with per-block metadata (fp8 scales): each sequence's payload
-    // includes the metadata of every block its committed tokens touch.
-    s.payload_bytes = 0;
-    for (const BlockTable* t : tables_) s.payload_bytes += layout_.payload_bytes(t->length());
+  // Per group: blocks by state, resident tokens and the payload formula
+  // (a dropping window group keeps min(T, w) tokens a sequence can still
+  // attend to; every other group all T).
+  s.groups.resize(static_cast<size_t>(n_groups()));
+  for (int g = 0; g < n_groups(); ++g) {
+    s.groups[g].n_layers = static_cast<int64_t>(group(g).layers.size());
+    s.groups[g].window = group(g).window;
+  }
+  for (int64_t i = 0; i < n_blocks(); ++i) {
+    if (state_[i] == BlockState::kUsed) ++s.groups[group_of_[i]].n_blocks_used;
+    if (state_[i] == BlockState::kCached) ++s.groups[group_of_[i]].n_blocks_cached;
+  }
+  for (const GroupTable* t : tables_) {
+    BlockPoolGroupStats& gs = s.groups[t->group_];
+    const KvGroup& gr = group(t->group_);
+    if (t->group_ == 0) ++s.n_tables;
+    gs.n_tokens_resident += std::max<int64_t>(0, t->length_ - t->n_dropped_ * t->block_size_);
+    const int64_t kept = gr.drops_blocks ? std::min<int64_t>(t->length_, gr.window) : t->length_;
+    gs.payload_bytes += gr.layout.payload_bytes(kept);
+  }
+  s.payload_bytes = 0;
+  for (BlockPoolGroupStats& gs : s.groups) {
+    gs.allocated_bytes = (gs.n_blocks_used + gs.n_blocks_cached) * block_bytes();
+    s.payload_bytes += gs.payload_bytes;
   }
   s.allocated_bytes = (s.n_blocks_used + s.n_blocks_cached) * block_bytes();
   s.pool_bytes = n_blocks() * block_bytes();
@@ -261,40 +289,55 @@ BlockPoolStats BlockPool::stats() const {
 void BlockPool::check_invariants() const {
   const int64_t n = n_blocks();
   std::vector<int32_t> holders(loose_refs_.begin(), loose_refs_.end());
-  int64_t committed = 0;
-  int64_t reserved = 0;
-  for (const BlockTable* t : tables_) {
+  std::vector<int64_t> committed(static_cast<size_t>(n_groups()), 0);
+  std::vector<int64_t> reserved(static_cast<size_t>(n_groups()), 0);
+  for (const GroupTable* t : tables_) {
     KV_CHECK(t->pool_ == this, "registered table belongs to another pool");
+    KV_CHECK(t->group_ >= 0 && t->group_ < n_groups(), "table of an unknown group");
     KV_CHECK(t->length_ >= 0 && t->length_ <= t->capacity(), "table length exceeds capacity");
-    committed += t->length_;
-    reserved += t->capacity() - t->length_;
-    for (int32_t id : t->ids_) {
+    KV_CHECK(t->n_dropped_ >= 0 && t->n_dropped_ <= t->n_blocks(), "dropped count out of range");
+    KV_CHECK(t->n_dropped_ == 0 || group(t->group_).drops_blocks,
+             "a group that keeps every block has dropped entries");
+    committed[t->group_] += t->length_;
+    reserved[t->group_] += t->capacity() - t->length_;
+    for (int64_t j = 0; j < t->n_blocks(); ++j) {
+      const int32_t id = t->ids_[j];
+      if (j < t->n_dropped_) {
+        KV_CHECK(id == kNullBlock, "a dropped table entry is not null");
+        continue;
+      }
       KV_CHECK(id >= 0 && id < n, "table holds an out-of-range block id");
+      KV_CHECK(group_of_[id] == t->group_, "a table holds a block of another group");
       ++holders[id];
     }
   }
   // Writable blocks are private and unpublished, so writes never touch shared
-  // data. A committed partial tail may be shared (forks): BlockTable::reserve
+  // data. A committed partial tail may be shared (forks): GroupTable::reserve
   // copies it before anything is appended.
-  for (const BlockTable* t : tables_) {
-    for (int32_t id : t->ids_) {
-      KV_CHECK(state_[id] == BlockState::kUsed, "a table points at a free or cached block");
+  for (const GroupTable* t : tables_) {
+    for (int64_t j = t->n_dropped_; j < t->n_blocks(); ++j) {
+      KV_CHECK(state_[t->ids_[j]] == BlockState::kUsed, "a table points at a free or cached block");
     }
     // Blocks past the committed tail are pure reservations; a partial tail
     // itself may be shared (copied before the next write) but never published.
     const int64_t tail = t->length_ / t->block_size_;
     if (t->length_ % t->block_size_ != 0) {
+      KV_CHECK(tail >= t->n_dropped_, "a partial tail block was dropped");
       KV_CHECK(index_ == nullptr || !index_->is_published(t->ids_[tail]),
                "a partial tail block is published");
     }
     for (int64_t j = (t->length_ + t->block_size_ - 1) / t->block_size_; j < t->n_blocks(); ++j) {
+      KV_CHECK(j >= t->n_dropped_, "a reserved block was dropped");
       KV_CHECK(holders[t->ids_[j]] == 1, "a writable (reserved, uncommitted) block is shared");
       KV_CHECK(index_ == nullptr || !index_->is_published(t->ids_[j]),
                "a writable (reserved, uncommitted) block is published");
     }
   }
-  KV_CHECK(committed == n_tokens_committed_, "committed token total out of sync with tables");
-  KV_CHECK(reserved == n_tokens_reserved_, "reserved token total out of sync with tables");
+  for (int g = 0; g < n_groups(); ++g) {
+    KV_CHECK(committed[g] == n_tokens_committed_[g],
+             "committed token total out of sync with tables");
+    KV_CHECK(reserved[g] == n_tokens_reserved_[g], "reserved token total out of sync with tables");
+  }
   std::vector<uint8_t> on_free_list(n, 0);
   for (int32_t id : free_list_) {
     KV_CHECK(id >= 0 && id < n, "free list holds an out-of-range block id");
@@ -307,16 +350,19 @@ void BlockPool::check_invariants() const {
     switch (state_[i]) {
       case BlockState::kFree:
         ++n_free;
+        KV_CHECK(group_of_[i] == -1, "free block owned by a group");
         KV_CHECK(ref_count_[i] == 0, "free block with a nonzero ref count");
         KV_CHECK(on_free_list[i] == 1, "free block missing from the free list");
         break;
       case BlockState::kUsed:
         ++n_used;
+        KV_CHECK(group_of_[i] >= 0 && group_of_[i] < n_groups(), "used block without a group");
         KV_CHECK(ref_count_[i] > 0, "used block with ref count 0");
         KV_CHECK(on_free_list[i] == 0, "used block on the free list");
         break;
       case BlockState::kCached:
         ++n_cached;
+        KV_CHECK(group_of_[i] >= 0 && group_of_[i] < n_groups(), "cached block without a group");
         KV_CHECK(ref_count_[i] == 0, "cached block must have no active reference");
         KV_CHECK(on_free_list[i] == 0, "cached block on the free list");
         break;

@@ -13,6 +13,12 @@
 //            are free evicts cached blocks through the index (leaf-first LRU).
 // Invariant: n_free + n_used + n_cached == n_total.
 //
+// KV groups (kv_groups.h). The pool serves every group of the model's layout
+// from the one mapping: all group layouts share block_bytes(), a used or
+// cached block belongs to exactly one group (block_group()), and a freed
+// block can go to any group. One free list, one eviction order, one
+// invariant above for the whole model; stats() also reports per group.
+//
 // Reference counting. Every reference is owned by exactly one RAII holder: a
 // BlockTable (one reference per table entry) or a BlockRef (one reference).
 // Both are move-only and release exactly once; a moved-from holder owns
@@ -47,6 +53,7 @@
 #include <vector>
 
 #include "core/result.h"
+#include "kv/kv_groups.h"
 #include "kv/kv_view.h"
 #include "kv/layout.h"
 
@@ -66,8 +73,23 @@ enum class BlockState : uint8_t { kFree = 0, kUsed = 1, kCached = 2 };
 struct BlockPoolConfig {
   // Exactly one of the two sizes must be set (> 0).
   int64_t mem_bytes = 0;  // --kv-cache-mem: n_blocks = floor(mem_bytes / block_bytes)
-  int64_t n_tokens = 0;   // --kv-cache-tokens: n_blocks = ceil(n_tokens / block_size)
-  bool populate = false;  // pre-fault every page at creation (MAP_POPULATE)
+  // --kv-cache-tokens: blocks for one sequence of n_tokens tokens in every
+  // KV group (KvGroups::peak_blocks_for_sequence with prefill_chunk; a
+  // single-group model: ceil(n_tokens / block_size)).
+  int64_t n_tokens = 0;
+  int64_t prefill_chunk = 0;  // tokens per step bounding window groups (0 = n_tokens)
+  bool populate = false;      // pre-fault every page at creation (MAP_POPULATE)
+};
+
+// One KV group's share of the pool (BlockPoolStats::groups).
+struct BlockPoolGroupStats {
+  int64_t n_layers = 0;
+  int64_t window = 0;             // 0 = full attention
+  int64_t n_blocks_used = 0;      // blocks of this group held by tables / refs
+  int64_t n_blocks_cached = 0;    // this group's cached (published, unreferenced) blocks
+  int64_t n_tokens_resident = 0;  // committed tokens whose blocks tables still hold
+  int64_t payload_bytes = 0;      // per-layer formula over those tokens
+  int64_t allocated_bytes = 0;    // (used + cached) * block_bytes
 };
 
 struct BlockPoolStats {
@@ -86,17 +108,19 @@ struct BlockPoolStats {
   int64_t pool_bytes = 0;       // n_blocks_total * block_bytes (the mapping's useful size)
   int64_t resident_bytes = 0;   // bytes of the mapping resident in RAM (mincore)
   // Lifetime counters.
-  int64_t n_allocations = 0;     // blocks handed out
-  int64_t n_releases = 0;        // blocks returned to the free list
-  int64_t n_out_of_blocks = 0;   // reservations refused with kOutOfBlocks
-  int64_t n_evictions = 0;       // cached blocks reclaimed for an allocation
-  int64_t n_cow_copies = 0;      // shared partial tails copied before an append
-  int64_t n_partial_copies = 0;  // cached blocks copied for a partial-block prefix hit
-  int64_t n_clone_copies = 0;    // blocks copied by BlockTable::clone_private
+  int64_t n_allocations = 0;                // blocks handed out
+  int64_t n_releases = 0;                   // blocks returned to the free list
+  int64_t n_out_of_blocks = 0;              // reservations refused with kOutOfBlocks
+  int64_t n_evictions = 0;                  // cached blocks reclaimed for an allocation
+  int64_t n_cow_copies = 0;                 // shared partial tails copied before an append
+  int64_t n_partial_copies = 0;             // cached blocks copied for a partial-block prefix hit
+  int64_t n_clone_copies = 0;               // blocks copied by BlockTable::clone_private
+  std::vector<BlockPoolGroupStats> groups;  // [n_groups], group order of kv_groups.h
 };
 
 class BlockPool;
 class BlockTable;
+class GroupTable;
 class PrefixIndex;
 Status reserve_all(std::span<BlockTable* const> tables, std::span<const int64_t> n_new);
 
@@ -118,7 +142,7 @@ class BlockRef {
 
  private:
   friend class BlockPool;
-  friend class BlockTable;
+  friend class GroupTable;
   BlockRef(BlockPool* pool, BlockId id) : pool_(pool), id_(id) {}
   BlockPool* pool_ = nullptr;
   BlockId id_{};
@@ -135,9 +159,16 @@ class BlockPool {
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
 
+  // The model's layout (all layers, as given to create()). Block geometry
+  // lives in the groups: block_bytes() and layer_view() come from them.
   const KvLayout& layout() const { return layout_; }
+  const KvGroups& groups() const { return groups_; }
+  int n_groups() const { return groups_.n_groups(); }
+  const KvGroup& group(int g) const { return groups_.group(g); }
   int block_size() const { return layout_.block_size(); }
-  int64_t block_bytes() const { return layout_.block_bytes(); }
+  // Bytes of one block (the largest group block; == layout().block_bytes()
+  // for a single-group model).
+  int64_t block_bytes() const { return groups_.block_bytes(); }
   int64_t n_blocks() const { return static_cast<int64_t>(state_.size()); }
   int64_t n_free() const { return static_cast<int64_t>(free_list_.size()); }
   int64_t n_cached() const { return n_cached_; }
@@ -150,10 +181,20 @@ class BlockPool {
 
   // Start of block `id`'s bytes (all layers). REQUIRES: id in range.
   uint8_t* block_data(BlockId id) const;
-  // Layer l's view over the whole pool; block table entries index it.
-  PagedKvLayerView layer_view(int l) const { return layout_.layer_view(l, base_); }
+  // Layer l's (model layer index) view over the whole pool; the entries of
+  // the table of l's group (BlockTable::ids_for_layer) index it.
+  PagedKvLayerView layer_view(int l) const {
+    const KvLayerSlot s = groups_.slot(l);
+    return group_layer_view(s.group, s.index);
+  }
+  // Layer i of group g's layout.
+  PagedKvLayerView group_layer_view(int g, int i) const {
+    return groups_.group(g).layout.layer_view(i, base_);
+  }
 
   BlockState state(BlockId id) const { return state_[id.value]; }
+  // Group of a used or cached block (-1 for a free one).
+  int block_group(BlockId id) const { return group_of_[id.value]; }
   int32_t ref_count(BlockId id) const { return ref_count_[id.value]; }
 
   // Allocates one block with ref 1 held by the returned handle, evicting one
@@ -178,15 +219,18 @@ class BlockPool {
  private:
   friend class BlockRef;
   friend class BlockTable;
+  friend class GroupTable;
   friend class PrefixIndex;
   friend Status reserve_all(std::span<BlockTable* const> tables, std::span<const int64_t> n_new);
 
-  BlockPool(const KvLayout& layout, uint8_t* base, int64_t map_bytes, int64_t n_blocks);
+  BlockPool(const KvLayout& layout, KvGroups groups, uint8_t* base, int64_t map_bytes,
+            int64_t n_blocks);
 
   // Internal reference operations used by BlockRef / BlockTable / PrefixIndex.
-  // take_free: pops n free blocks (ref 1 each) into `out`, first evicting
-  // cached blocks when fewer than n are free; REQUIRES n <= n_available().
-  void take_free(int64_t n, std::vector<int32_t>& out);
+  // take_free: pops n free blocks (ref 1 each, owned by group `group`) into
+  // `out`, first evicting cached blocks when fewer than n are free;
+  // REQUIRES n <= n_available().
+  void take_free(int64_t n, std::vector<int32_t>& out, int group);
   // add_ref: REQUIRES kUsed. ref_any: kUsed or kCached (revives a cached block).
   void add_ref(int32_t id);
   void ref_any(int32_t id);
@@ -203,6 +247,7 @@ class BlockPool {
   }
 
   KvLayout layout_;
+  KvGroups groups_;
   uint8_t* base_ = nullptr;  // [n_blocks, block_bytes], 64-byte (page) aligned
   int64_t map_bytes_ = 0;    // mapping size (pool bytes rounded up to pages)
 
@@ -210,6 +255,7 @@ class BlockPool {
   std::vector<BlockState> state_;
   std::vector<int32_t> ref_count_;
   std::vector<int32_t> loose_refs_;  // references held by BlockRef handles
+  std::vector<int16_t> group_of_;    // group of a used/cached block, -1 when free
   // Prefix-cache metadata (hash, parent, tokens, LRU links) lives in the
   // attached PrefixIndex's per-block arrays.
   PrefixIndex* index_ = nullptr;
@@ -217,9 +263,10 @@ class BlockPool {
   std::vector<int32_t> free_list_;  // LIFO; low ids handed out first
   int64_t n_cached_ = 0;            // blocks in state kCached (prefix index)
 
-  std::unordered_set<const BlockTable*> tables_;  // live tables (for checks/stats)
-  int64_t n_tokens_committed_ = 0;
-  int64_t n_tokens_reserved_ = 0;
+  std::unordered_set<const GroupTable*> tables_;  // live group tables (for checks/stats)
+  // Per group: sums of committed lengths / reserved slots over its tables.
+  std::vector<int64_t> n_tokens_committed_;
+  std::vector<int64_t> n_tokens_reserved_;
   int64_t n_allocations_ = 0;
   int64_t n_releases_ = 0;
   int64_t n_out_of_blocks_ = 0;

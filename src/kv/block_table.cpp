@@ -1,414 +1,158 @@
 #include "kv/block_table.h"
 
 #include <algorithm>
-#include <cmath>
 #include <string>
 #include <utility>
 
-#include "core/half.h"
-#include "kv/kivi_codec.h"
-
-#include "kv/kv_write.h"
-#include "kv/prefix_index.h"
-
 namespace kvstack {
 
-BlockTable::BlockTable(BlockPool& pool)
-    : pool_(&pool), block_size_(pool.block_size()), kivi_(pool.layout().has_kivi()) {
-  pool_->tables_.insert(this);
-  if (kivi_) {
-    res_k_.resize(pool.layout().n_layers());
-    res_v_.resize(pool.layout().n_layers());
-  }
+void BlockTable::make_groups() {
+  groups_.clear();
+  groups_.reserve(static_cast<size_t>(pool_->n_groups()));
+  for (int g = 0; g < pool_->n_groups(); ++g) groups_.emplace_back(*pool_, g);
+}
+
+BlockTable::BlockTable(BlockPool& pool) : pool_(&pool) {
+  make_groups();
 }
 
 BlockTable::BlockTable(BlockTable&& other) noexcept
-    : pool_(other.pool_),
-      block_size_(other.block_size_),
-      ids_(std::move(other.ids_)),
-      length_(other.length_),
-      kivi_(other.kivi_),
-      converted_(other.converted_),
-      res_k_(std::move(other.res_k_)),
-      res_v_(std::move(other.res_v_)) {
-  other.ids_.clear();
-  other.length_ = 0;
-  other.converted_ = 0;
-  other.res_k_.assign(res_k_.size(), {});
-  other.res_v_.assign(res_v_.size(), {});
-  // Registration is per object: the moved-from table stays registered (and
-  // empty) until it is destroyed.
-  pool_->tables_.insert(this);
+    : pool_(other.pool_), groups_(std::move(other.groups_)) {
+  // The vector's buffer moved: the group tables keep their addresses (and
+  // registrations). The moved-from table stays usable and empty.
+  other.make_groups();
 }
 
 BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
   if (this == &other) return *this;
-  release();
-  if (pool_ != other.pool_) {
-    pool_->tables_.erase(this);
-    pool_ = other.pool_;
-    block_size_ = other.block_size_;
-    pool_->tables_.insert(this);
-  }
-  ids_ = std::move(other.ids_);
-  length_ = other.length_;
-  kivi_ = other.kivi_;
-  converted_ = other.converted_;
-  res_k_ = std::move(other.res_k_);
-  res_v_ = std::move(other.res_v_);
-  other.ids_.clear();
-  other.length_ = 0;
-  other.converted_ = 0;
-  other.res_k_.assign(res_k_.size(), {});
-  other.res_v_.assign(res_v_.size(), {});
-  pool_->debug_check();
+  groups_.clear();  // releases and unregisters this table's groups
+  pool_ = other.pool_;
+  groups_ = std::move(other.groups_);
+  other.make_groups();
   return *this;
 }
 
-int64_t BlockTable::row_elems(int l) const {
-  const KvLayerSpec& s = pool_->layout().layer(l);
-  return s.kind == KvLayerKind::kMlaLatent ? static_cast<int64_t>(s.latent_dim + s.rope_dim)
-                                           : static_cast<int64_t>(s.n_kv_heads) * s.head_dim_k;
-}
-
-int64_t BlockTable::kivi_target(int64_t len) const {
-  const int64_t g = pool_->layout().kivi_group();
-  const int64_t r = pool_->layout().kivi_residual();
-  const int64_t ready = len >= r ? (len - r) / g * g : 0;
-  return std::max(converted_, ready);
-}
-
-bool BlockTable::block_shared(int64_t j) const {
-  const int32_t id = ids_[j];
-  return pool_->ref_count(BlockId{id}) > 1 ||
-         (pool_->index_ != nullptr && pool_->index_->is_published(id));
-}
-
-void BlockTable::write_range(int64_t n_new, int64_t* first, int64_t* end) const {
-  // Committed slots are never rewritten, except a KIVI group converting.
-  const int64_t lo = kivi_ ? converted_ : length_;
-  const int64_t hi = kivi_ ? kivi_target(length_ + n_new) : length_ + n_new;
-  *first = lo / block_size_;
-  *end = std::min<int64_t>(n_blocks(), hi > lo ? (hi + block_size_ - 1) / block_size_ : *first);
-}
-
-int64_t BlockTable::n_shared_in(int64_t first, int64_t end) const {
-  int64_t n = 0;
-  for (int64_t j = first; j < end; ++j) {
-    // Slots of block j below `length_` are committed: only then can it be shared.
-    if (j * block_size_ < length_ && block_shared(j)) ++n;
-  }
-  return n;
+int64_t BlockTable::converted() const {
+  int64_t c = groups_[0].converted();
+  for (const GroupTable& g : groups_) c = std::min(c, g.converted());
+  return c;
 }
 
 KvResidualView BlockTable::residual_view(int l) const {
-  if (!kivi_) return {};
-  const int64_t w = row_elems(l);
-  const auto& k = res_k_[static_cast<size_t>(l)];
-  const auto& v = res_v_[static_cast<size_t>(l)];
-  return KvResidualView{.k = k.data(),
-                        .v = v.empty() ? nullptr : v.data(),
-                        .start = converted_,
-                        .n_tokens = static_cast<int64_t>(k.size()) / w};
+  const KvLayerSlot s = pool_->groups().slot(l);
+  return groups_[static_cast<size_t>(s.group)].residual_view(s.index);
 }
 
 int64_t BlockTable::residual_bytes() const {
   int64_t n = 0;
-  for (size_t l = 0; l < res_k_.size(); ++l) {
-    n += static_cast<int64_t>(res_k_[l].size() + res_v_[l].size()) * 2;
-  }
+  for (const GroupTable& g : groups_) n += g.residual_bytes();
   return n;
 }
 
-void BlockTable::convert_ready() {
-  const int64_t target = kivi_target(length_);
-  const int64_t n = target - converted_;
-  if (n <= 0) return;
-  const KvLayout& layout = pool_->layout();
-  std::vector<float> k, v;
-  for (int l = 0; l < layout.n_layers(); ++l) {
-    const int64_t w = row_elems(l);
-    auto& rk = res_k_[static_cast<size_t>(l)];
-    auto& rv = res_v_[static_cast<size_t>(l)];
-    KV_CHECK(static_cast<int64_t>(rk.size()) >= n * w, "KIVI residual shorter than its groups");
-    k.resize(static_cast<size_t>(n * w));
-    for (int64_t i = 0; i < n * w; ++i) k[i] = f16_to_f32(rk[i]);
-    const bool has_v = !rv.empty();
-    if (has_v) {
-      v.resize(static_cast<size_t>(n * w));
-      for (int64_t i = 0; i < n * w; ++i) v[i] = f16_to_f32(rv[i]);
-    }
-    write_kv(pool_->layer_view(l), ids_, converted_, k.data(), has_v ? v.data() : nullptr, n);
-    rk.erase(rk.begin(), rk.begin() + n * w);
-    if (has_v) rv.erase(rv.begin(), rv.begin() + n * w);
-  }
-  converted_ = target;
-}
-
-void BlockTable::copy_residual_from(const BlockTable& other) {
-  kivi_ = other.kivi_;
-  converted_ = other.converted_;
-  if (!kivi_) return;
-  // Only the committed part: rows written for an unfinished step stay behind.
-  const int64_t n = other.length_ - other.converted_;
-  for (size_t l = 0; l < res_k_.size(); ++l) {
-    const int64_t w = row_elems(static_cast<int>(l));
-    const auto& k = other.res_k_[l];
-    const auto& v = other.res_v_[l];
-    res_k_[l].assign(k.begin(), k.begin() + std::min<int64_t>(n * w, k.size()));
-    res_v_[l].assign(v.begin(), v.begin() + std::min<int64_t>(n * w, v.size()));
-  }
-}
-
-BlockTable::~BlockTable() {
-  release();
-  pool_->tables_.erase(this);
-}
-
-bool BlockTable::tail_shared() const {
-  if (length_ % block_size_ == 0) return false;
-  const int32_t tail = ids_[length_ / block_size_];
-  return pool_->ref_count(BlockId{tail}) > 1 ||
-         (pool_->index_ != nullptr && pool_->index_->is_published(tail));
+int64_t BlockTable::n_resident_blocks() const {
+  int64_t n = 0;
+  for (const GroupTable& g : groups_) n += g.n_resident_blocks();
+  return n;
 }
 
 int64_t BlockTable::blocks_needed(int64_t n_new) const {
-  KV_CHECK(n_new >= 0, "blocks_needed: negative token count");
-  const int64_t need = (length_ + n_new + block_size_ - 1) / block_size_;
-  int64_t first = 0, end = 0;
-  write_range(n_new, &first, &end);
-  const int64_t cow = n_new > 0 ? n_shared_in(first, end) : 0;
-  return (need > n_blocks() ? need - n_blocks() : 0) + cow;
+  int64_t n = 0;
+  for (const GroupTable& g : groups_) n += g.blocks_needed(n_new);
+  return n;
+}
+
+bool BlockTable::tail_shared() const {
+  return std::any_of(groups_.begin(), groups_.end(),
+                     [](const GroupTable& g) { return g.tail_shared(); });
+}
+
+int64_t BlockTable::drop_invisible() {
+  int64_t n = 0;
+  for (GroupTable& g : groups_) n += g.drop_invisible();
+  return n;
 }
 
 Status BlockTable::reserve(int64_t n_new) {
-  const int64_t n = blocks_needed(n_new);
-  if (n == 0) return Status{};
-  if (n > pool_->n_available()) {
+  KV_CHECK(n_new >= 0, "reserve: negative token count");
+  drop_invisible();
+  if (groups_.size() == 1) return groups_[0].reserve(n_new);
+  const int64_t need = blocks_needed(n_new);
+  if (need > pool_->n_available()) {
     ++pool_->n_out_of_blocks_;
     return make_error(Errc::kOutOfBlocks,
                       "KV pool exhausted: " + std::to_string(n_new) + " tokens need " +
-                          std::to_string(n) + " more blocks of " + std::to_string(block_size_) +
-                          " tokens, " + std::to_string(pool_->n_available()) + " available");
+                          std::to_string(need) + " more blocks of " +
+                          std::to_string(pool_->block_size()) + " tokens over " +
+                          std::to_string(groups_.size()) + " KV groups, " +
+                          std::to_string(pool_->n_available()) + " available");
   }
-  const int64_t old_capacity = capacity();
-  int64_t first = 0, end = 0;
-  write_range(n_new, &first, &end);
-  for (int64_t j = first; n_new > 0 && j < end; ++j) {
-    if (j * block_size_ >= length_ || !block_shared(j)) continue;
-    // Copy-on-write: the committed slots of a shared block this step will
-    // write (the partial tail; for KIVI, every block a conversion reaches)
-    // move to a private block first.
-    std::vector<int32_t> fresh;
-    pool_->take_free(1, fresh);
-    pool_->copy_block(ids_[j], fresh[0]);
-    pool_->drop_ref(ids_[j]);
-    ids_[j] = fresh[0];
-    ++pool_->n_cow_copies_;
+  for (GroupTable& g : groups_) {
+    const Status s = g.reserve(n_new);
+    KV_CHECK(s.ok(), "reserve: a group's reservation failed after a successful plan");
   }
-  const int64_t need = (length_ + n_new + block_size_ - 1) / block_size_;
-  if (need > n_blocks()) pool_->take_free(need - n_blocks(), ids_);
-  pool_->n_tokens_reserved_ += capacity() - old_capacity;
-  pool_->debug_check();
   return Status{};
 }
 
 void BlockTable::write(int l, int64_t pos, const float* k_rows, const float* v_rows,
                        int64_t n_tokens) {
-  KV_CHECK(n_tokens >= 0, "write: negative token count");
-  KV_CHECK(pos >= length_, "write: position is committed (committed K/V are immutable)");
-  KV_CHECK(pos + n_tokens <= capacity(), "write: positions beyond the reserved capacity");
-  KV_CHECK(l >= 0 && l < pool_->layout().n_layers(), "write: layer index out of range");
-  KV_DCHECK(n_tokens == 0 || kivi_ || pool_->ref_count(BlockId{ids_[pos / block_size_]}) == 1,
-            "write: target block is shared");
-  KV_DCHECK(n_tokens == 0 || kivi_ || pool_->index_ == nullptr ||
-                !pool_->index_->is_published(ids_[pos / block_size_]),
-            "write: target block is published");
-  if (!kivi_) {
-    write_kv(pool_->layer_view(l), ids_, pos, k_rows, v_rows, n_tokens);
-    return;
-  }
-  const int64_t w = row_elems(l);
-  auto& rk = res_k_[static_cast<size_t>(l)];
-  auto& rv = res_v_[static_cast<size_t>(l)];
-  KV_CHECK(pos == length_ && static_cast<int64_t>(rk.size()) == (length_ - converted_) * w,
-           "write: KIVI layers append at length() once per step");
-  const PagedKvLayerView view = pool_->layer_view(l);
-  const Status valid = validate_kv_rows(view, pos, k_rows, view.v ? v_rows : nullptr, n_tokens);
-  KV_CHECK(valid.ok(), valid.ok() ? "" : valid.error().message.c_str());
-  for (int which = 0; which < 2; ++which) {
-    const float* x = which == 0 ? k_rows : v_rows;
-    if (which == 1 && view.v == nullptr) break;
-    for (int64_t i = 0; i < n_tokens * w; ++i) {
-      KV_CHECK(std::fabs(x[i]) <= 65504.0f,
-               "write: K/V value beyond the f16 range of the KIVI residual");
-    }
-    auto& r = which == 0 ? rk : rv;
-    const size_t base = r.size();
-    r.resize(base + static_cast<size_t>(n_tokens * w));
-    for (int64_t i = 0; i < n_tokens * w; ++i) r[base + i] = f32_to_f16(x[i]);
-  }
+  KV_CHECK(l >= 0 && l < pool_->groups().n_layers(), "write: layer index out of range");
+  const KvLayerSlot s = pool_->groups().slot(l);
+  groups_[static_cast<size_t>(s.group)].write(s.index, pos, k_rows, v_rows, n_tokens);
 }
 
 void BlockTable::commit(int64_t n_new) {
-  KV_CHECK(n_new >= 0, "commit: negative token count");
-  KV_CHECK(length_ + n_new <= capacity(), "commit: more tokens than reserved");
-  length_ += n_new;
-  pool_->n_tokens_committed_ += n_new;
-  pool_->n_tokens_reserved_ -= n_new;
-  if (kivi_) convert_ready();
-  pool_->debug_check();
+  for (GroupTable& g : groups_) g.commit(n_new);
 }
 
 int64_t BlockTable::rollback() {
-  if (kivi_) {
-    // Rows written for the abandoned step leave the residual.
-    for (size_t l = 0; l < res_k_.size(); ++l) {
-      const size_t n = static_cast<size_t>((length_ - converted_) * row_elems(static_cast<int>(l)));
-      if (res_k_[l].size() > n) res_k_[l].resize(n);
-      if (res_v_[l].size() > n) res_v_[l].resize(n);
-    }
-  }
-  const int64_t keep = (length_ + block_size_ - 1) / block_size_;
-  const int64_t n_release = n_blocks() - keep;
-  if (n_release == 0) return 0;
-  const int64_t old_capacity = capacity();
-  // Release newest first so the LIFO free list hands the same blocks back.
-  for (int64_t j = n_blocks() - 1; j >= keep; --j) pool_->drop_ref(ids_[j]);
-  ids_.resize(keep);
-  pool_->n_tokens_reserved_ -= old_capacity - capacity();
-  pool_->debug_check();
-  return n_release;
+  int64_t n = 0;
+  for (GroupTable& g : groups_) n += g.rollback();
+  return n;
 }
 
 void BlockTable::release() {
-  converted_ = 0;
-  for (auto& r : res_k_) r.clear();
-  for (auto& r : res_v_) r.clear();
-  if (ids_.empty() && length_ == 0) return;
-  const int64_t old_capacity = capacity();
-  for (int64_t j = n_blocks() - 1; j >= 0; --j) pool_->drop_ref(ids_[j]);
-  pool_->n_tokens_committed_ -= length_;
-  pool_->n_tokens_reserved_ -= old_capacity - length_;
-  ids_.clear();
-  length_ = 0;
-  pool_->debug_check();
+  for (GroupTable& g : groups_) g.release();
 }
 
 BlockRef BlockTable::share_block(int64_t i) const {
-  KV_CHECK(i >= 0 && (i + 1) * block_size_ <= shareable_length(),
-           "share_block: only full committed (KIVI: converted) blocks may be shared");
-  const int32_t id = ids_[i];
-  pool_->add_ref(id);
-  ++pool_->loose_refs_[id];
-  pool_->debug_check();
-  return BlockRef(pool_, BlockId{id});
+  KV_CHECK(groups_.size() == 1, "share_block: a multi-group table shares per group");
+  return groups_[0].share_block(i);
 }
 
 void BlockTable::adopt_prefix(std::vector<BlockRef> refs) {
-  KV_CHECK(length_ == capacity() && length_ % block_size_ == 0 && converted() == length_,
-           "adopt_prefix: table has a partial tail, a reservation or a KIVI residual");
-  for (const BlockRef& r : refs) {
-    KV_CHECK(r.pool_ == pool_, "adopt_prefix: reference is empty or from another pool");
-  }
-  for (BlockRef& r : refs) {
-    // The reference moves from the handle into the table entry.
-    const int32_t id = r.id_.value;
-    --pool_->loose_refs_[id];
-    r.pool_ = nullptr;
-    r.id_ = BlockId{};
-    ids_.push_back(id);
-  }
-  const int64_t added = static_cast<int64_t>(refs.size()) * block_size_;
-  length_ += added;
-  if (kivi_) converted_ = length_;  // cached blocks are published only when converted
-  pool_->n_tokens_committed_ += added;
-  pool_->debug_check();
+  KV_CHECK(groups_.size() == 1, "adopt_prefix: a multi-group table adopts per group");
+  groups_[0].adopt_prefix(std::move(refs));
 }
 
 Status BlockTable::adopt_partial_copy(BlockRef src, int64_t n_tokens) {
-  KV_CHECK(length_ == capacity() && length_ % block_size_ == 0 && converted() == length_,
-           "adopt_partial_copy: table has a partial tail, a reservation or a KIVI residual");
-  KV_CHECK(n_tokens > 0 && n_tokens <= block_size_, "adopt_partial_copy: bad token count");
-  KV_CHECK(src.pool_ == pool_, "adopt_partial_copy: reference is empty or from another pool");
-  if (pool_->n_available() == 0) {
-    ++pool_->n_out_of_blocks_;
-    return make_error(Errc::kOutOfBlocks, "KV pool exhausted: no block for a partial prefix copy");
-  }
-  std::vector<int32_t> fresh;
-  pool_->take_free(1, fresh);  // src is referenced, so it cannot be the evicted block
-  pool_->copy_block(src.id_.value, fresh[0]);
-  ++pool_->n_partial_copies_;
-  ids_.push_back(fresh[0]);
-  length_ += n_tokens;
-  pool_->n_tokens_committed_ += n_tokens;
-  pool_->n_tokens_reserved_ += block_size_ - n_tokens;
-  if (kivi_) {
-    // A KIVI key group is whole or not at all: the adopted tokens of a group
-    // cut by n_tokens go back to the residual as their decoded values.
-    const int64_t g = pool_->layout().kivi_group();
-    const int64_t start = length_ / g * g;
-    converted_ = start;
-    const int64_t n = length_ - start;
-    if (n > 0) {
-      std::vector<float> k, v;
-      for (int l = 0; l < pool_->layout().n_layers(); ++l) {
-        const PagedKvLayerView view = pool_->layer_view(l);
-        const int64_t w = row_elems(l);
-        k.resize(static_cast<size_t>(n * w));
-        v.resize(static_cast<size_t>(n * w));
-        read_kv(view, ids_, start, n, k.data(), v.data());
-        auto& rk = res_k_[static_cast<size_t>(l)];
-        auto& rv = res_v_[static_cast<size_t>(l)];
-        rk.resize(static_cast<size_t>(n * w));
-        for (int64_t i = 0; i < n * w; ++i) rk[i] = f32_to_f16(k[i]);
-        rv.clear();
-        if (view.v != nullptr) {
-          rv.resize(static_cast<size_t>(n * w));
-          for (int64_t i = 0; i < n * w; ++i) rv[i] = f32_to_f16(v[i]);
-        }
-      }
-    }
-  }
-  // The copied slots are committed; the rest of the block is this table's
-  // reservation (it is private), so the accounting matches a reserve+commit.
-  // src is released only now, once the copy is one of this table's entries:
-  // releasing it runs the pool check, which must see every block's holder.
-  src.reset();
-  pool_->debug_check();
-  return Status{};
+  KV_CHECK(groups_.size() == 1, "adopt_partial_copy: single-group tables only");
+  return groups_[0].adopt_partial_copy(std::move(src), n_tokens);
 }
 
 BlockTable BlockTable::fork() const {
   BlockTable t(*pool_);
-  const int64_t keep = (length_ + block_size_ - 1) / block_size_;
-  t.ids_.assign(ids_.begin(), ids_.begin() + keep);
-  for (int32_t id : t.ids_) pool_->add_ref(id);
-  t.length_ = length_;
-  t.copy_residual_from(*this);
-  pool_->n_tokens_committed_ += length_;
-  pool_->n_tokens_reserved_ += keep * block_size_ - length_;
-  pool_->debug_check();
+  for (size_t g = 0; g < groups_.size(); ++g) t.groups_[g] = groups_[g].fork();
   return t;
 }
 
 Result<BlockTable> BlockTable::clone_private() const {
-  const int64_t keep = (length_ + block_size_ - 1) / block_size_;
-  if (keep > pool_->n_available()) {
+  int64_t need = 0;
+  for (const GroupTable& g : groups_) {
+    const int64_t keep = (g.length() + pool_->block_size() - 1) / pool_->block_size();
+    need += keep - g.n_dropped();
+  }
+  if (need > pool_->n_available()) {
     ++pool_->n_out_of_blocks_;
     return make_error(Errc::kOutOfBlocks, "KV pool exhausted: cloning a sequence needs " +
-                                              std::to_string(keep) + " blocks, " +
+                                              std::to_string(need) + " blocks, " +
                                               std::to_string(pool_->n_available()) + " available");
   }
   BlockTable t(*pool_);
-  pool_->take_free(keep, t.ids_);  // this table's blocks are referenced: never evicted here
-  for (int64_t j = 0; j < keep; ++j) pool_->copy_block(ids_[j], t.ids_[j]);
-  pool_->n_clone_copies_ += keep;
-  t.length_ = length_;
-  t.copy_residual_from(*this);
-  pool_->n_tokens_committed_ += length_;
-  pool_->n_tokens_reserved_ += keep * block_size_ - length_;
-  pool_->debug_check();
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    auto c = groups_[g].clone_private();
+    KV_CHECK(c.ok(), "clone_private: a group's copy failed after a successful plan");
+    t.groups_[g] = std::move(*c);
+  }
   return t;
 }
 
@@ -427,6 +171,9 @@ Status reserve_all(std::span<BlockTable* const> tables, std::span<const int64_t>
     KV_CHECK(&tables[i]->pool() == &pool, "reserve_all: tables from different pools");
     for (size_t j = 0; j < i; ++j) KV_CHECK(tables[j] != tables[i], "reserve_all: duplicate table");
   }
+  // Dropping invisible window blocks is always safe (no later step reads
+  // them) and makes room for this step.
+  for (BlockTable* t : tables) t->drop_invisible();
   const int64_t need = plan_reserve(tables, n_new);
   if (need > pool.n_available()) {
     ++pool.n_out_of_blocks_;

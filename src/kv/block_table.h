@@ -1,51 +1,27 @@
-// BlockTable: one sequence's view of the pool. Maps logical position t to
-// block ids()[t / P], slot t % P (spec section 4) and owns one pool
-// reference per entry (move-only RAII: destruction releases every entry
-// exactly once).
+// BlockTable: one sequence's KV, the coordinator of its per-group tables
+// (kv-cache-spec.md section 12). It holds one GroupTable (group_table.h)
+// per KV group of the pool (kv_groups.h) and drives them together: reserve,
+// write, commit, rollback, fork (copy-on-write), clone and release act on
+// every group, all or nothing. A single-group model (every llama/qwen2
+// model) has exactly one inner table and behaves as the one-table engine
+// did; ids()/data()/n_blocks() are the primary group's (group 0) table.
 //
-// Two lengths:
+// Lengths (the same in every group between and during steps):
 //   length()    committed tokens: their K/V were written for every layer and
-//               the forward that produced them finished. Only this is visible
-//               to readers and (later) to the prefix index.
-//   capacity()  slots covered by the table (n_blocks * P) >= length().
+//               the forward that produced them finished.
+//   capacity()  slots covered by the tables (n_blocks * P) >= length().
 // A step appends n_new tokens in phases:
 //   1. plan:     blocks_needed(n_new) / plan_reserve(...)  (no side effect)
-//   2. reserve:  reserve(n_new) or reserve_all(...)         (all or nothing)
+//   2. reserve:  reserve(n_new) or reserve_all(...)         (all or nothing;
+//                first drops every window-group block the coming chunk
+//                cannot see: drop_invisible())
 //   3. write:    write(layer, pos, k, v, n) for pos in [length, length + n_new)
 //   4. commit:   commit(n_new) once every layer is written
-// or rollback() to drop the uncommitted reservation (a failed or cancelled
-// forward: the blocks go back, length is unchanged, nothing is published).
-// "Sampled" tokens are not in the table; a token enters it only by commit.
+// or rollback() to drop the uncommitted reservation. Kernels read layer l
+// through ids_for_layer(l) and the pool's layer_view(l).
 //
-// Sharing: full committed blocks may be shared with other tables/holders
-// (share_block / adopt_prefix / fork); such blocks are immutable because
-// writes only target positions >= length(). A committed partial tail may be
-// shared too (fork): the next reserve() that appends into it first copies
-// it into a private block (copy-on-write, spec section 5), so a shared or
-// published block is never written in place. A prefix hit that ends inside
-// a cached block is adopted by copy (adopt_partial_copy).
-//
-// KIVI layouts (KvLayout::has_kivi(), kivi_codec.h). A key group is G
-// tokens of one channel, so a token cannot be quantized on arrival. Each
-// table keeps a residual: per layer, the K/V of positions
-// [converted(), length() + written) as f16 rows in a side buffer owned by the
-// table (not by the pool). write() appends there; commit() then converts every
-// group g whose tokens are all older than the newest R (R = kivi_residual()),
-// i.e. while converted + G + R <= length, encoding it into the blocks and
-// dropping it from the residual. Readers (attention) take positions
-// < converted() from the blocks and the rest from residual_view(), so within
-// one step every reader sees the same, never half-converted state, and the
-// reference "quantize the same groups at the same moments" is exact.
-// The blocks are reserved for all length() tokens as for other formats (the
-// slots of residual tokens wait for their codes), so converting in commit()
-// never allocates and cannot fail; the residual costs at most
-// (R + G - 1 + step tokens) x 2 H_kv d x 2 bytes per layer per sequence.
-// Only converted blocks are final: shareable_length() = converted() bounds
-// what share_block() / the prefix index may publish; reserve() copies
-// (copy-on-write) every shared block the coming conversions will write;
-// fork() and clone_private() copy the residual; adopt_prefix() takes fully
-// converted blocks; adopt_partial_copy() re-expands a partly adopted group
-// into the residual (its decoded values) so groups stay whole.
+// Sharing and KIVI: see group_table.h (each group table keeps its layers'
+// residual; shareable_length() is the minimum over groups).
 //
 // Thread-safety: same as BlockPool (single owner). write() on distinct
 // positions may run concurrently while no table/pool is mutated.
@@ -57,135 +33,99 @@
 
 #include "core/result.h"
 #include "kv/block_pool.h"
+#include "kv/group_table.h"
 
 namespace kvstack {
 
 class BlockTable {
  public:
-  // An empty table of `pool` (registered with it for stats and checks).
+  // An empty table (one empty GroupTable per group of `pool`).
   // REQUIRES: pool outlives the table.
   explicit BlockTable(BlockPool& pool);
   BlockTable(BlockTable&& other) noexcept;
   BlockTable& operator=(BlockTable&& other) noexcept;
   BlockTable(const BlockTable&) = delete;
   BlockTable& operator=(const BlockTable&) = delete;
-  ~BlockTable();
+  ~BlockTable() = default;  // each group table releases its references
 
   BlockPool& pool() const { return *pool_; }
-  int64_t length() const { return length_; }
-  // KIVI: positions < converted() are quantized in the blocks; the rest are in
-  // the residual. Equals length() for other layouts.
-  int64_t converted() const { return kivi_ ? converted_ : length_; }
-  // Committed positions whose blocks are final (may be shared/published):
-  // full blocks below this length. converted() for KIVI, else length().
+  int n_groups() const { return static_cast<int>(groups_.size()); }
+  GroupTable& group(int g) { return groups_[static_cast<size_t>(g)]; }
+  const GroupTable& group(int g) const { return groups_[static_cast<size_t>(g)]; }
+
+  int64_t length() const { return groups_[0].length(); }
+  // KIVI: the smallest converted length over groups; length() otherwise.
+  int64_t converted() const;
+  // Committed positions whose blocks are final in every group.
   int64_t shareable_length() const { return converted(); }
-  // Residual of layer l (KIVI layouts; an empty view otherwise). Covers the
-  // committed residual plus rows written for the step in progress. Valid
-  // until the next write/commit/rollback/release.
+  // Residual of model layer l (KIVI layouts; an empty view otherwise).
   KvResidualView residual_view(int l) const;
-  // Bytes of f16 rows the residual holds (all layers, K and V).
   int64_t residual_bytes() const;
-  int64_t capacity() const { return n_blocks() * block_size_; }
-  int64_t n_blocks() const { return static_cast<int64_t>(ids_.size()); }
-  // Block ids for the attention kernel: [n_blocks] int32 indices into the
-  // pool, valid until the next reserve/rollback/release/adopt.
-  std::span<const int32_t> ids() const { return ids_; }
-  const int32_t* data() const { return ids_.data(); }
+  int64_t capacity() const { return groups_[0].capacity(); }
 
-  // Blocks a reservation of n_new more tokens on top of length() would take
-  // from the pool (0 when already reserved), including one copy-on-write
-  // block when the partial tail is shared. No side effect. REQUIRES n_new >= 0.
+  // The primary group's table (all layers for a single-group model).
+  int64_t n_blocks() const { return groups_[0].n_blocks(); }
+  std::span<const int32_t> ids() const { return groups_[0].ids(); }
+  const int32_t* data() const { return groups_[0].data(); }
+  // Block ids of model layer l's group: [n_blocks] int32 indices into the
+  // pool (kNullBlock where a window group dropped a block), what the
+  // attention kernels take with pool().layer_view(l). Valid until the next
+  // reserve/rollback/release/adopt.
+  std::span<const int32_t> ids_for_layer(int l) const {
+    return groups_[static_cast<size_t>(pool_->groups().slot(l).group)].ids();
+  }
+  // Blocks the tables hold now, all groups.
+  int64_t n_resident_blocks() const;
+
+  // Blocks a reservation of n_new more tokens would take from the pool, all
+  // groups, including copy-on-write copies; blocks drop_invisible() would
+  // release first are not subtracted. No side effect. REQUIRES n_new >= 0.
   int64_t blocks_needed(int64_t n_new) const;
-
-  // True when the committed tail block is partly filled and has another holder
-  // (the next append copies it first).
+  // True when any group's committed tail is partly filled and shared.
   bool tail_shared() const;
 
-  // Ensures capacity() >= length() + n_new, copying a shared partial tail
-  // into a private block first (copy-on-write). All or nothing: on
-  // kOutOfBlocks (message gives needed and available blocks) nothing changed.
-  // May evict cached blocks. REQUIRES n_new >= 0.
+  // Window groups: releases the blocks no query from length() on can see
+  // (GroupTable::drop_invisible). Returns the blocks released.
+  int64_t drop_invisible();
+
+  // drop_invisible(), then capacity() >= length() + n_new in every group
+  // (copy-on-write of shared tails first). All or nothing beyond the drop:
+  // on kOutOfBlocks (message gives needed and available blocks) no group
+  // reserved anything. REQUIRES n_new >= 0.
   Status reserve(int64_t n_new);
 
-  // Writes layer l's K/V for tokens [pos, pos + n_tokens), converting from
-  // float32 to the layer's dtype (KIVI layouts: to f16 in the residual;
-  // REQUIRES pos == length() and each layer written once per step; values
-  // beyond the f16 range abort with a message naming them).
-  // k_rows, v_rows: [n_tokens, n_kv_heads, head_dim] float32 (MLA: k_rows is
-  // [n_tokens, latent_dim + rope_dim], v_rows must be null).
-  // REQUIRES: length() <= pos and pos + n_tokens <= capacity() (only reserved,
-  // uncommitted slots are writable; committed K/V are immutable).
+  // Writes model layer l's K/V (see GroupTable::write).
   void write(int l, int64_t pos, const float* k_rows, const float* v_rows, int64_t n_tokens);
-
-  // Marks n_new more tokens as written for every layer (KIVI: and converts
-  // the groups that left the residual window). Never allocates.
-  // REQUIRES: n_new >= 0 and length() + n_new <= capacity().
+  // Commits n_new written tokens in every group.
   void commit(int64_t n_new);
-
-  // Releases blocks beyond those the committed length needs
-  // (ceil(length / P) remain). Returns the number of blocks released.
+  // Drops every group's uncommitted reservation; returns blocks released.
   int64_t rollback();
-
-  // Releases every reference; the table becomes empty with length 0 and stays
-  // usable. Also run by the destructor.
+  // Releases every reference in every group; the table stays usable.
   void release();
 
-  // Another reference to entry i, which must be a full committed block
-  // (REQUIRES (i + 1) * P <= shareable_length()).
+  // Single-group tables only (the prefix index's chain is group 0; hybrid
+  // prefix hits go through adopt_hybrid_prefix): see GroupTable.
   BlockRef share_block(int64_t i) const;
-
-  // Appends full, already-written blocks (e.g. a prefix-cache match) as
-  // committed tokens: length += refs.size() * P. The references move into
-  // the table. REQUIRES: length() == capacity() and length() % P == 0 (no
-  // partial tail, nothing reserved), every ref valid and from this pool.
   void adopt_prefix(std::vector<BlockRef> refs);
-
-  // Adopts the first n_tokens slots of block `src` (a cached block whose
-  // first n_tokens tokens continue this table) by copying the block into a
-  // new private block: length += n_tokens. `src` is released on return.
-  // kOutOfBlocks (nothing changed) when no block is available.
-  // REQUIRES: length() == capacity(), length() % P == 0, 0 < n_tokens <= P,
-  // src valid and from this pool.
   Status adopt_partial_copy(BlockRef src, int64_t n_tokens);
 
-  // A new table sharing every committed block (ceil(length / P) of them,
-  // one more reference each) with the same length; nothing reserved is
-  // shared. The fork and this table copy a shared partial tail on their next
-  // append.
+  // A table sharing every committed block of every group.
   BlockTable fork() const;
-
-  // A new table with private copies of every committed block (no sharing):
-  // the reference for what forks save. kOutOfBlocks (nothing changed) when
-  // the pool cannot hold the copies.
+  // Private copies of every committed block of every group; kOutOfBlocks
+  // (nothing changed) when the pool cannot hold them all.
   Result<BlockTable> clone_private() const;
 
  private:
-  friend class BlockPool;
-  void unregister();
-  // KIVI: the converted length once length() reaches `len`.
-  int64_t kivi_target(int64_t len) const;
-  // First and one-past-last block index that the next reserve(n_new) and
-  // commit may write (shared ones among them need copy-on-write).
-  void write_range(int64_t n_new, int64_t* first, int64_t* end) const;
-  int64_t n_shared_in(int64_t first, int64_t end) const;
-  bool block_shared(int64_t j) const;
-  void convert_ready();
-  void copy_residual_from(const BlockTable& other);
-  int64_t row_elems(int l) const;  // f16 elements per residual token row of layer l
+  void make_groups();
 
   BlockPool* pool_ = nullptr;
-  int block_size_ = 0;
-  std::vector<int32_t> ids_;  // [n_blocks]; each entry holds one reference
-  int64_t length_ = 0;
-  // KIVI residual (empty unless the layout has_kivi()).
-  bool kivi_ = false;
-  int64_t converted_ = 0;
-  std::vector<std::vector<uint16_t>> res_k_, res_v_;  // per layer [n, row_elems_]
+  std::vector<GroupTable> groups_;  // [n_groups]; never reallocated (tables register by address)
 };
 
 // Batch plan/commit for one engine step over distinct tables of one pool:
-// plan_reserve sums blocks_needed (no side effect); reserve_all reserves for
-// every table or, on kOutOfBlocks, for none.
+// plan_reserve sums blocks_needed (no side effect); reserve_all first drops
+// every table's invisible window blocks, then reserves for every table or,
+// on kOutOfBlocks, for none.
 // REQUIRES: tables.size() == n_new.size(), tables distinct, same pool.
 int64_t plan_reserve(std::span<BlockTable* const> tables, std::span<const int64_t> n_new);
 Status reserve_all(std::span<BlockTable* const> tables, std::span<const int64_t> n_new);

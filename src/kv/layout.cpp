@@ -283,4 +283,15 @@ bool KvLayout::same_format(const KvLayout& o) const {
   return true;
 }
 
+Result<KvLayout> KvLayout::padded_to(int64_t block_bytes) const {
+  if (block_bytes < block_bytes_ || block_bytes % kAlign != 0) {
+    return make_error(Errc::kInvalidArgument, "KV layout: cannot pad a " +
+                                                  std::to_string(block_bytes_) + "-byte block to " +
+                                                  std::to_string(block_bytes) + " bytes");
+  }
+  KvLayout out = *this;
+  out.block_bytes_ = block_bytes;
+  return out;
+}
+
 }  // namespace kvstack

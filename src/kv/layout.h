@@ -195,6 +195,12 @@ class KvLayout {
   // size and offsets): a block written under one can be read under the other.
   bool same_format(const KvLayout& other) const;
 
+  // This layout with each block padded to `block_bytes` (the extra bytes
+  // follow the last layer and are never read): the per-group layouts of one
+  // pool share the largest group's block size (kv_groups.h). kInvalidArgument
+  // unless block_bytes >= block_bytes() and a multiple of 64.
+  Result<KvLayout> padded_to(int64_t block_bytes) const;
+
  private:
   KvLayout() = default;
   std::vector<KvLayerSpec> layers_;

@@ -430,6 +430,18 @@ void HttpServer::routes() {
                      {"evictions", p.n_evictions},
                      {"cow_copies", p.n_cow_copies},
                      {"out_of_blocks", p.n_out_of_blocks}};
+      // Per KV group (kv_groups.h): a hybrid model's full and window groups.
+      json groups = json::array();
+      for (const BlockPoolGroupStats& g : p.groups) {
+        groups.push_back({{"layers", g.n_layers},
+                          {"window", g.window},
+                          {"blocks_used", g.n_blocks_used},
+                          {"blocks_cached", g.n_blocks_cached},
+                          {"tokens_resident", g.n_tokens_resident},
+                          {"payload_bytes", g.payload_bytes},
+                          {"allocated_bytes", g.allocated_bytes}});
+      }
+      out["pool"]["groups"] = groups;
       // Holders: every used block has a holder; none may remain once idle.
       int64_t n_refs = 0;
       for (int32_t b = 0; b < p.n_blocks_total; ++b) n_refs += e.pool().ref_count(BlockId{b});
@@ -562,7 +574,10 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
   if (p->seq.max_tokens < 0) {
     // Chat without a limit: as much as the context and the pool allow.
     const auto n_prompt = static_cast<int64_t>(p->seq.prompt.size());
-    const int64_t pool_tokens = engine.pool().n_blocks() * engine.pool().block_size();
+    // Tokens one sequence can reach in the pool, per KV group (window
+    // groups capped: kv_groups.h), not a model-wide ceil(T / P).
+    const int64_t pool_tokens = engine.pool().groups().max_tokens_in(
+        engine.pool().n_blocks(), engine.config().prefill_chunk);
     const int64_t per_choice =
         (pool_tokens - n_prompt) / std::max(1, p->seq.n) - engine.pool().block_size();
     p->seq.max_tokens = std::max<int64_t>(1, std::min(n_ctx - n_prompt, per_choice));

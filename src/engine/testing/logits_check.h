@@ -119,6 +119,9 @@ inline Result<LoadedSyntheticModel> load_synthetic_model(const SyntheticSpec& sp
   std::remove(out.weights.path.c_str());
   if (!model.ok()) return model.error();
   out.model = std::move(*model);
+  if (!spec.layer_window.empty()) {
+    if (Status st = out.model->set_layer_windows(spec.layer_window); !st.ok()) return st.error();
+  }
   return out;
 }
 

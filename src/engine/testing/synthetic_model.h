@@ -4,6 +4,7 @@
 #pragma once
 
 #include <unistd.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -29,7 +30,14 @@ struct SyntheticSpec {
   float rope_base = 10000.0f;
   bool neox = false;  // qwen2-style rope and qkv bias when true
   uint32_t seed = 1;
+  // Per-layer attention window (empty: full attention everywhere). Not in
+  // the GGUF: load_synthetic_model applies it (Model::set_layer_windows),
+  // and the reference masks keys j < t - w + 1 as the kernels do.
+  std::vector<int> layer_window = {};
   int head_dim() const { return n_embd / n_heads; }
+  int window(int l) const {
+    return layer_window.empty() ? 0 : layer_window[static_cast<size_t>(l)];
+  }
 };
 
 // Weights as float64 copies (for the reference) of what the file stores (f32).
@@ -237,14 +245,17 @@ inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
         const int kvh = h / (s.n_heads / s.n_kv_heads);
         std::vector<double> sc(t + 1);
         double mx = -1e300;
-        for (int j = 0; j <= t; ++j) {
+        const int w_l = s.window(layer_index);
+        const int j0 = w_l > 0 ? std::max(0, t - w_l + 1) : 0;  // first visible key
+        for (int j = 0; j < j0; ++j) sc[j] = -1e300;
+        for (int j = j0; j <= t; ++j) {
           double d = 0;
           for (int i = 0; i < hd; ++i) d += q[t][h * hd + i] * k[j][kvh * hd + i];
           sc[j] = d / std::sqrt(static_cast<double>(hd));
           mx = std::max(mx, sc[j]);
         }
         double sum = 0;
-        for (double& e : sc) sum += (e = std::exp(e - mx));
+        for (double& e : sc) sum += (e = e <= -1e300 ? 0.0 : std::exp(e - mx));
         for (int j = 0; j <= t; ++j) {
           for (int i = 0; i < hd; ++i) att[h * hd + i] += sc[j] / sum * v[j][kvh * hd + i];
         }
