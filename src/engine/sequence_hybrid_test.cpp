@@ -17,8 +17,10 @@
 // GCC 12 misreads gguf_builder.h's put_bytes (resize + memcpy) once it is
 // inlined into this file's fixture (false -Wstringop-overflow / -Wrestrict,
 // the family gguf_builder.h already works around for insert()).
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wstringop-overflow"
 #pragma GCC diagnostic ignored "-Wrestrict"
+#endif
 #include "engine/testing/logits_check.h"
 #include "engine/testing/synthetic_model.h"
 #include "kv/block_pool.h"
@@ -43,6 +45,7 @@ CacheIdentity test_identity() {
 
 KvLayout window_layout(const SyntheticSpec& spec, int block_size) {
   std::vector<KvLayerSpec> layers;
+  layers.reserve(static_cast<size_t>(spec.n_layers));
   for (int l = 0; l < spec.n_layers; ++l) {
     layers.push_back({.n_kv_heads = spec.n_kv_heads,
                       .head_dim_k = spec.head_dim(),
@@ -183,6 +186,7 @@ TEST_F(HybridPrefix, RandomOperationsKeepInvariantsAndLogits) {
   std::mt19937 rng(77);
   // A few shared stems so that lookups hit at various depths.
   std::vector<std::vector<int32_t>> stems;
+  stems.reserve(3);
   for (int i = 0; i < 3; ++i) stems.push_back(random_tokens(rng, 30));
   std::vector<std::pair<Sequence, std::vector<int32_t>>> live;
   for (int step = 0; step < 60; ++step) {
