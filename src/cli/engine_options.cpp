@@ -1,5 +1,6 @@
 #include "cli/engine_options.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -48,6 +49,10 @@ std::vector<OptionSpec> engine_options() {
        "do not centre the keys, also for int8/int4 (opt out of the default)"},
       {"kv-center-text", 0, "FILE", "calibrate --kv-center on this text instead (implies it)"},
       {"prefill-chunk", 0, "N", "max tokens per prefill step (default 512)"},
+      {"layer-windows", 0, "W,W,...",
+       "run the model with these per-layer attention windows (0 = full attention), the list "
+       "repeating over the layers (512,512,512,512,512,0: Gemma 3's pattern); window layers "
+       "keep only the blocks their window can see"},
       {"no-prefix-cache", 0, "", "do not share KV between requests (no prefix cache)"},
       {"public-prefix", 0, "FILE",
        "pre-compute and pin the KV of this text (e.g. a system prompt) for every namespace; "
@@ -154,6 +159,21 @@ Result<EngineConfig> engine_config_from(const Args& args) {
   auto chunk = args.get_int("prefill-chunk", 512, 1, 1 << 20);
   if (!chunk) return chunk.error();
   c.prefill_chunk = static_cast<int>(*chunk);
+  if (auto lw = args.get("layer-windows")) {
+    size_t at = 0;
+    while (at <= lw->size()) {
+      const size_t comma = std::min(lw->find(',', at), lw->size());
+      const std::string item = lw->substr(at, comma - at);
+      char* end = nullptr;
+      const long w = std::strtol(item.c_str(), &end, 10);
+      if (item.empty() || end == nullptr || *end != '\0' || w < 0 || w > (1L << 24)) {
+        return make_error(Errc::kInvalidArgument,
+                          "--layer-windows: '" + item + "' is not a window in [0, 16777216]");
+      }
+      c.layer_windows.push_back(static_cast<int>(w));
+      at = comma + 1;
+    }
+  }
   c.prefix_cache = !args.flag("no-prefix-cache");
   if (!c.prefix_cache && args.has("public-prefix")) {
     return make_error(Errc::kInvalidArgument,

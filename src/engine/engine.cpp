@@ -88,7 +88,12 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   if (!model) return model.error();
   e->model_ = std::move(*model);
   if (!config.layer_windows.empty()) {
-    KV_TRY_STATUS(e->model_->set_layer_windows(config.layer_windows));
+    // The list repeats over the layers (a pattern such as 512 x 5, 0).
+    std::vector<int> windows(static_cast<size_t>(e->model_->config().n_layers));
+    for (size_t l = 0; l < windows.size(); ++l) {
+      windows[l] = config.layer_windows[l % config.layer_windows.size()];
+    }
+    KV_TRY_STATUS(e->model_->set_layer_windows(std::move(windows)));
   }
   const ModelConfig& c = e->model_->config();
   auto tokenizer = Tokenizer::load_from_gguf(e->model_->file());

@@ -48,8 +48,9 @@ struct EngineConfig {
   uint64_t kv_cache_mem = 0;    // bytes for the pool (0 = use kv_cache_tokens)
   int64_t kv_cache_tokens = 0;  // tokens for the pool (0 = the model's context length)
   int prefill_chunk = 512;      // max tokens per prefill step
-  // Per-layer attention windows replacing the model's (Model::set_layer_windows;
-  // empty = the model's own): runs a model as a hybrid sliding-window one.
+  // Per-layer attention windows replacing the model's (--layer-windows,
+  // Model::set_layer_windows; empty = the model's own), repeated over the
+  // layers when shorter: runs a model as a hybrid sliding-window one.
   std::vector<int> layer_windows;
   // Prefix cache (sequence.h): off = every request computes its own K/V.
   bool prefix_cache = true;

@@ -34,6 +34,7 @@ using testing::SyntheticSpec;
 // layer with its window.
 KvLayout window_layout(const SyntheticSpec& spec, KvDtype dtype, int block_size) {
   std::vector<KvLayerSpec> layers;
+  layers.reserve(static_cast<size_t>(spec.n_layers));
   for (int l = 0; l < spec.n_layers; ++l) {
     layers.push_back({.n_kv_heads = spec.n_kv_heads,
                       .head_dim_k = spec.head_dim(),

@@ -16,10 +16,25 @@ int64_t Sequence::adopt_cached_prefix(std::span<const int32_t> prompt) {
            "adopt_cached_prefix: the sequence is not empty");
   PrefixIndex* index = kv_->index();
   if (index == nullptr || ns_ == kNoNamespace || prompt.size() < 2) return 0;
-  if (table_.n_groups() > 1) return 0;  // hybrid prefix hits: not yet
   const auto max_tokens = static_cast<int64_t>(prompt.size()) - 1;
   PrefixMatch m = index->match(ns_, prompt, max_tokens, kv_->config().partial_reuse);
   const int64_t n_full = static_cast<int64_t>(m.blocks.size());
+  if (table_.n_groups() > 1) {
+    // Hybrid: nodes into the primary group; each other group takes its
+    // checkpoints after null entries for the blocks its window cannot see.
+    table_.group(0).adopt_prefix(std::move(m.blocks));
+    m.blocks.clear();
+    for (int g = 1; g < table_.n_groups() && n_full > 0; ++g) {
+      table_.group(g).adopt_prefix_after(m.group_first[static_cast<size_t>(g - 1)],
+                                         std::move(m.group_blocks[static_cast<size_t>(g - 1)]));
+    }
+    m.group_blocks.clear();
+    n_published_ = n_full;
+    n_checkpointed_ = n_full;
+    const int64_t adopted = n_full * table_.pool().block_size();
+    tokens_.assign(prompt.begin(), prompt.begin() + adopted);
+    return adopted;
+  }
   table_.adopt_prefix(std::move(m.blocks));
   m.blocks.clear();
   n_published_ = n_full;
@@ -43,19 +58,31 @@ void Sequence::on_committed(std::span<const int32_t> tokens) {
 void Sequence::publish() {
   PrefixIndex* index = kv_->index();
   if (index == nullptr || ns_ == kNoNamespace || publish_stopped_) return;
-  if (table_.n_groups() > 1) return;  // hybrid prefix hits: not yet
   const int64_t n_full = table_.shareable_length() / table_.pool().block_size();
   if (n_published_ >= n_full) return;
   // Stops for good at the first block another sequence already published
   // (its duplicate stays private to this sequence).
   n_published_ = index->publish(ns_, table_, tokens_, n_published_);
   if (n_published_ < n_full) publish_stopped_ = true;
+  // Hybrid: the other groups' blocks of the newly published nodes become
+  // their checkpoints (companions), so that dropping them from a window
+  // table leaves them cached for the next turn of the conversation.
+  const std::span<const int32_t> nodes = table_.ids();
+  for (; n_checkpointed_ < n_published_; ++n_checkpointed_) {
+    for (int g = 1; g < table_.n_groups(); ++g) {
+      const int32_t b = table_.group(g).ids()[static_cast<size_t>(n_checkpointed_)];
+      if (b != kNullBlock && !index->is_published(b)) {
+        (void)index->attach_companion(nodes[static_cast<size_t>(n_checkpointed_)], g, b);
+      }
+    }
+  }
 }
 
 Sequence Sequence::fork() const {
   Sequence s(*kv_, ns_, table_.fork());
   s.tokens_ = tokens_;
   s.n_published_ = n_published_;
+  s.n_checkpointed_ = n_checkpointed_;
   s.publish_stopped_ = publish_stopped_;
   return s;
 }
@@ -74,6 +101,7 @@ void Sequence::release() {
   table_.release();
   tokens_.clear();
   n_published_ = 0;
+  n_checkpointed_ = 0;
   publish_stopped_ = false;
 }
 

@@ -167,7 +167,8 @@ class Sequence {
   NamespaceId ns_ = kNoNamespace;
   BlockTable table_;
   std::vector<int32_t> tokens_;
-  int64_t n_published_ = 0;       // blocks [0, n_published_) are index nodes on this chain
+  int64_t n_published_ = 0;     // blocks [0, n_published_) are index nodes on this chain
+  int64_t n_checkpointed_ = 0;  // hybrid: nodes whose other-group blocks were offered as companions
   bool publish_stopped_ = false;  // an equal block was published by another sequence
 };
 

@@ -157,7 +157,7 @@ void BlockPool::take_free(int64_t n, std::vector<int32_t>& out, int group) {
     KV_CHECK(index_ != nullptr, "take_free: cached blocks without an index");
     const int64_t want = n - n_free();
     const int64_t got = index_->evict(want);
-    KV_CHECK(got == want, "take_free: eviction reclaimed fewer blocks than planned");
+    KV_CHECK(got >= want, "take_free: eviction reclaimed fewer blocks than planned");
   }
   for (int64_t i = 0; i < n; ++i) {
     const int32_t id = free_list_.back();

@@ -206,8 +206,9 @@ class BlockPool {
   // revived to kUsed and taken off the eviction list). REQUIRES: not kFree.
   BlockRef ref_block(BlockId id);
 
-  // O(1) except resident_bytes, which costs one mincore() over the mapping
-  // (about pool_bytes / 4 KiB bytes of scratch and time).
+  // O(n_blocks + tables) for the per-group figures, plus one mincore() over
+  // the mapping for resident_bytes (about pool_bytes / 4 KiB bytes of
+  // scratch and time).
   BlockPoolStats stats() const;
 
   // Recomputes states, free list, reference counts (from every live table

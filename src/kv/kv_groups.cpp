@@ -46,6 +46,7 @@ Result<KvGroups> KvGroups::create(const KvLayout& model_layout) {
       std::vector<int> members(layers.begin() + static_cast<long>(first),
                                layers.begin() + static_cast<long>(first) + per_group);
       std::vector<KvLayerSpec> specs;
+      specs.reserve(members.size());
       for (int l : members) specs.push_back(model_layout.layer(l));
       auto layout = KvLayout::create(std::move(specs), model_layout.block_size(), options);
       if (!layout) return layout.error();

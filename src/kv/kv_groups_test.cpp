@@ -22,6 +22,7 @@ namespace {
 KvLayout windowed(const std::vector<int>& windows, int block_size, int n_kv_heads = 1,
                   int head_dim = 8) {
   std::vector<KvLayerSpec> layers;
+  layers.reserve(windows.size());
   for (int w : windows) {
     layers.push_back({.n_kv_heads = n_kv_heads,
                       .head_dim_k = head_dim,

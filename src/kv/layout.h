@@ -45,18 +45,15 @@
 // so conversion never allocates; pool, tables and prefix index are unchanged, and only
 // converted blocks are shareable.
 //
-// Sliding windows. `KvLayerSpec::window` (w > 0) is recorded and exposed so
-// the kernel masks positions < pos - w + 1; storing the full history is
-// exact. To save memory, layers are grouped by retention class (all full-
-// attention layers in one KvLayout, each window size in another); each group
-// has its own pool and a sequence holds one block table per group. In a
-// window group the table keeps LOGICAL indexing (entry j covers positions
-// [j*P, (j+1)*P)) but entries whose positions all fall before len - w are
-// released and set to kNullBlock, so residency is at most ceil(w/P) + 1
-// blocks while positions (and hence RoPE) stay logical. A ring of block
-// slots (slot t mod w) is the same thing at token granularity. Neither needs
-// a change to the pool; the prefix index matches on the cumulative logical
-// length (spec section 8).
+// Sliding windows. `KvLayerSpec::window` (w > 0) makes the kernels mask
+// positions < pos - w + 1. To save memory the pool groups layers by window
+// (kv_groups.h): each group gets its own KvLayout over its layers (all
+// padded to one block size, padded_to()) in the one pool, and a sequence
+// holds one table per group (block_table.h / group_table.h). A window
+// group's table keeps LOGICAL indexing (entry j covers [j*P, (j+1)*P)) and
+// drops the blocks no coming query can see (kNullBlock entries), so RoPE and
+// masks stay logical; the prefix index matches on the cumulative logical
+// length and keeps window-group checkpoints (prefix_index.h, spec 12).
 //
 // MLA. A KvLayerKind::kMlaLatent layer caches one latent row per token:
 // [P][latent_dim + rope_dim] elements (c_t then the decoupled RoPE key), no

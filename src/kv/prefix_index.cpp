@@ -23,6 +23,11 @@ Hash128 hash128(const void* data, size_t n_bytes, uint64_t seed) {
 
 void PrefixMatch::reset() {
   partial.reset();
+  for (auto& g : group_blocks) {
+    while (!g.empty()) g.pop_back();
+  }
+  group_blocks.clear();
+  group_first.clear();
   while (!blocks.empty()) blocks.pop_back();  // deepest first: children precede parents in LRU
   n_partial_tokens = 0;
 }
@@ -31,7 +36,10 @@ PrefixIndex::PrefixIndex(BlockPool& pool, PrefixIndexConfig config)
     : pool_(pool),
       block_size_(pool.block_size()),
       nodes_(static_cast<size_t>(pool.n_blocks())),
-      tokens_(static_cast<size_t>(pool.n_blocks()) * pool.block_size()) {
+      tokens_(static_cast<size_t>(pool.n_blocks()) * pool.block_size()),
+      n_companions_(static_cast<size_t>(pool.n_groups() - 1)),
+      companions_(static_cast<size_t>(pool.n_blocks()) * n_companions_, kNullBlock),
+      owner_(static_cast<size_t>(pool.n_blocks()), kNullBlock) {
   KV_CHECK(pool.index_ == nullptr, "PrefixIndex: the pool already has an index");
   KV_CHECK(config.lookup_hash_bits >= 0 && config.lookup_hash_bits <= 64,
            "PrefixIndex: lookup_hash_bits must be in [0, 64]");
@@ -54,6 +62,7 @@ PrefixIndex::~PrefixIndex() {
   }
   KV_CHECK(pool_.n_cached() == 0, "PrefixIndex: cached blocks left at detach");
   for (size_t i = 0; i < nodes_.size(); ++i) nodes_[i].published = false;
+  std::fill(owner_.begin(), owner_.end(), kNullBlock);
   pool_.index_ = nullptr;
 }
 
@@ -192,6 +201,37 @@ PrefixMatch PrefixIndex::match(NamespaceId ns, std::span<const int32_t> tokens, 
     m.blocks.push_back(pool_.ref_block(BlockId{b}));
     cur = b;
   }
+  if (n_companions_ > 0) {
+    // Hybrid: the longest k <= j whose companions cover what a query at
+    // k P can see in every other group (no partial-block reuse).
+    find_partial = false;
+    int64_t k = j;
+    std::vector<int64_t> first(n_companions_, 0);
+    for (; k > 0; --k) {
+      bool ok = true;
+      for (size_t g = 1; g <= n_companions_ && ok; ++g) {
+        const KvGroup& gr = pool_.group(static_cast<int>(g));
+        first[g - 1] = gr.drops_blocks ? std::max<int64_t>(0, k * p - gr.window + 1) / p : 0;
+        for (int64_t b = first[g - 1]; b < k && ok; ++b) {
+          ok = companion(m.blocks[static_cast<size_t>(b)].id().value, static_cast<int>(g)) !=
+               kNullBlock;
+        }
+      }
+      if (ok) break;
+    }
+    while (static_cast<int64_t>(m.blocks.size()) > k) m.blocks.pop_back();
+    j = k;
+    m.group_blocks.resize(n_companions_);
+    m.group_first.assign(n_companions_, 0);
+    for (size_t g = 1; g <= n_companions_ && k > 0; ++g) {
+      m.group_first[g - 1] = first[g - 1];
+      for (int64_t b = first[g - 1]; b < k; ++b) {
+        const int32_t c =
+            companion(m.blocks[static_cast<size_t>(b)].id().value, static_cast<int>(g));
+        m.group_blocks[g - 1].push_back(pool_.ref_block(BlockId{c}));
+      }
+    }
+  }
   const int64_t n_full = j * p;
   if (find_partial && n_full < max_tokens) {
     int64_t n_common = 0;
@@ -301,6 +341,37 @@ int64_t PrefixIndex::publish(NamespaceId ns, const BlockTable& table,
   return j;
 }
 
+bool PrefixIndex::attach_companion(int32_t node, int g, int32_t block) {
+  KV_CHECK(g >= 1 && static_cast<size_t>(g) <= n_companions_, "attach_companion: bad group");
+  KV_CHECK(nodes_[node].published, "attach_companion: not a node");
+  KV_CHECK(
+      pool_.state(BlockId{block}) == BlockState::kUsed && pool_.block_group(BlockId{block}) == g,
+      "attach_companion: the block is not a used block of that group");
+  KV_CHECK(!is_published(block), "attach_companion: the block is already published");
+  int32_t& slot = companions_[static_cast<size_t>(node) * n_companions_ + (g - 1)];
+  if (slot != kNullBlock) return false;
+  slot = block;
+  owner_[block] = node;
+  return true;
+}
+
+void PrefixIndex::drop_companions(int32_t node) {
+  for (size_t g = 0; g < n_companions_; ++g) {
+    int32_t& slot = companions_[static_cast<size_t>(node) * n_companions_ + g];
+    const int32_t c = slot;
+    if (c == kNullBlock) continue;
+    slot = kNullBlock;
+    owner_[c] = kNullBlock;
+    if (pool_.state(BlockId{c}) == BlockState::kCached) {
+      lru_remove(c);
+      pool_.reclaim(c);
+      ++n_evictions_;
+      ++n_companion_frees_;
+    }
+    // A companion still held by a table becomes its private block (freed on release).
+  }
+}
+
 void PrefixIndex::link_child(int32_t parent, NamespaceId ns, int32_t block) {
   int32_t& head = child_head(parent, ns);
   Node& n = nodes_[block];
@@ -370,7 +441,7 @@ void PrefixIndex::lru_remove(int32_t b) {
 
 void PrefixIndex::on_unreferenced(int32_t block) {
   Node& n = nodes_[block];
-  KV_DCHECK(n.published && !n.in_lru, "on_unreferenced: not a published, listed node");
+  KV_DCHECK(is_published(block) && !n.in_lru, "on_unreferenced: not a published, unlisted block");
   n.deferred = false;
   lru_push_back(block);
 }
@@ -384,6 +455,7 @@ void PrefixIndex::on_referenced(int32_t block) {
 void PrefixIndex::remove_node(int32_t block) {
   Node& n = nodes_[block];
   KV_CHECK(n.published && n.n_children == 0, "remove_node: not a published leaf");
+  if (n_companions_ > 0) drop_companions(block);
   const int32_t parent = n.parent;
   const NamespaceId ns = n.ns;
   unlink_child(block);
@@ -415,14 +487,25 @@ int64_t PrefixIndex::evict(int64_t n) {
   while (done < n && lru_head_ != kNullBlock) {
     const int32_t b = lru_head_;
     lru_remove(b);
+    if (owner_[b] != kNullBlock) {
+      // A cached checkpoint: only its node's slot empties.
+      companions_[static_cast<size_t>(owner_[b]) * n_companions_ +
+                  (pool_.block_group(BlockId{b}) - 1)] = kNullBlock;
+      owner_[b] = kNullBlock;
+      pool_.reclaim(b);
+      ++n_evictions_;
+      ++done;
+      continue;
+    }
     if (nodes_[b].n_children > 0) {
       nodes_[b].deferred = true;
       continue;
     }
+    const int64_t freed_before = n_companion_frees_;
     remove_node(b);
     pool_.reclaim(b);
     ++n_evictions_;
-    ++done;
+    done += 1 + (n_companion_frees_ - freed_before);
   }
   return done;
 }
@@ -493,8 +576,23 @@ void PrefixIndex::check_invariants() const {
   for (int32_t b = 0; b < n_blocks; ++b) {
     const Node& n = nodes_[b];
     if (!n.published) {
+      if (owner_[b] != kNullBlock) {
+        // A companion: its node's slot names it, and it is cached exactly when listed.
+        const int g = pool_.block_group(BlockId{b});
+        KV_CHECK(g >= 1 && nodes_[owner_[b]].published && companion(owner_[b], g) == b,
+                 "companion block not in its node's slot");
+        const BlockState st = pool_.state(BlockId{b});
+        KV_CHECK(st != BlockState::kFree, "published companion is free");
+        KV_CHECK((st == BlockState::kCached) == n.in_lru && !n.deferred,
+                 "a companion is on the LRU list exactly when cached");
+        continue;
+      }
       KV_CHECK(!n.in_lru && !n.deferred, "unpublished block on the LRU list");
       continue;
+    }
+    for (size_t g = 0; g < n_companions_; ++g) {
+      const int32_t c = companions_[static_cast<size_t>(b) * n_companions_ + g];
+      KV_CHECK(c == kNullBlock || owner_[c] == b, "node's companion slot names a stranger");
     }
     ++n_published;
     KV_CHECK(n.ns >= 0 && n.ns < n_namespaces(), "node with an unknown namespace");

@@ -48,6 +48,18 @@
 // partial-block search scans at most kMaxPartialScan children of one node.
 // Node metadata, token ids and LRU links are arrays indexed by block id.
 //
+// Hybrid models (KV groups, kv_groups.h; spec section 12). Nodes are
+// blocks of the primary group (group 0). A node may carry, per other group
+// g, a companion: that group's block for the same logical block (a
+// checkpoint of the window layers at that block). A companion is
+// "published" too: when a window table drops it, it becomes cached (on the
+// LRU list like a node) instead of free. Evicting a companion only empties
+// its node's slot; evicting a node frees its cached companions (and
+// unpublishes any still held). A hit of length L = k P needs the nodes
+// [0, k) and, in every other group, companions for every block a query at L
+// can see: [0, k) for groups that keep everything, [floor(max(0, L - w +
+// 1) / P), k) for window groups; match() returns the longest such k.
+//
 // Observability: stats() (global and per namespace) and an event stream of
 // block stored / removed (hash, parent hash, token count, namespace) for
 // routing and tiers: a bounded queue (set_event_capacity / drain_events)
@@ -97,6 +109,10 @@ using BlockExtraKeys = std::span<const uint64_t>;
 // reference exactly once, deepest first.
 struct PrefixMatch {
   std::vector<BlockRef> blocks;
+  // Hybrid models: per group g >= 1 (index g - 1), the companions of blocks
+  // [group_first[g - 1], blocks.size()) in order.
+  std::vector<std::vector<BlockRef>> group_blocks;
+  std::vector<int64_t> group_first;
   BlockRef partial;
   int64_t n_partial_tokens = 0;
   int block_size = 0;
@@ -198,7 +214,21 @@ class PrefixIndex {
   // list; returns the number evicted (< n only when fewer are cached).
   int64_t evict(int64_t n);
 
-  bool is_published(int32_t block) const { return nodes_[block].published; }
+  // A node or a companion (both stay cached when unreferenced).
+  bool is_published(int32_t block) const {
+    return nodes_[block].published || owner_[block] != kNullBlock;
+  }
+  bool is_node(int32_t block) const { return nodes_[block].published; }
+
+  // Hybrid models: the companion of node `node` in group g (kNullBlock when
+  // none), and attaching `block` (group g's full committed block for the
+  // node's logical block, held by a table, not published) as that companion.
+  // attach returns false (nothing changed) when the slot is already taken.
+  // REQUIRES: 1 <= g < pool().n_groups(), node published.
+  int32_t companion(int32_t node, int g) const {
+    return companions_[static_cast<size_t>(node) * n_companions_ + (g - 1)];
+  }
+  bool attach_companion(int32_t node, int g, int32_t block);
   // Chained hash of a published block. REQUIRES is_published(block).
   Hash128 block_hash(int32_t block) const { return nodes_[block].hash; }
   NamespaceId block_namespace(int32_t block) const { return nodes_[block].ns; }
@@ -288,8 +318,15 @@ class PrefixIndex {
 
   BlockPool& pool_;
   int block_size_ = 0;
-  std::vector<Node> nodes_;      // [n_blocks]
-  std::vector<int32_t> tokens_;  // [n_blocks, P] token ids of published blocks
+  std::vector<Node> nodes_;            // [n_blocks] (a companion uses only its LRU fields)
+  void drop_companions(int32_t node);  // on node removal
+  int64_t n_companion_frees_ = 0;      // cached companions freed with their node (in evict)
+  std::vector<int32_t> tokens_;        // [n_blocks, P] token ids of published blocks
+  // Hybrid models: [n_blocks, n_groups - 1] companion of each node per group,
+  // and [n_blocks] the node a companion block belongs to (kNullBlock: none).
+  size_t n_companions_ = 0;
+  std::vector<int32_t> companions_;
+  std::vector<int32_t> owner_;
   std::unordered_map<int32_t, std::vector<uint64_t>> extra_;  // blocks with extra keys
   std::vector<Slot> slots_;  // child table, power-of-two size >= 2 * n_blocks
   uint64_t slot_mask_ = 0;
