@@ -4,12 +4,41 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <utility>
 
 #include "core/json_string.h"
 
 namespace kvstack {
 
+// ------------------------------------------------------------ NamespaceUse
+
+NamespaceUse::NamespaceUse(PrefixIndex* index, NamespaceId ns)
+    : index_(ns == kNoNamespace ? nullptr : index), ns_(ns) {
+  if (index_ != nullptr) index_->acquire_namespace(ns_);
+}
+
+NamespaceUse::NamespaceUse(NamespaceUse&& other) noexcept
+    : index_(std::exchange(other.index_, nullptr)), ns_(std::exchange(other.ns_, kNoNamespace)) {}
+
+NamespaceUse& NamespaceUse::operator=(NamespaceUse&& other) noexcept {
+  if (this != &other) {
+    reset();
+    index_ = std::exchange(other.index_, nullptr);
+    ns_ = std::exchange(other.ns_, kNoNamespace);
+  }
+  return *this;
+}
+
+void NamespaceUse::reset() {
+  if (index_ != nullptr) index_->release_namespace(ns_);
+  index_ = nullptr;
+  ns_ = kNoNamespace;
+}
+
 // ---------------------------------------------------------------- Sequence
+
+Sequence::Sequence(KvManager& kv, NamespaceId ns, BlockTable table)
+    : kv_(&kv), ns_(ns), ns_use_(kv.index(), ns), table_(std::move(table)) {}
 
 int64_t Sequence::adopt_cached_prefix(std::span<const int32_t> prompt) {
   KV_CHECK(table_.length() == 0 && table_.n_blocks() == 0,

@@ -97,6 +97,25 @@ std::string kv_event_json(const KvEvent& event);
 
 class KvManager;
 
+// One use of a namespace (PrefixIndex::acquire_namespace), held by every
+// live Sequence: a namespace expires only when no sequence uses it and it
+// holds no block. Move-only; releases exactly once.
+class NamespaceUse {
+ public:
+  NamespaceUse() = default;
+  NamespaceUse(PrefixIndex* index, NamespaceId ns);
+  NamespaceUse(NamespaceUse&& other) noexcept;
+  NamespaceUse& operator=(NamespaceUse&& other) noexcept;
+  NamespaceUse(const NamespaceUse&) = delete;
+  NamespaceUse& operator=(const NamespaceUse&) = delete;
+  ~NamespaceUse() { reset(); }
+  void reset();
+
+ private:
+  PrefixIndex* index_ = nullptr;
+  NamespaceId ns_ = kNoNamespace;
+};
+
 // Appends a KvManager's block stored / removed events to a file as JSON
 // lines (kv_event_json), from open() (blocks already published are written
 // first, as stored events) until destruction, flushed after every line.
@@ -159,12 +178,12 @@ class Sequence {
 
  private:
   friend class KvManager;
-  Sequence(KvManager& kv, NamespaceId ns, BlockTable table)
-      : kv_(&kv), ns_(ns), table_(std::move(table)) {}
+  Sequence(KvManager& kv, NamespaceId ns, BlockTable table);
   void publish();
 
   KvManager* kv_ = nullptr;
   NamespaceId ns_ = kNoNamespace;
+  NamespaceUse ns_use_;  // keeps ns_ from expiring while this sequence lives
   BlockTable table_;
   std::vector<int32_t> tokens_;
   int64_t n_published_ = 0;     // blocks [0, n_published_) are index nodes on this chain
@@ -187,7 +206,10 @@ class KvManager {
   PrefixIndex* index() const { return index_.get(); }
 
   // The namespace of a request: its cache salt, or the deployment default
-  // when the salt is empty. kNoNamespace when the cache is disabled.
+  // when the salt is empty. kNoNamespace when the cache is disabled. A
+  // namespace lives while a Sequence uses it or it holds published blocks
+  // (PrefixIndex::acquire_namespace): pass the id to new_sequence() before
+  // the pool changes, and do not keep it beyond the sequence's life.
   NamespaceId namespace_for(std::string_view cache_salt);
   NamespaceId public_namespace();
 

@@ -119,6 +119,7 @@ TEST_F(HybridPrefix, SecondTurnPrefillsOnlyItsNewTokens) {
     ASSERT_EQ((*pool)->n_groups(), 6);
     KvManager kv(**pool, test_identity(), {});
     const NamespaceId ns = kv.namespace_for("");
+    Sequence ns_anchor = kv.new_sequence(ns);  // keeps ns alive (unused namespaces expire)
     std::mt19937 rng(static_cast<uint32_t>(p));
     std::vector<int32_t> conv = random_tokens(rng, 45);
     for (int turn = 0; turn < 3; ++turn) {
@@ -154,6 +155,7 @@ TEST_F(HybridPrefix, EvictedCheckpointsShortenTheHitNeverCorruptIt) {
   ASSERT_TRUE(pool.ok());
   KvManager kv(**pool, test_identity(), {});
   const NamespaceId ns = kv.namespace_for("");
+  Sequence ns_anchor = kv.new_sequence(ns);  // keeps ns alive (unused namespaces expire)
   std::mt19937 rng(9);
   const std::vector<int32_t> a = random_tokens(rng, 60);
   {
@@ -183,6 +185,7 @@ TEST_F(HybridPrefix, RandomOperationsKeepInvariantsAndLogits) {
   ASSERT_TRUE(pool.ok());
   KvManager kv(**pool, test_identity(), {});
   const NamespaceId ns = kv.namespace_for("");
+  Sequence ns_anchor = kv.new_sequence(ns);  // keeps ns alive (unused namespaces expire)
   std::mt19937 rng(77);
   // A few shared stems so that lookups hit at various depths.
   std::vector<std::vector<int32_t>> stems;

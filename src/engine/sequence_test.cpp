@@ -134,6 +134,10 @@ TEST_P(RandomOps, InvariantsAndContentsAgainstReference) {
   ref.pub = kv.public_namespace();
   const NamespaceId spaces[3] = {kv.namespace_for(""), kv.namespace_for("tenant-a"),
                                  kv.namespace_for("tenant-b")};
+  // Empty sequences keep the three namespaces (and so their ids, which the
+  // reference keys on) alive; a namespace nobody uses expires.
+  std::vector<Sequence> anchors;
+  for (NamespaceId ns : spaces) anchors.push_back(kv.new_sequence(ns));
 
   std::mt19937 rng(1234 + p);
   auto rnd = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
@@ -402,6 +406,58 @@ TEST(PrefixCache, SaltsAreIsolated) {
   Sequence other = kv.new_sequence(kv.namespace_for("y"));
   EXPECT_EQ(other.adopt_cached_prefix(q2), 8);  // public blocks only, no partial from others
   pool.check_invariants();
+}
+
+// Issue 22: every distinct cache salt made a namespace that was never freed.
+// A namespace now lives while a sequence uses it or it holds published
+// blocks; then its id is reused, and a reused id never shows the old
+// namespace's blocks.
+TEST(PrefixCache, UnusedNamespacesExpire) {
+  auto layout = KvLayout::uniform(1, 1, 8, KvDtype::kF32, 4);
+  ASSERT_TRUE(layout.ok());
+  auto pool_r = BlockPool::create(*layout, {.n_tokens = 64});
+  ASSERT_TRUE(pool_r.ok());
+  BlockPool& pool = **pool_r;
+  KvManager kv(pool, test_identity(), {});
+  PrefixIndex& index = *kv.index();
+  const std::vector<int32_t> prompt = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  // Salts whose requests publish nothing (a 3-token prompt fills no block).
+  for (int i = 0; i < 3000; ++i) {
+    Sequence s = kv.new_sequence(kv.namespace_for("tenant-" + std::to_string(i)));
+    ASSERT_TRUE(sim_step(pool, s, {1, 2, 3}));
+    EXPECT_EQ(index.n_namespaces(), 1);  // only this one, while it lives
+  }
+  EXPECT_EQ(index.n_namespaces(), 0);
+  EXPECT_EQ(index.n_namespaces_expired(), 3000);
+  // A namespace holding published blocks stays after its sequence ends...
+  {
+    Sequence a = kv.new_sequence(kv.namespace_for("keeper"));
+    ASSERT_TRUE(sim_step(pool, a, prompt));
+    ASSERT_EQ(a.n_published_blocks(), 2);
+  }
+  EXPECT_EQ(index.n_namespaces(), 1);
+  EXPECT_EQ(index.stats().total.n_queries, 0);  // sim_step adopts nothing: no lookups
+  {
+    Sequence again = kv.new_sequence(kv.namespace_for("keeper"));
+    EXPECT_EQ(again.adopt_cached_prefix(prompt), 8);
+  }
+  // ...until its blocks are evicted: then it expires too, and the id that
+  // is handed to the next salt finds nothing of keeper's.
+  {
+    Sequence filler = kv.new_sequence(kv.namespace_for("filler"));
+    ASSERT_TRUE(sim_step(pool, filler, std::vector<int32_t>(64, 5)));  // takes every block
+    EXPECT_EQ(index.n_namespaces(), 1);  // keeper expired when its last block went
+    filler.rollback();
+  }
+  Sequence fresh = kv.new_sequence(kv.namespace_for("fresh"));
+  EXPECT_EQ(index.n_namespaces(), 2);  // fresh + filler (filler's blocks are cached)
+  EXPECT_EQ(fresh.adopt_cached_prefix(prompt), 0);
+  Sequence k2 = kv.new_sequence(kv.namespace_for("keeper"));
+  EXPECT_EQ(k2.adopt_cached_prefix(prompt), 0);  // its blocks were evicted
+  // Lifetime totals keep what expired namespaces counted.
+  EXPECT_EQ(index.stats().total.n_queries, 3);
+  pool.check_invariants();
+  index.check_invariants();
 }
 
 TEST(PrefixCache, EvictionIsLeafFirstLruAndNeverTouchesReferencedBlocks) {

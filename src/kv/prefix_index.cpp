@@ -74,14 +74,51 @@ NamespaceId PrefixIndex::intern_namespace(const Hash128& identity_digest, bool i
     return it->second;
   }
   KV_CHECK(!is_public || public_ns_ == kNoNamespace, "intern_namespace: second public namespace");
-  const auto id = static_cast<NamespaceId>(roots_.size());
   Root r;
   r.digest = identity_digest;
   r.is_public = is_public;
-  roots_.push_back(r);
+  NamespaceId id = 0;
+  if (!ns_free_.empty()) {
+    id = ns_free_.back();
+    ns_free_.pop_back();
+    roots_[id] = r;
+  } else {
+    id = static_cast<NamespaceId>(roots_.size());
+    roots_.push_back(r);
+  }
   ns_by_digest_.emplace(identity_digest, id);
   if (is_public) public_ns_ = id;
   return id;
+}
+
+void PrefixIndex::acquire_namespace(NamespaceId ns) {
+  KV_CHECK(ns >= 0 && static_cast<size_t>(ns) < roots_.size() && roots_[ns].live,
+           "acquire_namespace: not a live namespace");
+  ++roots_[ns].n_users;
+}
+
+void PrefixIndex::release_namespace(NamespaceId ns) {
+  KV_CHECK(ns >= 0 && static_cast<size_t>(ns) < roots_.size() && roots_[ns].live &&
+               roots_[ns].n_users > 0,
+           "release_namespace: namespace not acquired");
+  --roots_[ns].n_users;
+  maybe_expire(ns);
+}
+
+void PrefixIndex::maybe_expire(NamespaceId ns) {
+  Root& r = roots_[ns];
+  if (!r.live || r.is_public || r.n_users > 0 || r.stats.n_nodes > 0) return;
+  KV_DCHECK(r.first_child == kNullBlock, "a namespace without nodes has top-level children");
+  ns_by_digest_.erase(r.digest);
+  expired_stats_.n_queries += r.stats.n_queries;
+  expired_stats_.n_query_tokens += r.stats.n_query_tokens;
+  expired_stats_.n_hit_blocks += r.stats.n_hit_blocks;
+  expired_stats_.n_hit_tokens += r.stats.n_hit_tokens;
+  expired_stats_.n_published += r.stats.n_published;
+  r = Root{};
+  r.live = false;
+  ns_free_.push_back(ns);
+  ++n_ns_expired_;
 }
 
 std::span<const int32_t> PrefixIndex::block_tokens(int32_t block) const {
@@ -178,7 +215,7 @@ int32_t PrefixIndex::find_child(int32_t parent, NamespaceId ns, const int32_t* t
 
 PrefixMatch PrefixIndex::match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
                                bool find_partial, std::span<const BlockExtraKeys> extra) {
-  KV_CHECK(ns >= 0 && ns < n_namespaces(), "match: unknown namespace");
+  KV_CHECK(ns_live(ns), "match: unknown namespace");
   PrefixMatch m;
   m.block_size = block_size_;
   max_tokens = std::clamp<int64_t>(max_tokens, 0, static_cast<int64_t>(tokens.size()));
@@ -286,7 +323,7 @@ int32_t PrefixIndex::best_partial(int32_t parent, NamespaceId ns, bool allow_pub
 int64_t PrefixIndex::publish(NamespaceId ns, const BlockTable& table,
                              std::span<const int32_t> tokens, int64_t n_published,
                              std::span<const BlockExtraKeys> extra) {
-  KV_CHECK(ns >= 0 && ns < n_namespaces(), "publish: unknown namespace");
+  KV_CHECK(ns_live(ns), "publish: unknown namespace");
   KV_CHECK(&table.pool() == &pool_, "publish: table from another pool");
   KV_CHECK(static_cast<int64_t>(tokens.size()) >= table.length(),
            "publish: fewer tokens than the table's committed length");
@@ -480,6 +517,7 @@ void PrefixIndex::remove_node(int32_t block) {
       lru_push_front(parent);
     }
   }
+  maybe_expire(ns);
 }
 
 int64_t PrefixIndex::evict(int64_t n) {
@@ -547,8 +585,10 @@ void PrefixIndex::replay_stored(const KvEventSink& sink) const {
 
 PrefixIndexStats PrefixIndex::stats() const {
   PrefixIndexStats s;
+  s.total = expired_stats_;  // lifetime totals include expired namespaces
   for (size_t i = 0; i < roots_.size(); ++i) {
     const NamespaceStats& r = roots_[i].stats;
+    if (!roots_[i].live) continue;
     s.per_namespace.emplace_back(static_cast<NamespaceId>(i), r);
     s.total.n_queries += r.n_queries;
     s.total.n_query_tokens += r.n_query_tokens;
@@ -595,7 +635,7 @@ void PrefixIndex::check_invariants() const {
       KV_CHECK(c == kNullBlock || owner_[c] == b, "node's companion slot names a stranger");
     }
     ++n_published;
-    KV_CHECK(n.ns >= 0 && n.ns < n_namespaces(), "node with an unknown namespace");
+    KV_CHECK(ns_live(n.ns), "node with an unknown namespace");
     ++per_ns[n.ns];
     const Hash128 parent_hash = n.parent == kNullBlock ? Hash128{} : nodes_[n.parent].hash;
     std::vector<uint64_t> ex;
@@ -655,6 +695,8 @@ void PrefixIndex::check_invariants() const {
            "extra-key node count out of sync");
   for (size_t i = 0; i < roots_.size(); ++i) {
     KV_CHECK(per_ns[i] == roots_[i].stats.n_nodes, "per-namespace node count out of sync");
+    KV_CHECK(roots_[i].live || (roots_[i].n_users == 0 && per_ns[i] == 0),
+             "an expired namespace still has users or nodes");
   }
   for (int32_t b = 0; b < n_blocks; ++b) {
     if (!nodes_[b].published) continue;

@@ -188,9 +188,22 @@ class PrefixIndex {
   // The namespace for a cache-identity digest (cache_identity.h), created on
   // first use. `is_public` marks the one deployment-wide public namespace
   // (REQUIRES: at most one digest is registered public).
+  // Ids of expired namespaces are reused.
   NamespaceId intern_namespace(const Hash128& identity_digest, bool is_public = false);
   NamespaceId public_namespace() const { return public_ns_; }
-  int64_t n_namespaces() const { return static_cast<int64_t>(roots_.size()); }
+  // Live namespaces (interned and not expired).
+  int64_t n_namespaces() const { return static_cast<int64_t>(roots_.size() - ns_free_.size()); }
+  // Namespaces expired so far (lifetime).
+  int64_t n_namespaces_expired() const { return n_ns_expired_; }
+
+  // Users of a namespace (live sequences; KvManager counts them). A
+  // non-public namespace with no user and no published block expires: its
+  // digest is forgotten, its counters are dropped and its id is reused, so
+  // every distinct cache salt costs memory only while it is used or holds
+  // blocks (issue 22: a client cannot grow the index by inventing salts).
+  // REQUIRES: ns live; release only what was acquired.
+  void acquire_namespace(NamespaceId ns);
+  void release_namespace(NamespaceId ns);
 
   // Longest match of `tokens[0, max_tokens)` in namespace `ns` (plus public
   // blocks): full blocks, then the best partial-block candidate for the rest
@@ -282,6 +295,8 @@ class PrefixIndex {
   struct Root {
     Hash128 digest;
     bool is_public = false;
+    bool live = true;                  // false: expired, id on ns_free_
+    int64_t n_users = 0;               // acquire_namespace - release_namespace
     int32_t first_child = kNullBlock;  // top-level nodes (most recent first)
     NamespaceStats stats;
   };
@@ -310,6 +325,11 @@ class PrefixIndex {
   void lru_push_front(int32_t block);
   void lru_remove(int32_t block);
   void remove_node(int32_t block);
+  bool ns_live(NamespaceId ns) const {
+    return ns >= 0 && static_cast<size_t>(ns) < roots_.size() && roots_[ns].live;
+  }
+  // Expires ns when it is not public, has no user and no node.
+  void maybe_expire(NamespaceId ns);
   void emit(KvEvent e);
   // Best partial candidate among the children of `parent` (and public
   // children when allow_public): longest common prefix with tokens[0, n).
@@ -334,6 +354,9 @@ class PrefixIndex {
   int64_t n_extra_nodes_ = 0;         // published blocks with extra keys
   std::vector<Root> roots_;
   std::unordered_map<Hash128, NamespaceId, HashOf> ns_by_digest_;
+  std::vector<NamespaceId> ns_free_;  // expired ids, reused first
+  int64_t n_ns_expired_ = 0;
+  NamespaceStats expired_stats_;  // lifetime counters of expired namespaces (totals keep them)
   NamespaceId public_ns_ = kNoNamespace;
   int32_t lru_head_ = kNullBlock;  // least recently released cached node
   int32_t lru_tail_ = kNullBlock;
