@@ -32,7 +32,9 @@
 // GCC 12's AVX-512 intrinsics pass _mm512_undefined_*() as the merge source
 // of unmasked operations, which -Wmaybe-uninitialized reports inside the
 // system header (GCC bug 105593); the values are never read.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #define KV_AVX512 \

@@ -106,7 +106,9 @@ KV_AVX2 inline void unpack_q6_k(const uint8_t* blk_bytes, UnpackedK* u) {
     q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits45));
   }
-  for (int g = 0; g < 16; ++g) u->scale[g] = blk->scales[g];
+  for (int g = 0; g < 16; ++g) {
+    u->scale[g] = static_cast<int>(blk->scales[g]);  // NOLINT(bugprone-signed-char-misuse): signed
+  }
   for (int i = 0; i < 8; ++i) {
     // Elements 32 i .. 32 i + 15 are group 2 i (pairs 0..7), the rest 2 i + 1.
     u->sc[i] = _mm256_setr_m128i(_mm_set1_epi16(static_cast<int16_t>(u->scale[2 * i])),
