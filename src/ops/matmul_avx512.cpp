@@ -1,6 +1,7 @@
 // AVX-512 + VNNI kernels for the legacy 32-block weight formats (Q4_0, Q4_1,
-// Q5_0, Q5_1, Q8_0) against Q8_0/Q8_1 activations, bit-identical to the scalar
-// reference (matmul_scalar.cpp dot_legacy).
+// Q5_0, Q5_1, Q8_0) against Q8_0/Q8_1 activations and, for 4 or more rows,
+// the k-quants (Q4_K, Q5_K, Q6_K; see their section below), bit-identical to
+// the scalar reference (matmul_scalar.cpp).
 //
 // Layout: one zmm lane per weight row (output column). For a group of 16
 // columns and one 32-block, the 16 unpacked blocks (32 unsigned bytes each)
@@ -16,8 +17,9 @@
 // row count, row position, column split or thread count (batch invariant).
 //
 // A group's transposed blocks (a "panel") are built once per block of up to
-// kRowBlock activation rows and reused by every row; decode (one row) pays the
-// transpose per weight block, which is cheap next to reading the weights.
+// kRowBlock activation rows and reused by every row; fewer than 4 rows
+// (decode) skip the panel and reduce per-column partial sums instead
+// (decode_rows), which gives the same integers.
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -47,9 +49,8 @@ constexpr int64_t kRowBlock = 64;  // activation rows per panel (their Q8 data s
 constexpr int kCols = 16;          // columns per group (zmm lanes)
 
 // One 32-block of a 16-column group: the transposed quants and per-column
-// scales (f32). Aligned for full-width loads.
-// Plain arrays (not vector types) so that code outside the AVX-512 functions
-// never handles zmm values.
+// scales (f32), aligned for full-width loads. Plain arrays (not vector types) so that code outside
+// the AVX-512 functions never handles zmm values.
 struct alignas(64) PanelBlock {
   int32_t t[8][kCols];  // t[k][c]: bytes 4k..4k+3 of column c's unsigned quants
   float d[kCols];
