@@ -133,7 +133,9 @@ struct Selected {
   const char* name = nullptr;
 };
 Selected select_kernel(GgmlType type) {
-  if (MatmulKernel k = ops_detail::avx512_kernel(type)) return {k, "avx512-vnni"};
+  if (MatmulKernel k = ops_detail::avx512_kernel(type)) {
+    return {k, ops_detail::avx512_kernel_path(type)};
+  }
   if (best_isa() >= Isa::kAvx2) {
     if (MatmulKernel k = ops_detail::avx2_kernel(type)) return {k, "avx2"};
   }

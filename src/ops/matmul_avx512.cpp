@@ -1,6 +1,7 @@
 // AVX-512 + VNNI kernels for the legacy 32-block weight formats (Q4_0, Q4_1,
-// Q5_0, Q5_1, Q8_0) against Q8_0/Q8_1 activations, bit-identical to the scalar
-// reference (matmul_scalar.cpp dot_legacy).
+// Q5_0, Q5_1, Q8_0) against Q8_0/Q8_1 activations and, for 4 or more rows,
+// the k-quants (Q4_K, Q5_K, Q6_K; see their section below), bit-identical to
+// the scalar reference (matmul_scalar.cpp).
 //
 // Layout: one zmm lane per weight row (output column). For a group of 16
 // columns and one 32-block, the 16 unpacked blocks (32 unsigned bytes each)
@@ -16,8 +17,9 @@
 // row count, row position, column split or thread count (batch invariant).
 //
 // A group's transposed blocks (a "panel") are built once per block of up to
-// kRowBlock activation rows and reused by every row; decode (one row) pays the
-// transpose per weight block, which is cheap next to reading the weights.
+// kRowBlock activation rows and reused by every row; fewer than 4 rows
+// (decode) skip the panel and reduce per-column partial sums instead
+// (decode_rows), which gives the same integers.
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -25,16 +27,20 @@
 
 #include "core/cpu_features.h"
 #include "core/half.h"
+#include "ops/matmul_k_unpack.h"
 #include "ops/matmul_kernels.h"
 
 #if defined(__x86_64__)
 // GCC 12's AVX-512 intrinsics pass _mm512_undefined_*() as the merge source
 // of unmasked operations, which -Wmaybe-uninitialized reports inside the
 // system header (GCC bug 105593); the values are never read.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
-#define KV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define KV_AVX512 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
 namespace kvstack::ops_detail {
 namespace {
@@ -43,9 +49,8 @@ constexpr int64_t kRowBlock = 64;  // activation rows per panel (their Q8 data s
 constexpr int kCols = 16;          // columns per group (zmm lanes)
 
 // One 32-block of a 16-column group: the transposed quants and per-column
-// scales (f32). Aligned for full-width loads.
-// Plain arrays (not vector types) so that code outside the AVX-512 functions
-// never handles zmm values.
+// scales (f32), aligned for full-width loads. Plain arrays (not vector types) so that code outside
+// the AVX-512 functions never handles zmm values.
 struct alignas(64) PanelBlock {
   int32_t t[8][kCols];  // t[k][c]: bytes 4k..4k+3 of column c's unsigned quants
   float d[kCols];
@@ -349,12 +354,163 @@ KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t 
   }
 }
 
+// ---- k-quants (Q4_K, Q5_K, Q6_K) against Q8_K, prefill rows. ----
+//
+// The same panel idea per 256-element super-block: 16 columns' unpacked
+// quants (0..31 or 0..63, unsigned) transposed into 64 vectors (dword k of the
+// super-block, lane = column), with per column the 16 group scales (one per 16
+// elements), the 8 mins and d / dmin. For a row, the 4 vpdpbusd of a group
+// give its exact dot per column, and
+//   sumi = sum_g scale_g * dot_g             (Q6_K: - 32 * sum_g scale_g * bsum_g)
+//   summ = sum_j min_j * (bsum_2j + bsum_2j+1)  (Q4_K/Q5_K)
+// are the scalar kernel's integers; the float update per super-block is its
+// expression, lane by lane. Rows below 4 run on the AVX2 k-quant kernel,
+// which gives the same (scalar) bits.
+struct alignas(64) PanelK {
+  int32_t t[64][kCols];
+  int32_t scale[16][kCols];
+  int32_t mn[8][kCols];
+  float d[kCols];
+  float dmin[kCols];
+};
+
+template <int kKind>  // 4: Q4_K, 5: Q5_K, 6: Q6_K
+KV_AVX512 void build_panel_k(const uint8_t* col0, size_t row_bytes, size_t block_bytes, int n_cols,
+                             int64_t nb, PanelK* panel) {
+  for (int64_t b = 0; b < nb; ++b) {
+    UnpackedK u[kCols];
+    for (int j = 0; j < n_cols; ++j) {
+      const uint8_t* blk = col0 + j * row_bytes + b * block_bytes;
+      if constexpr (kKind == 6) {
+        unpack_q6_k(blk, &u[j]);
+      } else {
+        unpack_q45_k<kKind == 5>(blk, &u[j]);
+      }
+    }
+    PanelK& pk = panel[b];
+    for (int i = 0; i < 8; ++i) {  // 32-element sub-block i: dwords 8 i .. 8 i + 7
+      __m512i r[8];
+      for (int j = 0; j < 8; ++j) {
+        const __m256i lo = j < n_cols ? u[j].q[i] : _mm256_setzero_si256();
+        const __m256i hi = j + 8 < n_cols ? u[j + 8].q[i] : _mm256_setzero_si256();
+        r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      }
+      __m512i t[8];
+      transpose_16x8(r, t);
+      for (int k = 0; k < 8; ++k) _mm512_store_si512(pk.t[8 * i + k], t[k]);
+    }
+    for (int j = 0; j < kCols; ++j) {
+      const bool on = j < n_cols;
+      for (int g = 0; g < 16; ++g) pk.scale[g][j] = on ? u[j].scale[g] : 0;
+      for (int s = 0; s < 8; ++s) pk.mn[s][j] = on && kKind != 6 ? u[j].mn[s] : 0;
+      pk.d[j] = on ? u[j].d : 0.f;
+      pk.dmin[j] = on ? u[j].dmin : 0.f;
+    }
+  }
+}
+
+template <int kKind, int MR>
+KV_AVX512 void panel_rows_k(const PanelK* panel, int64_t nb, const PreparedAct& a, int64_t r0,
+                            __mmask16 cmask, float* y, int64_t ldy) {
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const PanelK& pk = panel[b];
+    __m512i sumi[MR];
+    for (int r = 0; r < MR; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 16; ++g) {
+      const __m512i t0 = _mm512_load_si512(pk.t[4 * g]);
+      const __m512i t1 = _mm512_load_si512(pk.t[4 * g + 1]);
+      const __m512i t2 = _mm512_load_si512(pk.t[4 * g + 2]);
+      const __m512i t3 = _mm512_load_si512(pk.t[4 * g + 3]);
+      const __m512i sc = _mm512_load_si512(pk.scale[g]);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* yq = a.q8k[(r0 + r) * nb + b].qs + 16 * g;
+        int32_t w[4];
+        std::memcpy(w, yq, 16);
+        __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), t0, _mm512_set1_epi32(w[0]));
+        __m512i q = _mm512_dpbusd_epi32(_mm512_setzero_si512(), t1, _mm512_set1_epi32(w[1]));
+        p = _mm512_dpbusd_epi32(p, t2, _mm512_set1_epi32(w[2]));
+        q = _mm512_dpbusd_epi32(q, t3, _mm512_set1_epi32(w[3]));
+        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(sc, _mm512_add_epi32(p, q)));
+      }
+    }
+    const __m512 d = _mm512_load_ps(pk.d);
+    for (int r = 0; r < MR; ++r) {
+      const BlockQ8_K& yb = a.q8k[(r0 + r) * nb + b];
+      const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(yb.d));
+      if constexpr (kKind == 6) {
+        __m512i offset = _mm512_setzero_si512();
+        for (int g = 0; g < 16; ++g) {
+          offset = _mm512_add_epi32(offset, _mm512_mullo_epi32(_mm512_load_si512(pk.scale[g]),
+                                                               _mm512_set1_epi32(yb.bsums[g])));
+        }
+        const __m512i s = _mm512_sub_epi32(sumi[r], _mm512_slli_epi32(offset, 5));
+        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(s)));
+      } else {
+        __m512i summ = _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j) {
+          summ = _mm512_add_epi32(
+              summ, _mm512_mullo_epi32(_mm512_load_si512(pk.mn[j]),
+                                       _mm512_set1_epi32(yb.bsums[2 * j] + yb.bsums[2 * j + 1])));
+        }
+        const __m512 dm = _mm512_mul_ps(_mm512_load_ps(pk.dmin), _mm512_set1_ps(yb.d));
+        const __m512 term = _mm512_sub_ps(_mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi[r])),
+                                          _mm512_mul_ps(dm, _mm512_cvtepi32_ps(summ)));
+        acc[r] = _mm512_add_ps(acc[r], term);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy, cmask, acc[r]);
+}
+
+PanelK* panel_k_buffer(int64_t nb) {
+  static thread_local std::vector<PanelK> buf;
+  if (static_cast<int64_t>(buf.size()) < nb) buf.resize(static_cast<size_t>(nb));
+  return buf.data();
+}
+
+template <int kKind>
+KV_AVX512 void k_kernel512(const WeightView& w, const PreparedAct& a, int64_t c0, int64_t c1,
+                           float* y, int64_t ldy) {
+  if (a.m < 4) {
+    avx2_k_kernel(w.type)(w, a, c0, c1, y, ldy);
+    return;
+  }
+  const size_t row_bytes = ggml_row_bytes(w.type, w.n_in);
+  const size_t block_bytes = row_bytes / static_cast<size_t>(a.n_in / kQK_K);
+  const int64_t nb = a.n_in / kQK_K;
+  PanelK* panel = panel_k_buffer(nb);
+  for (int64_t rb = 0; rb < a.m; rb += kRowBlock) {
+    const int64_t rb_end = std::min(a.m, rb + kRowBlock);
+    for (int64_t c = c0; c < c1; c += kCols) {
+      const int n_cols = static_cast<int>(std::min<int64_t>(kCols, c1 - c));
+      build_panel_k<kKind>(w.data + c * row_bytes, row_bytes, block_bytes, n_cols, nb, panel);
+      const __mmask16 cmask = static_cast<__mmask16>((1u << n_cols) - 1);
+      int64_t r = rb;
+      for (; r + 4 <= rb_end; r += 4) panel_rows_k<kKind, 4>(panel, nb, a, r, cmask, y + c, ldy);
+      for (; r < rb_end; ++r) panel_rows_k<kKind, 1>(panel, nb, a, r, cmask, y + c, ldy);
+    }
+  }
+}
+
 }  // namespace
 
 bool avx512_vnni_usable() {
   const CpuFeatures& f = cpu_features();
   return best_isa() >= Isa::kAvx512 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni &&
          __builtin_cpu_supports("avx512dq");
+}
+
+const char* avx512_kernel_path(GgmlType type) {
+  switch (type) {
+    case GgmlType::kQ4_K:
+    case GgmlType::kQ5_K:
+    case GgmlType::kQ6_K:
+      return "avx512-vnni prefill + avx2 decode";  // k_kernel512: rows < 4 on AVX2
+    default:
+      return "avx512-vnni";
+  }
 }
 
 MatmulKernel avx512_kernel(GgmlType type) {
@@ -370,6 +526,12 @@ MatmulKernel avx512_kernel(GgmlType type) {
       return legacy_kernel<Q5_1A>;
     case GgmlType::kQ8_0:
       return legacy_kernel<Q8_0A>;
+    case GgmlType::kQ4_K:
+      return k_kernel512<4>;
+    case GgmlType::kQ5_K:
+      return k_kernel512<5>;
+    case GgmlType::kQ6_K:
+      return k_kernel512<6>;
     default:
       return nullptr;
   }
@@ -382,6 +544,9 @@ MatmulKernel avx512_kernel(GgmlType type) {
 namespace kvstack::ops_detail {
 bool avx512_vnni_usable() {
   return false;
+}
+const char* avx512_kernel_path(GgmlType) {
+  return "avx512-vnni";
 }
 MatmulKernel avx512_kernel(GgmlType) {
   return nullptr;

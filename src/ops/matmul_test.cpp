@@ -485,6 +485,13 @@ void expect_bits_equal_scalar(GgmlType type, Isa isa, uint32_t seed) {
   }
 }
 
+// True when matmul() can run at `isa` here (the CPU has it and KVSTACK_ISA
+// does not cap it lower).
+bool isa_reachable(Isa isa) {
+  IsaGuard guard(isa);
+  return best_isa() == isa;
+}
+
 // The path a test exercises must be the one matmul() runs (no silent fallback
 // to another kernel): checked through the dispatcher's own report, and logged.
 void expect_path(GgmlType type, Isa isa, const char* want) {
@@ -496,15 +503,17 @@ void expect_path(GgmlType type, Isa isa, const char* want) {
 }
 
 TEST(Matmul, KQuantAvx2BitIdenticalToScalar) {
-  if (!cpu_features().avx2 || !cpu_features().fma) GTEST_SKIP() << "no AVX2/FMA on this CPU";
+  if (!isa_reachable(Isa::kAvx2)) GTEST_SKIP() << "no AVX2/FMA (or KVSTACK_ISA=scalar)";
   for (GgmlType type : {GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ6_K}) {
     expect_path(type, Isa::kAvx2, "avx2");
     expect_bits_equal_scalar(type, Isa::kAvx2, 90 + static_cast<uint32_t>(type));
   }
 }
 
-// Which AVX-512 feature this CPU lacks for the VNNI kernels, or nullptr.
+// Which AVX-512 feature this CPU lacks for the VNNI kernels (or that
+// KVSTACK_ISA caps them off), or nullptr.
 const char* missing_avx512_vnni() {
+  if (!isa_reachable(Isa::kAvx512)) return "AVX-512 F/BW/VL, or KVSTACK_ISA caps below avx512";
   const CpuFeatures& f = cpu_features();
   if (!f.avx512f) return "AVX-512F";
   if (!f.avx512bw) return "AVX-512BW";
@@ -515,12 +524,18 @@ const char* missing_avx512_vnni() {
 }
 
 GgmlType kAvx512Types[] = {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1,
-                           GgmlType::kQ8_0};
+                           GgmlType::kQ8_0, GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ6_K};
 
-TEST(Matmul, LegacyAvx512BitIdenticalToScalar) {
+// k-quant rows below 4 (decode) run the AVX2 kernel, which has the same bits.
+const char* avx512_path(GgmlType t) {
+  const bool k = t == GgmlType::kQ4_K || t == GgmlType::kQ5_K || t == GgmlType::kQ6_K;
+  return k ? "avx512-vnni prefill + avx2 decode" : "avx512-vnni";
+}
+
+TEST(Matmul, Avx512BitIdenticalToScalar) {
   if (const char* miss = missing_avx512_vnni()) GTEST_SKIP() << "CPU lacks " << miss;
   for (GgmlType type : kAvx512Types) {
-    expect_path(type, Isa::kAvx512, "avx512-vnni");
+    expect_path(type, Isa::kAvx512, avx512_path(type));
     expect_bits_equal_scalar(type, Isa::kAvx512, 120 + static_cast<uint32_t>(type));
   }
 }
@@ -528,11 +543,11 @@ TEST(Matmul, LegacyAvx512BitIdenticalToScalar) {
 // KVSTACK_ISA-style caps change what runs, and the report follows them.
 TEST(Matmul, KernelNameFollowsDispatch) {
   for (GgmlType t : kAllTypes) expect_path(t, Isa::kScalar, "scalar");
-  if (cpu_features().avx2 && cpu_features().fma) {
+  if (isa_reachable(Isa::kAvx2)) {
     for (GgmlType t : kAllTypes) expect_path(t, Isa::kAvx2, "avx2");
   }
   if (missing_avx512_vnni() == nullptr) {
-    for (GgmlType t : kAvx512Types) expect_path(t, Isa::kAvx512, "avx512-vnni");
+    for (GgmlType t : kAvx512Types) expect_path(t, Isa::kAvx512, avx512_path(t));
   }
   EXPECT_EQ(matmul_kernel_name(GgmlType::kQ2_K), nullptr);
   IsaGuard guard(Isa::kScalar);
