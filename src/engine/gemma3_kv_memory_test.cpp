@@ -143,7 +143,7 @@ TEST_P(Gemma3KvMemory, PerGroupResidencyEqualsTheFormulaAndEverythingIsReturned)
               prefix_cache ? "on" : "off", static_cast<long long>(T), g,
               static_cast<long long>(gs.window), static_cast<long long>(gs.n_tokens_resident),
               static_cast<long long>(gs.payload_bytes),
-              static_cast<long long>(gs.n_blocks_used * st.block_bytes),
+              static_cast<long long>(gs.n_blocks_used) * static_cast<long long>(st.block_bytes),
               static_cast<long long>(gs.allocated_bytes));
         }
         std::printf(
