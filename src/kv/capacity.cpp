@@ -212,6 +212,13 @@ void kv_groups_paging(const ModelArch& arch, const KvFormat& f, const SeqHist& s
     pg->groups.push_back(fig);
   }
   pg->slots = pg->block_count * static_cast<uint64_t>(p);
+  // Every group's table indexes logically (dropped window entries stay as
+  // null ids): ceil(T / P) ids per group per sequence.
+  pg->table_bytes = 0;
+  for (const auto& [t, n] : seqs) {
+    pg->table_bytes +=
+        4 * static_cast<uint64_t>(n) * groups.size() * static_cast<uint64_t>((t + p - 1) / p);
+  }
 }
 
 PagingFigures paging_hist(const ModelArch& arch, const KvFormat& f, const SeqHist& seqs,

@@ -514,6 +514,7 @@ TEST(Capacity, HybridModelPagesAsTheEnginesKvGroups) {
   }
   EXPECT_EQ(p.block_count, 31u);
   EXPECT_EQ(p.kv_allocated_bytes, 31u * 256u);
+  EXPECT_EQ(p.table_bytes, 4u * 4u * 13u);  // 13 logical ids in each of 4 group tables
   EXPECT_EQ(r.kv_payload_bytes, 3200u + 3 * 1280u);
   // With a shared prefix the grouped pool is not modelled: no groups.
   in.workload.shared_prefix = 16;
