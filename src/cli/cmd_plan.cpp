@@ -479,9 +479,20 @@ void print_table(const PlanInput& in, const PlanResult& r, const Out& o, const O
   if (r.paging) {
     const auto& p = *r.paging;
     std::printf("\npaging: block size %" PRId64 " tokens\n", p.block_size);
-    row("block bytes (all layers)", o.bytes(p.block_bytes));
+    row(p.groups.empty() ? "block bytes (all layers)" : "block bytes (largest KV group)",
+        o.bytes(p.block_bytes));
     row("blocks",
         std::to_string(p.block_count) + " blocks (" + std::to_string(p.slots) + " token slots)");
+    for (size_t g = 0; g < p.groups.size(); ++g) {
+      const auto& kg = p.groups[g];
+      const std::string label =
+          "  group " + std::to_string(g) + ": " + std::to_string(kg.n_layers) + " x " +
+          (kg.window > 0 ? "window(" + std::to_string(kg.window) + ")" : std::string("full"));
+      row(label.c_str(), std::to_string(kg.block_count) + " blocks, payload " +
+                             std::to_string(kg.payload_bytes) + " B, resident " +
+                             std::to_string(kg.resident_bytes) + " B, allocated " +
+                             o.bytes(kg.allocated_bytes));
+    }
     row("tail waste", std::to_string(p.tail_waste_tokens) + " tokens");
     row("KV allocated", o.bytes(p.kv_allocated_bytes));
     if (p.residual_buffer_bytes)
@@ -637,6 +648,20 @@ std::string to_json(const PlanInput& in, const PlanResult& r, const Omitted& omi
     j.u64("allocator_total_bytes", p.allocator_total_bytes);
     j.u64("block_count_unshared", p.block_count_unshared);
     j.u64("kv_allocated_bytes_unshared", p.kv_allocated_bytes_unshared);
+    if (!p.groups.empty()) {
+      std::string kg = "[";
+      for (const auto& g : p.groups) {
+        char buf[320];
+        std::snprintf(buf, sizeof buf,
+                      "%s{\"window\": %" PRId64 ", \"n_layers\": %" PRId64
+                      ", \"block_count\": %" PRIu64 ", \"payload_bytes\": %" PRIu64
+                      ", \"resident_bytes\": %" PRIu64 ", \"allocated_bytes\": %" PRIu64 "}",
+                      kg.size() > 1 ? ", " : "", g.window, g.n_layers, g.block_count,
+                      g.payload_bytes, g.resident_bytes, g.allocated_bytes);
+        kg += buf;
+      }
+      j.raw("kv_groups", kg + "]");
+    }
   }
   if (r.tp) {
     const auto& t = *r.tp;

@@ -42,6 +42,20 @@ Result<VerifyReport> run_plan_verify(const VerifyRequest& request) {
   cfg.kv_cache_tokens = n_blocks * request.block_size;
   auto engine = Engine::create(cfg);
   if (!engine) return engine.error();
+  if ((*engine)->pool().n_groups() > 1) {
+    // KV groups: a window group holds more blocks within a step than after
+    // it, so the pool gets each sequence's peak (KvGroups::peak_blocks), all
+    // at once: still nothing the workload cannot use.
+    const KvGroups& groups = (*engine)->pool().groups();
+    int64_t peak = 0;
+    for (int64_t t : request.seq_tokens)
+      peak += groups.peak_blocks_for_sequence(t, cfg.prefill_chunk);
+    cfg.kv_cache_tokens = 0;
+    cfg.kv_cache_mem = static_cast<uint64_t>(peak * groups.block_bytes());
+    engine.value().reset();
+    engine = Engine::create(cfg);
+    if (!engine) return engine.error();
+  }
   Engine& e = **engine;
   const int n_ctx = e.model().config().n_ctx_train;
   for (int64_t t : request.seq_tokens) {
@@ -67,6 +81,9 @@ Result<VerifyReport> run_plan_verify(const VerifyRequest& request) {
     for (auto& x : tokens) x = tok(rng);
     tables.push_back(e.new_table());
     KV_TRY_STATUS(e.prefill(tables.back(), tokens, LogitsMode::kNone, nullptr));
+    // The state between steps: window groups release what no coming query
+    // sees (the next reserve would do it first); a no-op without them.
+    tables.back().drop_invisible();
     done += t;
     // In place on a terminal; on a pipe only the last count, on its own line.
     if (isatty(STDERR_FILENO) != 0) {
@@ -93,6 +110,21 @@ Result<VerifyReport> run_plan_verify(const VerifyRequest& request) {
                static_cast<long long>(r.rss_growth_bytes),
                static_cast<long long>(rss_after - rss_before));
   r.pool_bytes = static_cast<uint64_t>(st.pool_bytes);
+  // Per KV group: the pool's figures, and the payload of the tokens whose
+  // blocks the tables still hold (their resident bytes).
+  for (int g = 0; g < e.pool().n_groups(); ++g) {
+    const BlockPoolGroupStats& gs = st.groups[static_cast<size_t>(g)];
+    VerifyReport::Group rg;
+    rg.window = gs.window;
+    rg.payload_bytes = static_cast<uint64_t>(gs.payload_bytes);
+    rg.allocated_bytes = static_cast<uint64_t>(gs.allocated_bytes);
+    for (const BlockTable& t : tables) {
+      const GroupTable& gt = t.group(g);
+      const int64_t resident = gt.length() - gt.n_dropped() * request.block_size;
+      rg.resident_bytes += static_cast<uint64_t>(gt.layout().payload_bytes(resident));
+    }
+    r.groups.push_back(rg);
+  }
   // KIVI residual rows live in the tables, outside the pool.
   // Payload: converted tokens in the blocks plus the f16 residual rows.
   if (e.layout().has_kivi()) {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <utility>
 
 namespace kvstack::capacity {
@@ -148,6 +149,78 @@ uint64_t payload_hist(const ModelArch& arch, const KvFormat& f, const SeqHist& s
   return total;
 }
 
+// The engine's KV groups (kv_groups.h) for a model with window and full
+// layers: classes by window, groups of g = gcd(class sizes) layers in layer
+// order, the full group first, every group block padded to the largest.
+// Only without prefix sharing and residual (the grouped pool's figures for
+// those are not modelled here); leaves `pg` as is otherwise.
+void kv_groups_paging(const ModelArch& arch, const KvFormat& f, const SeqHist& seqs,
+                      int64_t shared_prefix, int64_t p, PagingFigures* pg) {
+  std::map<int64_t, std::vector<size_t>> classes;  // window (0 = full) -> layers
+  for (size_t i = 0; i < arch.layers.size(); ++i) {
+    const LayerSpec& l = arch.layers[i];
+    if (l.kind == LayerKind::kMla) return;
+    classes[l.kind == LayerKind::kWindow ? l.window : 0].push_back(i);
+  }
+  if (classes.size() < 2 || shared_prefix > 0 || f.residual_tokens > 0) return;
+  int64_t g = 0;
+  for (const auto& [w, layers] : classes) g = std::gcd(g, static_cast<int64_t>(layers.size()));
+  struct G {
+    int64_t window;
+    ModelArch sub;
+  };
+  std::vector<G> groups;
+  for (const auto& [w, layers] : classes) {  // window 0 (full) sorts first
+    for (size_t k = 0; k < layers.size(); k += static_cast<size_t>(g)) {
+      G gr{w, arch};
+      gr.sub.layers.clear();
+      for (size_t j = k; j < k + static_cast<size_t>(g); ++j) {
+        gr.sub.layers.push_back(arch.layers[layers[j]]);
+      }
+      groups.push_back(std::move(gr));
+    }
+  }
+  uint64_t bb = 0;
+  for (const G& gr : groups) bb = std::max(bb, block_bytes(gr.sub, f, p));
+  pg->block_bytes = bb;
+  pg->block_count = 0;
+  pg->groups.clear();
+  const bool has_full = classes.count(0) > 0;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const G& gr = groups[gi];
+    // The primary group (the first) keeps every block even when windowed.
+    const bool drops = gr.window > 0 && (has_full || gi > 0);
+    KvGroupFigure fig;
+    fig.window = gr.window;
+    fig.n_layers = static_cast<int64_t>(gr.sub.layers.size());
+    for (const auto& [t, n] : seqs) {
+      const int64_t first = drops ? std::max<int64_t>(0, t - gr.window + 1) / p : 0;
+      const int64_t blocks = (t + p - 1) / p - first;
+      const int64_t resident = t - first * p;
+      const int64_t kept = drops ? std::min<int64_t>(t, gr.window) : t;
+      const uint64_t un = static_cast<uint64_t>(n);
+      fig.block_count += un * static_cast<uint64_t>(blocks);
+      for (const LayerSpec& l : gr.sub.layers) {
+        LayerSpec full = l;
+        full.kind = LayerKind::kFull;
+        fig.payload_bytes += un * layer_sequence_bytes(full, f, kept, p);
+        fig.resident_bytes += un * layer_sequence_bytes(full, f, resident, p);
+      }
+    }
+    fig.allocated_bytes = fig.block_count * bb;
+    pg->block_count += fig.block_count;
+    pg->groups.push_back(fig);
+  }
+  pg->slots = pg->block_count * static_cast<uint64_t>(p);
+  // Every group's table indexes logically (dropped window entries stay as
+  // null ids): ceil(T / P) ids per group per sequence.
+  pg->table_bytes = 0;
+  for (const auto& [t, n] : seqs) {
+    pg->table_bytes +=
+        4 * static_cast<uint64_t>(n) * groups.size() * static_cast<uint64_t>((t + p - 1) / p);
+  }
+}
+
 PagingFigures paging_hist(const ModelArch& arch, const KvFormat& f, const SeqHist& seqs,
                           int64_t shared_prefix, int64_t p) {
   PagingFigures pg;
@@ -190,6 +263,7 @@ PagingFigures paging_hist(const ModelArch& arch, const KvFormat& f, const SeqHis
           static_cast<uint64_t>(n) * per_token * static_cast<uint64_t>(residual_tokens_at(f, t, p));
     }
   }
+  kv_groups_paging(arch, f, seqs, shared_prefix, p, &pg);
   pg.kv_allocated_bytes = pg.block_count * pg.block_bytes + pg.residual_buffer_bytes;
   pg.allocator_total_bytes = pg.kv_allocated_bytes + pg.table_bytes;
   uint64_t unshared_waste = 0;
@@ -197,6 +271,10 @@ PagingFigures paging_hist(const ModelArch& arch, const KvFormat& f, const SeqHis
   count(0, &pg.block_count_unshared, &unshared_waste, &unshared_ids);
   pg.kv_allocated_bytes_unshared =
       pg.block_count_unshared * pg.block_bytes + pg.residual_buffer_bytes;
+  if (!pg.groups.empty()) {  // grouped only without sharing
+    pg.block_count_unshared = pg.block_count;
+    pg.kv_allocated_bytes_unshared = pg.kv_allocated_bytes;
+  }
   return pg;
 }
 
@@ -966,11 +1044,18 @@ Result<PlanResult> plan(const PlanInput& in) {
 
   bool has_window = false;
   for (const auto& l : in.arch.layers) has_window = has_window || l.kind == LayerKind::kWindow;
-  if (has_window && p > 0) {
+  if (has_window && p > 0 && r.paging && !r.paging->groups.empty()) {
+    r.notes.push_back(
+        "KV groups as the engine pools them: " + std::to_string(r.paging->groups.size()) +
+        " groups of " + std::to_string(r.paging->groups.front().n_layers) +
+        " layers, one block size; window groups counted between steps (the blocks overlapping "
+        "[T - w + 1, T)); within a prefill step of C tokens a window group holds up to "
+        "ceil((w - 1 + C) / P) + 1 blocks");
+  } else if (has_window && p > 0) {
     r.notes.push_back(
         "window layers cap the payload at their window; the allocator figure "
-        "reserves every layer in every block (the engine pool has no window "
-        "layers yet)");
+        "reserves every layer in every block (KV groups are modelled only without "
+        "prefix sharing and residual)");
   }
   if (f.residual_tokens > 0) {
     r.notes.push_back("residual: the newest " + std::to_string(f.residual_tokens) +
@@ -996,6 +1081,20 @@ VerifyComparison compare_verify(const PlanResult& p, const VerifyReport& m) {
     exact("allocated_bytes", p.paging->kv_allocated_bytes, m.allocated_bytes);
     exact("block_count", p.paging->block_count, m.block_count);
     exact("block_bytes", p.paging->block_bytes, m.block_bytes);
+    const auto& pgs = p.paging->groups;
+    if (!pgs.empty() || m.groups.size() > 1) {
+      for (size_t g = 0; g < std::max(pgs.size(), m.groups.size()); ++g) {
+        const KvGroupFigure pred = g < pgs.size() ? pgs[g] : KvGroupFigure{};
+        const VerifyReport::Group meas = g < m.groups.size() ? m.groups[g] : VerifyReport::Group{};
+        const std::string n = "group" + std::to_string(g) + "_";
+        c.rows.push_back({n + "window", static_cast<double>(pred.window),
+                          static_cast<double>(meas.window), true, pred.window == meas.window});
+        c.ok = c.ok && pred.window == meas.window;
+        exact((n + "payload_bytes").c_str(), pred.payload_bytes, meas.payload_bytes);
+        exact((n + "resident_bytes").c_str(), pred.resident_bytes, meas.resident_bytes);
+        exact((n + "allocated_bytes").c_str(), pred.allocated_bytes, meas.allocated_bytes);
+      }
+    }
   } else {
     VerifyRow row{"allocated_bytes", 0, static_cast<double>(m.allocated_bytes), true, false};
     c.ok = false;

@@ -209,7 +209,24 @@ struct LayerGroupFigure {
   uint64_t payload_bytes = 0;  // for the whole workload, all layers of this group
 };
 
+// One KV group of the engine's pool (kv_groups.h): layers of one retention
+// class, g = gcd of the class sizes per group, the full group first. The
+// figures are the state between steps after the workload ran (a window
+// group then holds the blocks overlapping [max(0, T - w + 1), T)).
+struct KvGroupFigure {
+  int64_t window = 0;  // 0 = full attention
+  int64_t n_layers = 0;
+  uint64_t block_count = 0;      // blocks this group holds over the workload
+  uint64_t payload_bytes = 0;    // min(T, w) tokens (window) or T (full), per sequence
+  uint64_t resident_bytes = 0;   // tokens whose blocks are held x the group's bytes per token
+  uint64_t allocated_bytes = 0;  // block_count x the pool's block bytes
+};
+
 struct PagingFigures {
+  // Hybrid (window + full) models without sharing or residual: the engine's
+  // KV groups; block_bytes is then the largest group block and block_count
+  // the sum over groups. Empty otherwise (every block holds every layer).
+  std::vector<KvGroupFigure> groups;
   int64_t block_size = 0;
   uint64_t block_bytes = 0;            // P tokens of every layer
   uint64_t block_count = 0;            // sum_i ceil(T_i / P) (with sharing: shared blocks once)
@@ -346,6 +363,14 @@ struct VerifyReport {
   // KIVI: f16 residual rows the tables hold outside the pool; included in
   // payload_bytes and allocated_bytes above.
   uint64_t residual_bytes = 0;
+  // Per KV group (BlockPoolGroupStats), in the pool's group order.
+  struct Group {
+    int64_t window = 0;
+    uint64_t payload_bytes = 0;
+    uint64_t resident_bytes = 0;  // resident tokens x the group's payload bytes per token
+    uint64_t allocated_bytes = 0;
+  };
+  std::vector<Group> groups;
 };
 
 // Implemented in the engine layer; not linked until it exists (cmd_plan.cpp

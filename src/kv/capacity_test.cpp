@@ -479,5 +479,47 @@ TEST(Capacity, CompareVerify) {
   EXPECT_TRUE(found);
 }
 
+TEST(Capacity, HybridModelPagesAsTheEnginesKvGroups) {
+  // 8 layers, 3 and 7 full, the rest window 20: classes of 2 and 6 layers ->
+  // groups of gcd = 2 (one full, three window), one block size. H_kv 1, d 8,
+  // f16, P 4: a group block is 2 layers x (K 64 + V 64) = 256 B.
+  ModelArch a = make_uniform_arch("hybrid", 8, 1, 1, 8, 8, 1);
+  for (int l = 0; l < 8; ++l) {
+    if (l % 4 != 3) {
+      a.layers[static_cast<size_t>(l)].kind = LayerKind::kWindow;
+      a.layers[static_cast<size_t>(l)].window = 20;
+    }
+  }
+  PlanInput in = input_for(a, {50});
+  in.workload.block_size = 4;
+  const PlanResult r = run(in);
+  ASSERT_TRUE(r.paging.has_value());
+  const PagingFigures& p = *r.paging;
+  ASSERT_EQ(p.groups.size(), 4u);
+  EXPECT_EQ(p.block_bytes, 256u);
+  // Full group: ceil(50 / 4) = 13 blocks, 50 tokens x 2 layers x 32 B.
+  EXPECT_EQ(p.groups[0].window, 0);
+  EXPECT_EQ(p.groups[0].block_count, 13u);
+  EXPECT_EQ(p.groups[0].payload_bytes, 3200u);
+  EXPECT_EQ(p.groups[0].resident_bytes, 3200u);
+  for (size_t g = 1; g < 4; ++g) {
+    // Blocks overlapping [50 - 20 + 1, 50) = [31, 50): 7 .. 12, 6 blocks,
+    // 22 resident tokens; the payload is the window's 20 tokens.
+    EXPECT_EQ(p.groups[g].window, 20);
+    EXPECT_EQ(p.groups[g].n_layers, 2);
+    EXPECT_EQ(p.groups[g].block_count, 6u);
+    EXPECT_EQ(p.groups[g].payload_bytes, 1280u);
+    EXPECT_EQ(p.groups[g].resident_bytes, 1408u);
+    EXPECT_EQ(p.groups[g].allocated_bytes, 6u * 256u);
+  }
+  EXPECT_EQ(p.block_count, 31u);
+  EXPECT_EQ(p.kv_allocated_bytes, 31u * 256u);
+  EXPECT_EQ(p.table_bytes, 4u * 4u * 13u);  // 13 logical ids in each of 4 group tables
+  EXPECT_EQ(r.kv_payload_bytes, 3200u + 3 * 1280u);
+  // With a shared prefix the grouped pool is not modelled: no groups.
+  in.workload.shared_prefix = 16;
+  EXPECT_TRUE(run(in).paging->groups.empty());
+}
+
 }  // namespace
 }  // namespace kvstack::capacity

@@ -5,11 +5,12 @@ supports, the engine runs the workload and payload bytes, allocated bytes,
 block count and block bytes must match the prediction exactly (the command
 exits non-zero otherwise).
 """
+import os
 import re
 
 import pytest
 
-from conftest import MODEL, run_kvstack
+from conftest import MODEL, SOURCE_DIR, run_kvstack
 
 SHAPES = [
     ("--batch", 1, "--ctx", 1, "--block-size", 16),
@@ -86,3 +87,36 @@ def test_verify_matches_split_k_v(k, v):
     proc = run_kvstack("plan", "-m", MODEL, "--verify", "--kv-dtype-k", k, "--kv-dtype-v", v,
                        *SHAPES[4])
     check_exact(proc)
+
+
+GEMMA = os.environ.get("KVSTACK_GEMMA3_MODEL",
+                       str(SOURCE_DIR / "models" / "gemma-3-270m-q4_k_m.gguf"))
+GEMMA_SHAPES = [
+    ("--batch", 1, "--ctx", 2048, "--block-size", 16),
+    ("--lengths", "1,17,513,529,1300", "--block-size", 32),
+    ("--batch", 2, "--ctx", 700, "--block-size", 64),
+]
+
+
+@pytest.mark.parametrize("dtype", ["f16", "int8"])
+@pytest.mark.parametrize("shape", GEMMA_SHAPES, ids=lambda s: "_".join(map(str, s)))
+def test_verify_matches_gemma3_per_group(shape, dtype):
+    """Gemma 3 (window 512, every sixth layer full, from the file): the planner
+    models the engine's KV groups (one full group, five window groups of 3
+    layers, one block size) and matches payload, resident and allocated bytes
+    of every group exactly, window groups counted between steps."""
+    if not os.path.exists(GEMMA):
+        pytest.skip(f"{GEMMA} missing")
+    proc = run_kvstack("plan", "-m", GEMMA, "--verify", "--kv-dtype", dtype, *shape, timeout=300)
+    rows = check_exact(proc)
+    assert rows["group0_window"][:2] == (0, 0)
+    for g in range(6):
+        for key in ("window", "payload_bytes", "resident_bytes", "allocated_bytes"):
+            predicted, measured, verdict = rows[f"group{g}_{key}"]
+            assert predicted == measured and verdict == "match", (g, key, rows[f"group{g}_{key}"])
+    for g in range(1, 6):
+        assert rows[f"group{g}_window"][1] == 512
+        # A window group holds far less than the full group once T > w.
+        if "2048" in map(str, shape):
+            assert rows[f"group{g}_allocated_bytes"][1] * 3 < rows["group0_allocated_bytes"][1]
+    assert "group6_window" not in rows
