@@ -215,6 +215,8 @@ KvPrefixStats KvManager::prefix_stats() const {
   s.n_collisions = is.n_collisions;
   s.n_duplicates = is.n_duplicates;
   s.n_events_dropped = is.n_events_dropped;
+  s.n_namespaces = index_->n_namespaces();
+  s.n_namespaces_expired = index_->n_namespaces_expired();
   for (const auto& [ns, counts] : is.per_namespace) {
     const std::string name = static_cast<size_t>(ns) < ns_names_.size() ? ns_names_[ns] : "";
     s.namespaces.push_back({.ns = ns, .name = name, .counts = counts});
@@ -274,6 +276,8 @@ std::string prefix_stats_json(const KvPrefixStats& s) {
   field("collisions", s.n_collisions);
   field("duplicates", s.n_duplicates);
   field("events_dropped", s.n_events_dropped);
+  field("namespaces_live", s.n_namespaces);
+  field("namespaces_expired", s.n_namespaces_expired);
   out += ", \"namespaces\": [";
   for (size_t i = 0; i < s.namespaces.size(); ++i) {
     const KvNamespaceStats& n = s.namespaces[i];

@@ -61,24 +61,26 @@ struct KvNamespaceStats {
 // /v1/kv/stats payload, `kvstack run --kv-stats`). Counters are lifetime
 // totals of this manager; block figures are current.
 struct KvPrefixStats {
-  bool enabled = false;          // prefix cache on (all else is 0 when off)
-  int64_t block_size = 0;        // tokens per block (P)
-  int64_t n_queries = 0;         // prefix lookups (one per new request or sequence)
-  int64_t n_query_tokens = 0;    // tokens offered to lookups (prompt minus its last token)
-  int64_t n_hit_blocks = 0;      // full blocks matched
-  int64_t n_hit_tokens = 0;      // tokens served from the cache (partial copies included)
-  double hit_rate = 0;           // n_hit_tokens / n_query_tokens
-  int64_t n_partial_hits = 0;    // lookups ending in a partial-block candidate
-  int64_t n_published = 0;       // blocks published (lifetime)
-  int64_t n_nodes = 0;           // published blocks now (in use + cached)
-  int64_t n_cached_blocks = 0;   // unreferenced, resident, evictable
-  int64_t n_pinned_blocks = 0;   // public prefix blocks (never evicted)
-  int64_t n_evictions = 0;       // cached blocks reclaimed for allocations
-  int64_t n_cow_copies = 0;      // shared partial tails copied before an append
-  int64_t n_partial_copies = 0;  // cached blocks copied for a partial-block hit
-  int64_t n_collisions = 0;      // lookup-hash hits rejected by token verification
-  int64_t n_duplicates = 0;      // publishes refused: an equal block was published
-  int64_t n_events_dropped = 0;  // queued events lost to the queue bound
+  bool enabled = false;              // prefix cache on (all else is 0 when off)
+  int64_t block_size = 0;            // tokens per block (P)
+  int64_t n_queries = 0;             // prefix lookups (one per new request or sequence)
+  int64_t n_query_tokens = 0;        // tokens offered to lookups (prompt minus its last token)
+  int64_t n_hit_blocks = 0;          // full blocks matched
+  int64_t n_hit_tokens = 0;          // tokens served from the cache (partial copies included)
+  double hit_rate = 0;               // n_hit_tokens / n_query_tokens
+  int64_t n_partial_hits = 0;        // lookups ending in a partial-block candidate
+  int64_t n_published = 0;           // blocks published (lifetime)
+  int64_t n_nodes = 0;               // published blocks now (in use + cached)
+  int64_t n_cached_blocks = 0;       // unreferenced, resident, evictable
+  int64_t n_pinned_blocks = 0;       // public prefix blocks (never evicted)
+  int64_t n_evictions = 0;           // cached blocks reclaimed for allocations
+  int64_t n_cow_copies = 0;          // shared partial tails copied before an append
+  int64_t n_partial_copies = 0;      // cached blocks copied for a partial-block hit
+  int64_t n_collisions = 0;          // lookup-hash hits rejected by token verification
+  int64_t n_duplicates = 0;          // publishes refused: an equal block was published
+  int64_t n_events_dropped = 0;      // queued events lost to the queue bound
+  int64_t n_namespaces = 0;          // live namespaces now (used, or holding blocks)
+  int64_t n_namespaces_expired = 0;  // namespaces expired so far (lifetime)
   std::vector<KvNamespaceStats> namespaces;  // by namespace id
   // The pool per KV group (kv_groups.h; one entry for a single-group model),
   // filled whether or not the prefix cache is on.

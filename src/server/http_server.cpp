@@ -491,14 +491,15 @@ void HttpServer::routes() {
         pc["collisions"] = is.n_collisions;
         pc["duplicates"] = is.n_duplicates;
         pc["events_dropped"] = is.n_events_dropped;
-        // Namespaces holding blocks (bounded by the pool), and how many
-        // were ever created.
+        // Namespaces holding blocks (bounded by the pool); live ones (used
+        // by a request or holding blocks) and those expired so far.
         json ns = json::array();
         for (const KvNamespaceStats& n : ks.namespaces) {
           if (n.counts.n_nodes > 0) ns.push_back(ns_json(n));
         }
         pc["namespaces"] = ns;
-        pc["namespaces_created"] = static_cast<int64_t>(ks.namespaces.size());
+        pc["namespaces_live"] = ks.n_namespaces;
+        pc["namespaces_expired"] = ks.n_namespaces_expired;
       }
       out["prefix_cache"] = pc;
     });
@@ -576,8 +577,8 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
     const auto n_prompt = static_cast<int64_t>(p->seq.prompt.size());
     // Tokens one sequence can reach in the pool, per KV group (window
     // groups capped: kv_groups.h), not a model-wide ceil(T / P).
-    const int64_t pool_tokens = engine.pool().groups().max_tokens_in(
-        engine.pool().n_blocks(), engine.config().prefill_chunk);
+    const int64_t pool_tokens = engine.pool().groups().max_tokens_in(engine.pool().n_blocks(),
+                                                                     engine.config().prefill_chunk);
     const int64_t per_choice =
         (pool_tokens - n_prompt) / std::max(1, p->seq.n) - engine.pool().block_size();
     p->seq.max_tokens = std::max<int64_t>(1, std::min(n_ctx - n_prompt, per_choice));
