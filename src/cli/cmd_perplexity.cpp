@@ -35,19 +35,18 @@ int run_perplexity(const std::vector<std::string>& argv) {
   auto args = Args::parse(argv, specs);
   if (!args) return fail("perplexity", args.error().message);
   if (args->flag("help")) {
-    std::fputs(
-        format_help("kvstack perplexity [-m MODEL] -f FILE [--ctx N] [--json]",
-                    "Split the tokenized text into non-overlapping windows of --ctx tokens; "
-                    "in each window (a fresh sequence) score every token after the first "
-                    "from the logits of its prefix. When the vocabulary adds a BOS token "
-                    "(Gemma), each window's first token is replaced by BOS, as llama.cpp's "
-                    "perplexity does. Prints exp(mean negative log-likelihood). "
-                    "KIVI formats (kivi2/kivi4) are scored by one-token steps: their newest "
-                    "tokens stay in f16, so one prefill chunk would read the whole window "
-                    "unquantized.",
-                    specs)
-            .c_str(),
-        stdout);
+    std::fputs(format_help("kvstack perplexity [-m MODEL] -f FILE [--ctx N] [--json]",
+                           "Split the tokenized text into non-overlapping windows of --ctx tokens; "
+                           "in each window (a fresh sequence) score every token after the first "
+                           "from the logits of its prefix. When the vocabulary adds a BOS token "
+                           "(Gemma), each window's first token is replaced by BOS, as llama.cpp's "
+                           "perplexity does. Prints exp(mean negative log-likelihood). "
+                           "KIVI formats (kivi2/kivi4) are scored by one-token steps: their newest "
+                           "tokens stay in f16, so one prefill chunk would read the whole window "
+                           "unquantized.",
+                           specs)
+                   .c_str(),
+               stdout);
     return 0;
   }
   if (!args->has("file")) return fail("perplexity", "-f FILE is required");
