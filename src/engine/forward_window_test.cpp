@@ -29,23 +29,7 @@ using testing::logits_rel_err;
 using testing::reference_last_logits;
 using testing::SyntheticCase;
 using testing::SyntheticSpec;
-
-// The layout the engine builds for `spec`: one standard layer per model
-// layer with its window.
-KvLayout window_layout(const SyntheticSpec& spec, KvDtype dtype, int block_size) {
-  std::vector<KvLayerSpec> layers;
-  layers.reserve(static_cast<size_t>(spec.n_layers));
-  for (int l = 0; l < spec.n_layers; ++l) {
-    layers.push_back({.n_kv_heads = spec.n_kv_heads,
-                      .head_dim_k = spec.head_dim(),
-                      .head_dim_v = spec.head_dim(),
-                      .dtype = dtype,
-                      .window = spec.window(l)});
-  }
-  auto layout = KvLayout::create(layers, block_size);
-  KV_CHECK(layout.ok(), "window_layout: bad spec");
-  return std::move(*layout);
-}
+using testing::window_layout;
 
 // Per group, the table holds exactly the blocks the step starting at
 // `start` with `chunk` tokens could see, and never more than the bound.

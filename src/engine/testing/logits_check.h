@@ -4,7 +4,8 @@
 // float32 logits rows against the float64 reference (synthetic_model.h), the
 // int4 storage error bound, the decoded stored row of a position, the
 // chunk-by-chunk comparison of two forwards, and the prefill / decode / fork
-// driver of the quantized-cache tests. Header-only: src/engine
+// driver of the quantized-cache tests, and the per-layer-window layout of a
+// synthetic spec (forward_window_test.cpp, sequence_hybrid_test.cpp). Header-only: src/engine
 // globs only its own folder into kvstack_engine, so nothing here is linked
 // into the library.
 #pragma once
@@ -28,6 +29,7 @@
 #include "kv/block_pool.h"
 #include "kv/block_table.h"
 #include "kv/kv_codec.h"
+#include "kv/layout.h"
 
 namespace kvstack::testing {
 
@@ -61,6 +63,23 @@ inline double decode_row_tol(KvDtype k_dtype) {
 // min-max fit's 32 x (step / 2)^2 with step <= range / 15 <= 2 amax / 15:
 // one element is off by at most sqrt(32) such half steps.
 inline constexpr double kInt4MaxErr = 2 * 0.5 / 15 * 1.01 * 5.6569;
+
+// The layout the engine builds for `spec`: one standard layer per model
+// layer with its window (spec.window(l); 0 is full attention).
+inline KvLayout window_layout(const SyntheticSpec& spec, KvDtype dtype, int block_size) {
+  std::vector<KvLayerSpec> layers;
+  layers.reserve(static_cast<size_t>(spec.n_layers));
+  for (int l = 0; l < spec.n_layers; ++l) {
+    layers.push_back({.n_kv_heads = spec.n_kv_heads,
+                      .head_dim_k = spec.head_dim(),
+                      .head_dim_v = spec.head_dim(),
+                      .dtype = dtype,
+                      .window = spec.window(l)});
+  }
+  auto layout = KvLayout::create(layers, block_size);
+  KV_CHECK(layout.ok(), "window_layout: bad spec");
+  return std::move(*layout);
+}
 
 // Max |got[i] - ref[i]| over a logits row ([ref.size()] floats at `got`),
 // relative to the row's largest |ref[i]|.
