@@ -19,9 +19,7 @@
 namespace kvstack {
 namespace {
 
-using testing::kLogitTol;
 using testing::load_synthetic_model;
-using testing::logits_rel_err;
 using testing::reference_last_logits;
 using testing::SyntheticCase;
 using testing::SyntheticSpec;
@@ -55,37 +53,14 @@ TEST_P(CacheEquivalence, PrefillSplitsAndDecodeMatchRecomputation) {
       auto pool = BlockPool::create(*layout, {.n_tokens = 8 * 1024});
       ASSERT_TRUE(pool.ok());
       for (int chunk : {1, 5, n_prompt}) {
-        // Holes: reserve a junk table, grow two sequences interleaved, free
-        // the junk, so the sequence under test gets scattered blocks.
-        BlockTable junk(**pool), seq(**pool), side(**pool);
-        ASSERT_TRUE(junk.reserve(3 * block_size).ok());
-        std::vector<float> logits;
-        for (int b = 0; b < n_prompt; b += chunk) {
-          const int e = std::min(n_prompt, b + chunk);
-          const StepSeq batch[2] = {
-              {.table = &side,
-               .tokens = std::span<const int32_t>(other.data() + b, e - b),
-               .logits = LogitsMode::kNone},
-              {.table = &seq,
-               .tokens = std::span<const int32_t>(prompt.data() + b, e - b),
-               .logits = LogitsMode::kAll},
-          };
-          ASSERT_TRUE(fwd.step(batch, &logits).ok());
-          if (b == 0) junk.release();
-          // Every position of the chunk against recomputation of its prefix.
-          for (int j = b; j < e; ++j) {
-            const double err = logits_rel_err(logits.data() + (j - b) * spec.n_vocab, ref[j]);
-            ASSERT_LT(err, kLogitTol) << "dtype " << kv_dtype_name(dtype) << " block " << block_size
-                                      << " chunk " << chunk << " position " << j;
-          }
-        }
-        for (int d = 0; d < n_decode; ++d) {
-          const int32_t* next = &prompt[n_prompt + d];
-          const StepSeq s{.table = &seq, .tokens = std::span<const int32_t>(next, 1)};
-          ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
-          ASSERT_LT(logits_rel_err(logits.data(), ref[n_prompt + d]), kLogitTol)
-              << "decode step " << d << " block " << block_size << " chunk " << chunk;
-        }
+        // Holes: a junk table released after the first step, and two
+        // sequences grown interleaved, so the sequence under test gets
+        // scattered blocks.
+        BlockTable seq(**pool), side(**pool);
+        ASSERT_NO_FATAL_FAILURE(testing::run_interleaved_prefill_decode(
+            fwd, seq, side, prompt, other, n_prompt, chunk, spec.n_vocab, ref,
+            std::string("dtype ") + kv_dtype_name(dtype) + " block " + std::to_string(block_size) +
+                " chunk " + std::to_string(chunk)));
         EXPECT_EQ(seq.length(), n_prompt + n_decode);
         (*pool)->check_invariants();
       }

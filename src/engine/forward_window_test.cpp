@@ -23,29 +23,11 @@
 namespace kvstack {
 namespace {
 
-using testing::kLogitTol;
 using testing::load_synthetic_model;
-using testing::logits_rel_err;
 using testing::reference_last_logits;
 using testing::SyntheticCase;
 using testing::SyntheticSpec;
-
-// The layout the engine builds for `spec`: one standard layer per model
-// layer with its window.
-KvLayout window_layout(const SyntheticSpec& spec, KvDtype dtype, int block_size) {
-  std::vector<KvLayerSpec> layers;
-  layers.reserve(static_cast<size_t>(spec.n_layers));
-  for (int l = 0; l < spec.n_layers; ++l) {
-    layers.push_back({.n_kv_heads = spec.n_kv_heads,
-                      .head_dim_k = spec.head_dim(),
-                      .head_dim_v = spec.head_dim(),
-                      .dtype = dtype,
-                      .window = spec.window(l)});
-  }
-  auto layout = KvLayout::create(layers, block_size);
-  KV_CHECK(layout.ok(), "window_layout: bad spec");
-  return std::move(*layout);
-}
+using testing::window_layout;
 
 // Per group, the table holds exactly the blocks the step starting at
 // `start` with `chunk` tokens could see, and never more than the bound.
@@ -89,36 +71,12 @@ TEST_P(WindowEquivalence, GroupedWindowCacheMatchesWindowedRecomputation) {
     for (int chunk : {1, 6, n_prompt}) {
       const std::string where =
           "block " + std::to_string(block_size) + " chunk " + std::to_string(chunk);
-      BlockTable junk(**pool), seq(**pool), side(**pool);
-      ASSERT_TRUE(junk.reserve(3 * block_size).ok());
-      std::vector<float> logits;
-      for (int b = 0; b < n_prompt; b += chunk) {
-        const int e = std::min(n_prompt, b + chunk);
-        const StepSeq batch[2] = {
-            {.table = &side,
-             .tokens = std::span<const int32_t>(other.data() + b, e - b),
-             .logits = LogitsMode::kNone},
-            {.table = &seq,
-             .tokens = std::span<const int32_t>(prompt.data() + b, e - b),
-             .logits = LogitsMode::kAll},
-        };
-        ASSERT_TRUE(fwd.step(batch, &logits).ok()) << where;
-        if (b == 0) junk.release();
-        expect_resident_formula(seq, b, e - b, where + " prefill at " + std::to_string(b));
-        for (int j = b; j < e; ++j) {
-          ASSERT_LT(logits_rel_err(logits.data() + (j - b) * spec.n_vocab, ref[j]), kLogitTol)
-              << where << " position " << j;
-        }
-      }
-      for (int d = 0; d < n_decode; ++d) {
-        const int64_t start = seq.length();
-        const int32_t* next = &prompt[n_prompt + d];
-        const StepSeq s{.table = &seq, .tokens = std::span<const int32_t>(next, 1)};
-        ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok());
-        expect_resident_formula(seq, start, 1, where + " decode " + std::to_string(d));
-        ASSERT_LT(logits_rel_err(logits.data(), ref[n_prompt + d]), kLogitTol)
-            << where << " decode step " << d;
-      }
+      BlockTable seq(**pool), side(**pool);
+      ASSERT_NO_FATAL_FAILURE(testing::run_interleaved_prefill_decode(
+          fwd, seq, side, prompt, other, n_prompt, chunk, spec.n_vocab, ref, where,
+          [&](int64_t start, int64_t n, const std::string& label) {
+            expect_resident_formula(seq, start, n, where + label);
+          }));
       for (int g = 0; g < seq.n_groups(); ++g) dropped_any |= seq.group(g).n_dropped() > 0;
       // A fork shares the window groups' null entries and decodes the same.
       BlockTable fork = seq.fork();

@@ -16,15 +16,12 @@
 #include <random>
 
 #include "engine/engine.h"
+#include "engine/testing/model_files.h"
 
 namespace kvstack {
 namespace {
 
-std::string gemma_path() {
-  if (const char* env = std::getenv("KVSTACK_GEMMA3_MODEL")) return env;
-  const char* src = std::getenv("KVSTACK_SOURCE_DIR");
-  return std::string(src ? src : ".") + "/models/gemma-3-270m-q4_k_m.gguf";
-}
+using testing::gemma3_model_path;
 
 // The 8,192 tokens with the prefix cache off (~30 s on 2 shared
 // cores); 2,048 with it on (the same per-group checks, plus cached blocks).
@@ -42,8 +39,8 @@ int64_t ceil_div(int64_t a, int64_t b) {
 class Gemma3KvMemory : public ::testing::TestWithParam<bool> {};
 
 TEST_P(Gemma3KvMemory, PerGroupResidencyEqualsTheFormulaAndEverythingIsReturned) {
-  if (!std::filesystem::exists(gemma_path())) {
-    GTEST_SKIP() << gemma_path() << " not found (scripts/setup.sh model fetches it)";
+  if (!std::filesystem::exists(gemma3_model_path())) {
+    GTEST_SKIP() << gemma3_model_path() << " not found (scripts/setup.sh model fetches it)";
   }
   const bool prefix_cache = GetParam();
   const int64_t T = n_tokens_under_test(prefix_cache);
@@ -52,7 +49,7 @@ TEST_P(Gemma3KvMemory, PerGroupResidencyEqualsTheFormulaAndEverythingIsReturned)
   constexpr int64_t kChunk = 512;
   constexpr int64_t kWindow = 512;
   EngineConfig c;
-  c.model_path = gemma_path();
+  c.model_path = gemma3_model_path();
   c.n_threads = 2;
   c.block_size = static_cast<int>(P);
   c.kv_dtype = KvDtype::kF16;

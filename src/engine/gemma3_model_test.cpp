@@ -11,25 +11,22 @@
 #include <filesystem>
 
 #include "engine/model.h"
+#include "engine/testing/model_files.h"
 #include "model/dequant.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kvstack {
 namespace {
 
-std::string gemma_path() {
-  if (const char* env = std::getenv("KVSTACK_GEMMA3_MODEL")) return env;
-  const char* src = std::getenv("KVSTACK_SOURCE_DIR");
-  return std::string(src ? src : ".") + "/models/gemma-3-270m-q4_k_m.gguf";
-}
+using testing::gemma3_model_path;
 
 class Gemma3File : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!std::filesystem::exists(gemma_path())) {
-      GTEST_SKIP() << gemma_path() << " not found (scripts/setup.sh model fetches it)";
+    if (!std::filesystem::exists(gemma3_model_path())) {
+      GTEST_SKIP() << gemma3_model_path() << " not found (scripts/setup.sh model fetches it)";
     }
-    auto m = Model::load(gemma_path());
+    auto m = Model::load(gemma3_model_path());
     ASSERT_TRUE(m.ok()) << m.error().message;
     model_ = std::move(*m);
   }

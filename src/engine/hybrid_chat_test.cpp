@@ -13,22 +13,15 @@
 #include "engine/engine.h"
 #include "engine/generate.h"
 #include "engine/scheduler.h"
+#include "engine/testing/model_files.h"
 
 namespace kvstack {
 namespace {
 
-std::string model_path() {
-  if (const char* m = std::getenv("KVSTACK_MODEL")) return m;
-  for (const char* p :
-       {"models/SmolLM2-135M-Instruct.Q4_1.gguf", "../models/SmolLM2-135M-Instruct.Q4_1.gguf",
-        "/work/main/models/SmolLM2-135M-Instruct.Q4_1.gguf"}) {
-    if (std::filesystem::exists(p)) return p;
-  }
-  return "";
-}
+using testing::default_model_path;
 
 std::unique_ptr<Engine> hybrid_engine(bool prefix_cache) {
-  const std::string path = model_path();
+  const std::string path = default_model_path();
   if (path.empty()) return nullptr;
   EngineConfig c;
   c.model_path = path;

@@ -19,23 +19,16 @@
 #include <thread>
 
 #include "attention/paged_attention.h"
+#include "engine/testing/model_files.h"
 #include "ops/elementwise.h"
 
 namespace kvstack {
 namespace {
 
-std::string model_path() {
-  if (const char* m = std::getenv("KVSTACK_MODEL")) return m;
-  for (const char* p :
-       {"models/SmolLM2-135M-Instruct.Q4_1.gguf", "../models/SmolLM2-135M-Instruct.Q4_1.gguf",
-        "/work/main/models/SmolLM2-135M-Instruct.Q4_1.gguf"}) {
-    if (std::filesystem::exists(p)) return p;
-  }
-  return "";
-}
+using testing::default_model_path;
 
 std::unique_ptr<Engine> make_engine(int64_t kv_tokens, int prefill_chunk = 512) {
-  const std::string path = model_path();
+  const std::string path = default_model_path();
   if (path.empty() || !std::filesystem::exists(path)) return nullptr;
   EngineConfig c;
   c.model_path = path;

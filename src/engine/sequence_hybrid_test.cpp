@@ -34,6 +34,7 @@ using testing::load_synthetic_model;
 using testing::logits_rel_err;
 using testing::reference_last_logits;
 using testing::SyntheticSpec;
+using testing::window_layout;
 
 CacheIdentity test_identity() {
   CacheIdentity id;
@@ -41,21 +42,6 @@ CacheIdentity test_identity() {
   id.arch_revision = "hybrid-test";
   id.kv_format = "test";
   return id;
-}
-
-KvLayout window_layout(const SyntheticSpec& spec, int block_size) {
-  std::vector<KvLayerSpec> layers;
-  layers.reserve(static_cast<size_t>(spec.n_layers));
-  for (int l = 0; l < spec.n_layers; ++l) {
-    layers.push_back({.n_kv_heads = spec.n_kv_heads,
-                      .head_dim_k = spec.head_dim(),
-                      .head_dim_v = spec.head_dim(),
-                      .dtype = KvDtype::kF32,
-                      .window = spec.window(l)});
-  }
-  auto layout = KvLayout::create(layers, block_size);
-  KV_CHECK(layout.ok(), "window_layout: bad spec");
-  return std::move(*layout);
 }
 
 const SyntheticSpec kSpec{.n_layers = 6,
@@ -114,7 +100,7 @@ std::vector<int32_t> random_tokens(std::mt19937& rng, int n) {
 
 TEST_F(HybridPrefix, SecondTurnPrefillsOnlyItsNewTokens) {
   for (int p : {4, 8}) {
-    auto pool = BlockPool::create(window_layout(kSpec, p), {.n_tokens = 512});
+    auto pool = BlockPool::create(window_layout(kSpec, KvDtype::kF32, p), {.n_tokens = 512});
     ASSERT_TRUE(pool.ok());
     ASSERT_EQ((*pool)->n_groups(), 6);
     KvManager kv(**pool, test_identity(), {});
@@ -150,8 +136,10 @@ TEST_F(HybridPrefix, SecondTurnPrefillsOnlyItsNewTokens) {
 TEST_F(HybridPrefix, EvictedCheckpointsShortenTheHitNeverCorruptIt) {
   const int p = 4;
   // A tight pool: the second prompt's allocations evict cached checkpoints.
-  const int64_t block_bytes = KvGroups::create(window_layout(kSpec, p))->block_bytes();
-  auto pool = BlockPool::create(window_layout(kSpec, p), {.mem_bytes = 80 * block_bytes});
+  const int64_t block_bytes =
+      KvGroups::create(window_layout(kSpec, KvDtype::kF32, p))->block_bytes();
+  auto pool =
+      BlockPool::create(window_layout(kSpec, KvDtype::kF32, p), {.mem_bytes = 80 * block_bytes});
   ASSERT_TRUE(pool.ok());
   KvManager kv(**pool, test_identity(), {});
   const NamespaceId ns = kv.namespace_for("");
@@ -180,8 +168,10 @@ TEST_F(HybridPrefix, EvictedCheckpointsShortenTheHitNeverCorruptIt) {
 
 TEST_F(HybridPrefix, RandomOperationsKeepInvariantsAndLogits) {
   const int p = 4;
-  const int64_t block_bytes = KvGroups::create(window_layout(kSpec, p))->block_bytes();
-  auto pool = BlockPool::create(window_layout(kSpec, p), {.mem_bytes = 160 * block_bytes});
+  const int64_t block_bytes =
+      KvGroups::create(window_layout(kSpec, KvDtype::kF32, p))->block_bytes();
+  auto pool =
+      BlockPool::create(window_layout(kSpec, KvDtype::kF32, p), {.mem_bytes = 160 * block_bytes});
   ASSERT_TRUE(pool.ok());
   KvManager kv(**pool, test_identity(), {});
   const NamespaceId ns = kv.namespace_for("");

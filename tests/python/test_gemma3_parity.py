@@ -27,12 +27,12 @@ Env: KVSTACK_BIN, KVSTACK_MODEL (CTest sets it to the Gemma 3 file).
 import json
 import os
 import pathlib
-import tempfile
 
 import numpy as np
 import pytest
 
 from conftest import SOURCE_DIR, THREADS, run_kvstack
+from llama_parity import check_greedy, check_logits, kvstack_logits, llama_greedy, llama_logits
 
 MODEL = os.environ.get("KVSTACK_MODEL", "")
 if "gemma-3" not in os.path.basename(MODEL):
@@ -100,25 +100,6 @@ def prompt_ids(llama_ref):
     return out
 
 
-def llama_logits(llama, ids):
-    llama.reset()
-    llama.eval(ids)
-    return np.array(llama.scores[: len(ids)], dtype=np.float32)
-
-
-def kvstack_logits(ids):
-    with tempfile.TemporaryDirectory() as d:
-        out = pathlib.Path(d) / "logits.npy"
-        run_kvstack("logits", "-m", MODEL, "--tokens", ",".join(map(str, ids)), "--out", out,
-                    "--threads", THREADS)
-        return np.load(out)
-
-
-def top2_gap(row):
-    part = np.partition(row, -2)
-    return float(part[-1] - part[-2])
-
-
 def test_inspect_shows_llama_cpp_layer_pattern():
     out = run_kvstack("inspect", "-m", MODEL).stdout
     lines = {l.split("  ")[0]: l for l in out.splitlines()}
@@ -138,36 +119,9 @@ def test_logits_match(llama_ref, llama_alt, prompt_ids, name):
         assert len(ids) == LONG > 3 * 512
     ref = llama_logits(llama_ref, ids)
     alt = llama_logits(llama_alt, ids)
-    got = kvstack_logits(ids)
+    got = kvstack_logits(ids, "-m", MODEL)
     assert got.shape == ref.shape == (len(ids), 262144)
-    assert np.isfinite(got).all()
-    diff = np.abs(got - ref)
-    spread = np.abs(alt - ref)
-    print(f"\n[{name}] {len(ids)} tokens: kvstack vs llama.cpp max abs err {diff.max():.4f}, "
-          f"mean {diff.mean():.5f}, top-1 differs at {(ref.argmax(1) != got.argmax(1)).sum()} "
-          f"positions; llama.cpp flash on/off: max {spread.max():.4f}, mean "
-          f"{spread.mean():.5f}, top-1 differs at {(ref.argmax(1) != alt.argmax(1)).sum()}")
-    ref_top, got_top = ref.argmax(axis=1), got.argmax(axis=1)
-    for pos in np.nonzero(ref_top != got_top)[0]:
-        gap, noise = top2_gap(ref[pos]), float(spread[pos].max())
-        assert gap < 2 * noise, (f"top-1 differs at position {pos} without a near-tie (gap {gap}, "
-                                 f"llama.cpp's own disagreement there {noise})")
-    bound = 1.25 + 1.0 / np.sqrt(len(ids))
-    assert diff.mean() <= bound * spread.mean(), "mean error beyond llama.cpp's own spread"
-    assert diff.max() <= 1.5 * spread.max(), "max error beyond llama.cpp's own spread"
-
-
-def llama_greedy(llama, ids, n):
-    llama.reset()
-    llama.eval(ids)
-    out, gaps = [], []
-    for _ in range(n):
-        row = np.array(llama.scores[llama.n_tokens - 1], dtype=np.float32)
-        tok = int(row.argmax())
-        out.append(tok)
-        gaps.append(top2_gap(row))
-        llama.eval([tok])
-    return out, gaps
+    check_logits(name, ids, ref, alt, got)
 
 
 @pytest.mark.parametrize("name", ["short", "multilingual", "code", "chat", "long"])
@@ -178,14 +132,7 @@ def test_greedy_continuation(llama_ref, prompt_ids, name):
     proc = run_kvstack("run", "-m", MODEL, "--tokens", ",".join(map(str, ids)), "-n", n,
                        "--temp", 0, "--ignore-eos", "--json", "--threads", THREADS)
     got = json.loads(proc.stdout)["tokens"]
-    assert len(got) == n
-    for i, (a, b) in enumerate(zip(ref, got)):
-        if a != b:
-            print(f"\n[{name}] greedy diverges at step {i}: llama.cpp {a}, kvstack {b}, "
-                  f"llama.cpp top-2 gap {gaps[i]:.4f}")
-            assert gaps[i] < NEAR_TIE, f"divergence at step {i} without a near-tie"
-            return
-    print(f"\n[{name}] greedy: {n} identical tokens")
+    check_greedy(name, ref, gaps, got, n, NEAR_TIE)
 
 
 def test_chat_prompt_uses_gemma_template(llama_ref, prompt_ids):

@@ -23,12 +23,13 @@ token ids from llama.cpp's tokenizer, so only the forward pass is compared.
 """
 import json
 import pathlib
-import tempfile
 
 import numpy as np
 import pytest
 
 from conftest import THREADS, run_kvstack
+from llama_parity import (check_greedy, check_logits, kvstack_logits, llama_greedy,
+                          llama_logits)
 
 GPL = pathlib.Path("/usr/share/common-licenses/GPL-3")
 
@@ -83,24 +84,6 @@ def llama_alt():
                            flash_attn=True)
 
 
-def llama_logits(llama_ref, ids):
-    llama_ref.reset()
-    llama_ref.eval(ids)
-    return np.array(llama_ref.scores[: len(ids)], dtype=np.float32)
-
-
-def kvstack_logits(ids):
-    with tempfile.TemporaryDirectory() as d:
-        out = pathlib.Path(d) / "logits.npy"
-        run_kvstack("logits", "--tokens", ",".join(map(str, ids)), "--out", out, "--threads", THREADS)
-        return np.load(out)
-
-
-def top2_gap(row):
-    part = np.partition(row, -2)
-    return float(part[-1] - part[-2])
-
-
 @pytest.fixture(scope="module")
 def prompt_ids(llama_ref):
     return prompts(llama_ref)
@@ -112,47 +95,7 @@ def test_logits_match(llama_ref, llama_alt, prompt_ids, name):
     ref = llama_logits(llama_ref, ids)
     alt = llama_logits(llama_alt, ids)
     got = kvstack_logits(ids)
-    assert got.shape == ref.shape
-    assert np.isfinite(got).all()
-    diff = np.abs(got - ref)
-    spread = np.abs(alt - ref)
-    rel = diff.max() / np.abs(ref).max()
-    print(f"\n[{name}] {len(ids)} tokens: kvstack vs llama.cpp max abs err {diff.max():.4f}, "
-          f"mean {diff.mean():.5f}, max rel {rel:.2e}, top-1 differs at "
-          f"{(ref.argmax(1) != got.argmax(1)).sum()} positions; llama.cpp flash on/off: max "
-          f"{spread.max():.4f}, mean {spread.mean():.5f}, top-1 differs at "
-          f"{(ref.argmax(1) != alt.argmax(1)).sum()} positions")
-    ref_top = ref.argmax(axis=1)
-    got_top = got.argmax(axis=1)
-    for pos in np.nonzero(ref_top != got_top)[0]:
-        gap = top2_gap(ref[pos])
-        print(f"[{name}] position {pos}: top-1 differs (llama.cpp {ref_top[pos]}, kvstack "
-              f"{got_top[pos]}), llama.cpp top-2 gap {gap:.4f}, llama.cpp flash on/off "
-              f"disagreement there {spread[pos].max():.4f}")
-        noise = float(spread[pos].max())
-        assert gap < 2 * noise, (f"top-1 differs at position {pos} without a near-tie (gap {gap}, "
-                                 f"llama.cpp's own disagreement there {noise})")
-    # A real bug (positions, masking, GQA mapping, RoPE) shows up as errors of
-    # several logits everywhere, far outside llama.cpp's own spread.
-    # The mean over a short prompt is a small sample of rounding noise (the
-    # 5-token prompt has 4 positions that differ at all), so the bound widens
-    # by the usual 1/sqrt(n) of a sample mean: 1.70x at 5 tokens, 1.28x at 1K.
-    bound = 1.25 + 1.0 / np.sqrt(len(ids))
-    assert diff.mean() <= bound * spread.mean(), "mean error beyond llama.cpp's own spread"
-    assert diff.max() <= 1.5 * spread.max(), "max error beyond llama.cpp's own spread"
-
-
-def llama_greedy(llama_ref, ids, n):
-    llama_ref.reset()
-    llama_ref.eval(ids)
-    out, gaps = [], []
-    for _ in range(n):
-        row = np.array(llama_ref.scores[llama_ref.n_tokens - 1], dtype=np.float32)
-        tok = int(row.argmax())
-        out.append(tok)
-        gaps.append(top2_gap(row))
-        llama_ref.eval([tok])
-    return out, gaps
+    check_logits(name, ids, ref, alt, got)
 
 
 @pytest.mark.parametrize("name", ["short", "long_1k", "multilingual", "code", "chat"])
@@ -163,14 +106,7 @@ def test_greedy_continuation(llama_ref, prompt_ids, name):
     proc = run_kvstack("run", "--tokens", ",".join(map(str, ids)), "-n", n, "--temp", 0,
                        "--ignore-eos", "--json", "--threads", THREADS)
     got = json.loads(proc.stdout)["tokens"]
-    assert len(got) == n
-    for i, (a, b) in enumerate(zip(ref, got)):
-        if a != b:
-            print(f"\n[{name}] greedy diverges at step {i}: llama.cpp {a}, kvstack {b}, "
-                  f"llama.cpp top-2 gap {gaps[i]:.4f}")
-            assert gaps[i] < NEAR_TIE, f"divergence at step {i} without a near-tie"
-            return
-    print(f"\n[{name}] greedy: {n} identical tokens")
+    check_greedy(name, ref, gaps, got, n, NEAR_TIE)
 
 
 def test_perplexity_gpl3(llama_ref):

@@ -4,7 +4,10 @@
 // float32 logits rows against the float64 reference (synthetic_model.h), the
 // int4 storage error bound, the decoded stored row of a position, the
 // chunk-by-chunk comparison of two forwards, and the prefill / decode / fork
-// driver of the quantized-cache tests. Header-only: src/engine
+// driver of the quantized-cache tests, and the per-layer-window layout of a
+// synthetic spec (forward_window_test.cpp, sequence_hybrid_test.cpp) with the
+// interleaved prefill / decode driver of forward_test and forward_window_test.
+// Header-only: src/engine
 // globs only its own folder into kvstack_engine, so nothing here is linked
 // into the library.
 #pragma once
@@ -14,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <span>
@@ -28,6 +32,7 @@
 #include "kv/block_pool.h"
 #include "kv/block_table.h"
 #include "kv/kv_codec.h"
+#include "kv/layout.h"
 
 namespace kvstack::testing {
 
@@ -61,6 +66,23 @@ inline double decode_row_tol(KvDtype k_dtype) {
 // min-max fit's 32 x (step / 2)^2 with step <= range / 15 <= 2 amax / 15:
 // one element is off by at most sqrt(32) such half steps.
 inline constexpr double kInt4MaxErr = 2 * 0.5 / 15 * 1.01 * 5.6569;
+
+// The layout the engine builds for `spec`: one standard layer per model
+// layer with its window (spec.window(l); 0 is full attention).
+inline KvLayout window_layout(const SyntheticSpec& spec, KvDtype dtype, int block_size) {
+  std::vector<KvLayerSpec> layers;
+  layers.reserve(static_cast<size_t>(spec.n_layers));
+  for (int l = 0; l < spec.n_layers; ++l) {
+    layers.push_back({.n_kv_heads = spec.n_kv_heads,
+                      .head_dim_k = spec.head_dim(),
+                      .head_dim_v = spec.head_dim(),
+                      .dtype = dtype,
+                      .window = spec.window(l)});
+  }
+  auto layout = KvLayout::create(layers, block_size);
+  KV_CHECK(layout.ok(), "window_layout: bad spec");
+  return std::move(*layout);
+}
 
 // Max |got[i] - ref[i]| over a logits row ([ref.size()] floats at `got`),
 // relative to the row's largest |ref[i]|.
@@ -222,6 +244,54 @@ void run_prefill_decode_fork(Forward& fwd, BlockPool& pool, int n_vocab,
             kLogitTol)
       << "fork";
   EXPECT_EQ(seq.length(), n_total);
+}
+
+// One sequence `seq` with scattered blocks, the way forward_test and
+// forward_window_test drive it: a junk table reserves three blocks, prompt's
+// first n_prompt tokens go in chunks of `chunk`, each step batched with the
+// same span of `other` into `side` (no logits), junk is released after the
+// first step; then the rest of `prompt` is decoded one token at a time. Every
+// logits row of position j must be within kLogitTol of ref[j] (the float64
+// logits of prompt[0, j]); `where` labels failures. after_step(start, n,
+// label), when given, runs after each step of n tokens from `start`, before
+// the logits checks (label: " prefill at <start>" or " decode <d>").
+inline void run_interleaved_prefill_decode(
+    Forward& fwd, BlockTable& seq, BlockTable& side, const std::vector<int32_t>& prompt,
+    const std::vector<int32_t>& other, int n_prompt, int chunk, int n_vocab,
+    const std::vector<std::vector<double>>& ref, const std::string& where,
+    const std::function<void(int64_t, int64_t, const std::string&)>& after_step = {}) {
+  BlockTable junk(seq.pool());
+  ASSERT_TRUE(junk.reserve(3 * seq.pool().block_size()).ok());
+  std::vector<float> logits;
+  for (int b = 0; b < n_prompt; b += chunk) {
+    const int e = std::min(n_prompt, b + chunk);
+    const StepSeq batch[2] = {
+        {.table = &side,
+         .tokens = std::span<const int32_t>(other.data() + b, e - b),
+         .logits = LogitsMode::kNone},
+        {.table = &seq,
+         .tokens = std::span<const int32_t>(prompt.data() + b, e - b),
+         .logits = LogitsMode::kAll},
+    };
+    ASSERT_TRUE(fwd.step(batch, &logits).ok()) << where;
+    if (b == 0) junk.release();
+    if (after_step) after_step(b, e - b, " prefill at " + std::to_string(b));
+    // Every position of the chunk against recomputation of its prefix.
+    for (int j = b; j < e; ++j) {
+      ASSERT_LT(logits_rel_err(logits.data() + static_cast<size_t>(j - b) * n_vocab, ref[j]),
+                kLogitTol)
+          << where << " position " << j;
+    }
+  }
+  const int n_decode = static_cast<int>(prompt.size()) - n_prompt;
+  for (int d = 0; d < n_decode; ++d) {
+    const int64_t start = seq.length();
+    const StepSeq s{.table = &seq, .tokens = std::span<const int32_t>(&prompt[n_prompt + d], 1)};
+    ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&s, 1), &logits).ok()) << where;
+    if (after_step) after_step(start, 1, " decode " + std::to_string(d));
+    ASSERT_LT(logits_rel_err(logits.data(), ref[n_prompt + d]), kLogitTol)
+        << where << " decode step " << d;
+  }
 }
 
 }  // namespace kvstack::testing
