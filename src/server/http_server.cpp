@@ -195,6 +195,29 @@ std::string prometheus_text(const SchedulerMetrics& m, const BlockPoolStats& poo
                 static_cast<double>(m.n_waiting), labels);
   append_metric(out, "kvstack:kv_cache_usage_perc", "gauge",
                 "Fraction of KV blocks referenced by sequences (1 = full).", usage, labels);
+  // Per KV group (kv_groups.h): one sample per group, labelled with its
+  // index and window (0 = full attention).
+  auto group_metric = [&](const char* name, const char* help, auto field) {
+    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " gauge\n";
+    for (size_t g = 0; g < pool.groups.size(); ++g) {
+      out += std::string(name) + "{" + labels + ",group=\"" + std::to_string(g) + "\",window=\"" +
+             std::to_string(pool.groups[g].window) + "\"} " +
+             std::to_string(field(pool.groups[g])) + "\n";
+    }
+  };
+  group_metric("kvstack:kv_group_blocks_used", "KV blocks of this group held by sequences.",
+               [](const BlockPoolGroupStats& g) { return g.n_blocks_used; });
+  group_metric("kvstack:kv_group_blocks_cached",
+               "KV blocks of this group kept cached (published, unreferenced).",
+               [](const BlockPoolGroupStats& g) { return g.n_blocks_cached; });
+  group_metric("kvstack:kv_group_tokens_resident",
+               "Committed tokens whose KV this group's tables still hold.",
+               [](const BlockPoolGroupStats& g) { return g.n_tokens_resident; });
+  group_metric("kvstack:kv_group_payload_bytes",
+               "Payload bytes of this group's resident tokens (per-layer formula).",
+               [](const BlockPoolGroupStats& g) { return g.payload_bytes; });
+  group_metric("kvstack:kv_group_allocated_bytes", "Bytes of this group's used and cached blocks.",
+               [](const BlockPoolGroupStats& g) { return g.allocated_bytes; });
   append_metric(out, "kvstack:prefix_cache_queries_total", "counter",
                 "Prompt tokens looked up in the prefix cache.",
                 static_cast<double>(m.n_prefix_queries), labels);

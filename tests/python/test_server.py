@@ -391,6 +391,20 @@ def test_metrics_page(server):
         assert re.search("^" + re.escape(name) + r"\{", text, re.M), name
     gen = float(re.search(r"^kvstack:generation_tokens_total\{[^}]*\} (\S+)", text, re.M)[1])
     assert gen > 0
+    # Per KV group: one sample per group of /v1/kv/stats (the default model
+    # has one full-attention group), each labelled with its window.
+    groups = server.get("/v1/kv/stats").json()["pool"]["groups"]
+    for name, key in [("kv_group_blocks_used", "blocks_used"),
+                      ("kv_group_blocks_cached", "blocks_cached"),
+                      ("kv_group_tokens_resident", "tokens_resident"),
+                      ("kv_group_payload_bytes", "payload_bytes"),
+                      ("kv_group_allocated_bytes", "allocated_bytes")]:
+        assert text.count("# TYPE kvstack:" + name + " gauge") == 1, name
+        samples = re.findall(r"^kvstack:" + name + r'\{[^}]*group="(\d+)",window="(\d+)"\} (\S+)',
+                             text, re.M)
+        want = [(i, grp["window"]) for i, grp in enumerate(groups)]
+        assert [(int(g), int(w)) for g, w, _ in samples] == want, name
+        assert all(float(v) >= 0 for _, _, v in samples), name
 
 
 def test_api_key_and_queue_full():
