@@ -36,6 +36,15 @@ own reuse of the common prefix with the previous request), and
 interrupt_requests False (by default a new request aborts the running
 stream). It has no ignore_eos: requests send min_tokens = max_tokens instead.
 
+With --chat-turns T every client holds --requests conversations of T turns
+over /v1/chat/completions (streaming, usage included): one long system
+prompt shared by all conversations (longer than Gemma 3's 512-token window),
+then per turn a new user message, with every earlier turn and the assistant's
+streamed replies sent back as history. Rows are per turn: prompt tokens,
+tokens served from the cache, tokens the server prefilled (kvstack: prompt -
+cached_tokens; llama-server: timings.prompt_n) and TTFT; the "2+" row pools
+every turn after the first (what a continued conversation costs).
+
 With several servers, --rounds N runs the levels N times, alternating the
 servers (A B A B ...), and prints per-round rows and then the median of each
 column per server and level (the machine may be shared and noisy).
@@ -138,6 +147,97 @@ def one_request(base, i, max_tokens, mix="fixed", extra=None):
     itl = [b - a for a, b in zip(stamps, stamps[1:])]
     return {"ttft": stamps[0] - t0, "itl": itl, "e2e": stamps[-1] - t0, "n_chunks": len(stamps),
             "n_tokens": max_tokens}
+
+
+CHAT_SYSTEM = ("You are the support assistant of a hardware shop. Keep answers short, list steps "
+               "when a task has steps, and never invent a product the shop does not sell. ") + \
+    " ".join(f"Rule {k}: when asked about the {w} aisle, say it is open from {k % 9 + 8} to "
+             f"{k % 5 + 17} and mention the {WORDS.split()[(k * 7) % 19]} offer."
+             for k, w in enumerate(WORDS.split() * 2))
+
+
+def chat_user_message(conv, turn):
+    """The user's message of turn `turn` (1-based) of conversation `conv`."""
+    rng = random.Random(5000 + 97 * conv + turn)
+    words = WORDS.split()
+    topic = " and the ".join(rng.choice(words) for _ in range(3))
+    return f"Customer {conv}, question {turn}: what do you know about the {topic}? " + \
+        " ".join(rng.choice(words) for _ in range(12 + rng.randrange(20)))
+
+
+def chat_turn(base, messages, max_tokens, extra):
+    """One streamed chat completion; returns (reply text, per-turn figures)."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **(extra or {})}
+    body.pop("min_tokens_is_max", None)  # replies end where the model ends them
+    t0 = time.perf_counter()
+    stamps, text, usage, timings = [], [], {}, {}
+    with requests.post(base + "/v1/chat/completions", json=body, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            usage = obj.get("usage") or usage
+            timings = obj.get("timings") or timings
+            for c in obj.get("choices", []):
+                piece = (c.get("delta") or {}).get("content")
+                if piece:
+                    text.append(piece)
+                    stamps.append(time.perf_counter())
+    prompt = usage.get("prompt_tokens", 0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+    if "prompt_n" in timings:  # llama-server: what it really processed
+        prefill, cached = timings["prompt_n"], timings.get("cache_n", cached)
+    else:
+        prefill = prompt - cached
+    itl = [b - a for a, b in zip(stamps, stamps[1:])]
+    return "".join(text), {"ttft": (stamps[0] - t0) if stamps else float("nan"), "itl": itl,
+                           "prompt": prompt, "cached": cached, "prefill": prefill,
+                           "n_tokens": usage.get("completion_tokens", len(stamps))}
+
+
+def chat_conversation(base, conv, turns, max_tokens, extra):
+    """Runs one conversation; returns its per-turn figures (turn 1 first)."""
+    messages = [{"role": "system", "content": CHAT_SYSTEM}]
+    out = []
+    for turn in range(1, turns + 1):
+        messages.append({"role": "user", "content": chat_user_message(conv, turn)})
+        reply, fig = chat_turn(base, messages, max_tokens, extra)
+        messages.append({"role": "assistant", "content": reply})
+        out.append({"turn": turn, **fig})
+    return out
+
+
+def bench_chat(name, base, levels, n_conv, turns, max_tokens, extra=None, first_conv=0):
+    """Closed-loop chat load: c clients, each running n_conv conversations
+    (ids from first_conv on: a later round must not replay a conversation
+    the server has cached already)."""
+    rows = []
+    for c in levels:
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(c) as ex:
+            convs = list(ex.map(lambda i: chat_conversation(base, i, turns, max_tokens, extra),
+                                range(first_conv, first_conv + c * n_conv)))
+        first_conv += c * n_conv
+        wall = time.perf_counter() - t0
+        figs = [f for conv in convs for f in conv]
+        groups = [(str(t), [f for f in figs if f["turn"] == t]) for t in range(1, turns + 1)]
+        if turns > 1:
+            groups.append(("2+", [f for f in figs if f["turn"] >= 2]))
+        for label, fs in groups:
+            itl = [x for f in fs for x in f["itl"]]
+            row = {"server": name, "concurrency": c, "turn": label, "requests": len(fs),
+                   "prompt_tokens_mean": statistics.mean(f["prompt"] for f in fs),
+                   "cached_tokens_mean": statistics.mean(f["cached"] for f in fs),
+                   "prefill_tokens_mean": statistics.mean(f["prefill"] for f in fs),
+                   "ttft_p50_ms": 1e3 * pct([f["ttft"] for f in fs], 0.5),
+                   "ttft_p99_ms": 1e3 * pct([f["ttft"] for f in fs], 0.99),
+                   "itl_p50_ms": 1e3 * pct(itl, 0.5), "itl_p99_ms": 1e3 * pct(itl, 0.99),
+                   "output_tok_s": sum(f["n_tokens"] for f in figs) / wall}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
 
 
 def slot_tokens(slot):
@@ -254,10 +354,12 @@ def medians(rows):
     """Median of every numeric column per (server, concurrency), in first-seen order."""
     groups = {}
     for row in rows:
-        groups.setdefault((row["server"], row["concurrency"]), []).append(row)
+        groups.setdefault((row["server"], row["concurrency"], row.get("turn")), []).append(row)
     out = []
-    for (server, c), rs in groups.items():
+    for (server, c, turn), rs in groups.items():
         med = {"server": server, "concurrency": c, "rounds": len(rs)}
+        if turn is not None:
+            med["turn"] = turn
         for k, v in rs[0].items():
             if k not in med and isinstance(v, (int, float)):
                 med[k] = statistics.median(r[k] for r in rs)
@@ -279,6 +381,23 @@ def kv_bytes_per_token(model):
         return n_layer * 2 * n_kv * (n_embd // n_head) * 2
     except Exception:  # noqa: BLE001 - the memory column is informative only
         return 0
+
+
+def llama_template_args(model):
+    """llama-server flags that make it render the chat template kvstack uses.
+
+    A GGUF without tokenizer.chat_template (the Gemma 3 270M file has none)
+    gets ChatML from llama-server but Gemma's template from kvstack, which
+    picks the architecture's own; both servers must see the same prompt."""
+    try:
+        import gguf
+        r = gguf.GGUFReader(model)
+        arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+        if "tokenizer.chat_template" not in r.fields and arch.startswith("gemma"):
+            return ["--no-jinja", "--chat-template", "gemma"]
+    except Exception:  # noqa: BLE001 - then llama-server's own default applies
+        pass
+    return []
 
 
 def main():
@@ -303,6 +422,9 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--mix", choices=["fixed", "sharegpt"], default="fixed")
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals (requests/s)")
+    ap.add_argument("--chat-turns", type=int, default=0,
+                    help="multi-turn chat load: T turns per conversation, --requests "
+                         "conversations per client (0 = completions load)")
     ap.add_argument("--llama-extra", default="", help="extra llama-server arguments")
     ap.add_argument("--kvstack-extra", default="", help="extra kvstack serve arguments")
     a = ap.parse_args()
@@ -327,7 +449,8 @@ def main():
             # (cache_prompt per request).
             cmd = [a.llama_server_bin, "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
                    "-t", str(a.threads), "-tb", str(a.threads), "-c", str(a.ctx),
-                   "-np", str(max_c), "-kvu", "-cb", "--slots", *a.llama_extra.split()]
+                   "-np", str(max_c), "-kvu", "-cb", "--slots", *llama_template_args(a.model),
+                   *a.llama_extra.split()]
             print("#", " ".join(cmd), flush=True)
             procs.append(start(cmd, port))
             targets.append(("llama-server", procs[-1][1], {"cache_prompt": True}))
@@ -355,6 +478,10 @@ def main():
             # Alternate the order too (A B, B A, ...): neither server always
             # runs right after the other's load.
             for name, base, extra in (targets if r % 2 == 0 else targets[::-1]):
+                if a.chat_turns > 0:
+                    rows += bench_chat(name, base, levels, a.requests, a.chat_turns,
+                                       a.max_tokens, extra, first_conv=10000 * r)
+                    continue
                 rows += bench(name, base, levels, a.requests, a.max_tokens, a.mix, a.rate, extra,
                               kv_bytes_per_token=per_token, kv_allocated=per_token * a.ctx)
         if a.rounds > 1:
