@@ -192,7 +192,9 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
     const std::span<const int32_t> ids = s.table->ids_for_layer(l);
     seqs.push_back(AttnSeq{.block_table = ids.data(),
                            .n_blocks = static_cast<int32_t>(ids.size()),
-                           .n_past = static_cast<int32_t>(s.table->length()),
+                           // Resident slots (retention compacts them;
+                           // RoPE above used logical positions).
+                           .n_past = static_cast<int32_t>(s.table->resident_length(l)),
                            .n_new = static_cast<int32_t>(n),
                            .q = q_.data() + row * q_dim,
                            .out = attn_.data() + row * q_dim});

@@ -87,6 +87,11 @@ void Sequence::on_committed(std::span<const int32_t> tokens) {
 void Sequence::publish() {
   PrefixIndex* index = kv_->index();
   if (index == nullptr || ns_ == kNoNamespace || publish_stopped_) return;
+  if (table_.compacted()) {
+    // Retention (retention.h): compacted blocks are private, never published.
+    publish_stopped_ = true;
+    return;
+  }
   const int64_t n_full = table_.shareable_length() / table_.pool().block_size();
   if (n_published_ >= n_full) return;
   // Stops for good at the first block another sequence already published

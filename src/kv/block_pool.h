@@ -56,6 +56,7 @@
 #include "kv/kv_groups.h"
 #include "kv/kv_view.h"
 #include "kv/layout.h"
+#include "kv/retention.h"
 
 namespace kvstack {
 
@@ -115,6 +116,7 @@ struct BlockPoolStats {
   int64_t n_cow_copies = 0;                 // shared partial tails copied before an append
   int64_t n_partial_copies = 0;             // cached blocks copied for a partial-block prefix hit
   int64_t n_clone_copies = 0;               // blocks copied by BlockTable::clone_private
+  RetentionStats retention;                 // compaction totals (retention.h), all tables
   std::vector<BlockPoolGroupStats> groups;  // [n_groups], group order of kv_groups.h
 };
 
@@ -275,6 +277,7 @@ class BlockPool {
   int64_t n_cow_copies_ = 0;
   int64_t n_partial_copies_ = 0;
   int64_t n_clone_copies_ = 0;
+  RetentionStats retention_;  // summed over every table's compactions
 };
 
 }  // namespace kvstack
