@@ -107,6 +107,10 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   e->tokenizer_ = std::make_unique<Tokenizer>(std::move(*tokenizer));
   auto layout = engine_kv_layout(c, config);
   if (!layout) return layout.error();
+  if (config.kv_retention.active()) {
+    KV_TRY_STATUS(validate_retention(config.kv_retention));
+    KV_TRY_STATUS(retention_supported(*layout));
+  }
   BlockPoolConfig pc;
   if (config.kv_cache_mem > 0) {
     pc.mem_bytes = static_cast<int64_t>(config.kv_cache_mem);

@@ -378,6 +378,11 @@ void Scheduler::admit() {
                                           engine_.tokenizer(), std::move(*stops));
       seq->tokens = q.prompt;
       seq->pending_forks = q.n - 1;
+      if (q.kv_retention) {
+        // parse_request checked the config and the KV format; forks inherit it.
+        KV_CHECK(seq->kv.table().set_retention(*q.kv_retention).ok(),
+                 "kv_retention was validated before submission");
+      }
       const int64_t need = reserve_blocks(*seq);
       if (need > budget && !running_.empty()) return;
       budget -= need;
