@@ -55,8 +55,11 @@ std::vector<OptionSpec> engine_options() {
        "keep only the blocks their window can see"},
       {"kv-retention", 0, "POLICY",
        "keep fewer tokens resident (approximate; compaction frees whole blocks): none "
-       "(default) or streamingllm:sinks=S,window=W[,slack=N] (the first S tokens plus each "
-       "query's last W; compacts when N tokens are droppable, default the block size); "
+       "(default), streamingllm:sinks=S,window=W[,slack=N] (the first S tokens plus each "
+       "query's last W; compacts when N tokens are droppable, default the block size) or "
+       "snapkv:budget=B[,window=W][,kernel=K][,gqa=union|mean] (at the end of each prefill the "
+       "last W prompt queries (32) vote, max-pooled over K (7); each KV head keeps its top B "
+       "prompt tokens plus the window; a KV head's query heads union (default) or average); "
        "serve: the default for requests without \"kv_retention\""},
       {"no-prefix-cache", 0, "", "do not share KV between requests (no prefix cache)"},
       {"public-prefix", 0, "FILE",

@@ -181,6 +181,89 @@ TEST_P(Retention, BudgetLargerThanSequenceIsExact) {
   EXPECT_EQ(ret.retention_stats().n_compactions, 0);
 }
 
+// SnapKV: the prompt's last `window` queries vote at the end of prefill (the
+// first one-token step); the dropped prompt tokens are gone for every later
+// row, which still matches the masked float64 recomputation; kept tokens are
+// the observation window plus, per KV head, budget (union: up to budget per
+// query head) prompt tokens; decoded tokens all stay. A budget covering the
+// prompt gives the exact cache's bits.
+TEST_P(Retention, SnapKvEqualsMaskedRecomputationAndFreesBlocks) {
+  const SyntheticSpec& spec = GetParam().spec;
+  std::mt19937 rng(spec.seed + 13);
+  std::uniform_int_distribution<int32_t> tok(0, spec.n_vocab - 1);
+  const int n_prompt = 35, n_decode = 8, p = 4;
+  std::vector<int32_t> tokens(n_prompt + n_decode);
+  for (auto& t : tokens) t = tok(rng);
+  for (GqaRule rule : {GqaRule::kUnion, GqaRule::kMean}) {
+    for (int64_t budget : {int64_t{5}, int64_t{40}}) {
+      const std::string where = std::string(rule == GqaRule::kMean ? "mean" : "union") +
+                                " budget " + std::to_string(budget);
+      auto pool =
+          BlockPool::create(testing::window_layout(spec, KvDtype::kF32, p), {.n_tokens = 512});
+      ASSERT_TRUE(pool.ok());
+      BlockTable seq(**pool), exact(**pool);
+      const RetentionConfig rc{.policy = RetentionPolicy::kSnapKv,
+                               .window = 4,
+                               .budget = budget,
+                               .kernel = 3,
+                               .gqa = rule};
+      ASSERT_TRUE(seq.set_retention(rc).ok());
+      Visibility vis;
+      std::vector<float> logits, exact_logits;
+      bool all_equal = true;
+      for (int b = 0; b < n_prompt + n_decode;) {
+        const int n = b < n_prompt ? std::min(12, n_prompt - b) : 1;
+        const std::span<const int32_t> chunk(tokens.data() + b, n);
+        const StepSeq s{.table = &seq, .tokens = chunk, .logits = LogitsMode::kAll};
+        const StepSeq se{.table = &exact, .tokens = chunk, .logits = LogitsMode::kAll};
+        ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&s, 1), &logits).ok()) << where;
+        ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&se, 1), &exact_logits).ok()) << where;
+        (*pool)->check_invariants();
+        all_equal &=
+            std::memcmp(logits.data(), exact_logits.data(), logits.size() * sizeof(float)) == 0;
+        record_step(seq, b, n, seq.group(0).length() - n, vis);
+        for (int r = 0; r < n; ++r) {
+          const int pos = b + r;
+          ASSERT_LT(logits_rel_err(logits.data() + static_cast<size_t>(r) * spec.n_vocab,
+                                   masked_reference(w_, tokens, pos + 1, KvDtype::kF32, vis,
+                                                    /*rotate_by_slot=*/false)),
+                    kLogitTol)
+              << where << " position " << pos;
+        }
+        if (b == n_prompt) {
+          // The first decode step applied SnapKV to the prompt.
+          const int64_t kept = seq.group(0).length() - 1;
+          const int64_t n_heads = spec.n_heads, n_kv = spec.n_kv_heads;
+          const int64_t per_kv = rule == GqaRule::kMean ? budget : budget * (n_heads / n_kv);
+          if (budget >= n_prompt - rc.window) {
+            EXPECT_EQ(kept, n_prompt) << where;
+          } else {
+            EXPECT_GE(kept, budget + rc.window) << where;
+            EXPECT_LE(kept, rc.window + std::min<int64_t>(n_prompt - rc.window,
+                                                          spec.n_layers * n_kv * per_kv))
+                << where;
+            for (int64_t j = n_prompt - rc.window; j < n_prompt; ++j) {
+              EXPECT_GE(seq.group(0).slot_of(j), 0) << where << ": window position " << j;
+            }
+          }
+        }
+        b += n;
+      }
+      if (budget >= n_prompt - rc.window) {
+        EXPECT_TRUE(all_equal) << where << ": a budget covering the prompt changed bits";
+        EXPECT_FALSE(seq.compacted()) << where;
+      } else {
+        EXPECT_TRUE(seq.compacted()) << where;
+        EXPECT_GT(seq.retention_stats().n_blocks_freed, 0) << where;
+        EXPECT_EQ(seq.group(0).length(), seq.length() - seq.retention_stats().n_tokens_dropped);
+      }
+      seq.release();
+      exact.release();
+      EXPECT_EQ((*pool)->n_free(), (*pool)->n_blocks()) << where;
+    }
+  }
+}
+
 CacheIdentity test_identity() {
   CacheIdentity id;
   id.weights_digest = Hash128{7, 8};

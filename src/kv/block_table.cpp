@@ -20,6 +20,8 @@ BlockTable::BlockTable(BlockTable&& other) noexcept
     : pool_(other.pool_),
       retention_(other.retention_),
       retention_stats_(other.retention_stats_),
+      obs_(std::move(other.obs_)),
+      obs_shape_(other.obs_shape_),
       groups_(std::move(other.groups_)) {
   // The vector's buffer moved: the group tables keep their addresses (and
   // registrations). The moved-from table stays usable and empty.
@@ -32,6 +34,8 @@ BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
   pool_ = other.pool_;
   retention_ = other.retention_;
   retention_stats_ = other.retention_stats_;
+  obs_ = std::move(other.obs_);
+  obs_shape_ = other.obs_shape_;
   groups_ = std::move(other.groups_);
   other.make_groups();
   return *this;
@@ -58,7 +62,7 @@ Status BlockTable::set_retention(const RetentionConfig& config) {
 }
 
 int64_t BlockTable::apply_retention() {
-  if (!retention_.active()) return 0;
+  if (retention_.policy != RetentionPolicy::kStreamingLlm) return 0;
   const int64_t length = this->length();
   const int64_t slack = retention_.slack > 0 ? retention_.slack : pool_->block_size();
   int64_t n_freed = 0;
@@ -121,9 +125,15 @@ int64_t BlockTable::drop_invisible() {
   return n;
 }
 
+int64_t BlockTable::prepare_step(int64_t n_new) {
+  int64_t n = drop_invisible();
+  if (n_new == 1 && !obs_.empty()) n += apply_snapkv();
+  return n;
+}
+
 Status BlockTable::reserve(int64_t n_new) {
   KV_CHECK(n_new >= 0, "reserve: negative token count");
-  drop_invisible();
+  prepare_step(n_new);
   if (groups_.size() == 1) return groups_[0].reserve(n_new);
   const int64_t need = blocks_needed(n_new);
   if (need > pool_->n_available()) {
@@ -163,6 +173,7 @@ int64_t BlockTable::rollback() {
 void BlockTable::release() {
   for (GroupTable& g : groups_) g.release();
   retention_stats_ = RetentionStats{};
+  obs_.clear();
 }
 
 BlockRef BlockTable::share_block(int64_t i) const {
@@ -184,6 +195,8 @@ BlockTable BlockTable::fork() const {
   BlockTable t(*pool_);
   for (size_t g = 0; g < groups_.size(); ++g) t.groups_[g] = groups_[g].fork();
   t.retention_ = retention_;
+  t.obs_ = obs_;  // a fork before the first decode step still applies SnapKV
+  t.obs_shape_ = obs_shape_;
   return t;
 }
 
@@ -226,7 +239,7 @@ Status reserve_all(std::span<BlockTable* const> tables, std::span<const int64_t>
   }
   // Dropping invisible window blocks is always safe (no later step reads
   // them) and makes room for this step.
-  for (BlockTable* t : tables) t->drop_invisible();
+  for (size_t i = 0; i < tables.size(); ++i) tables[i]->prepare_step(n_new[i]);
   const int64_t need = plan_reserve(tables, n_new);
   if (need > pool.n_available()) {
     ++pool.n_out_of_blocks_;

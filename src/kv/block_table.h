@@ -92,6 +92,26 @@ class BlockTable {
   // skipped (counted in n_deferred) and retried at the next step.
   int64_t apply_retention();
 
+  // SnapKV (retention.h). While wants_queries(), the forward pass hands each
+  // layer's query rows of every multi-token step ([n_tokens, n_q_heads,
+  // head_dim] at logical positions [pos, pos + n_tokens), after RoPE and
+  // --kv-rotate: the basis K is stored in); the table keeps, per model
+  // layer, the rows of the last `window` positions. The next one-token step
+  // (reserve / reserve_all with n_new == 1: decoding begins, the prompt has
+  // ended) first runs apply_snapkv(), which scores the observation window
+  // against the stored keys, selects (snapkv_mark_unit per layer and KV
+  // head, union over the KV group) and compacts; then the rows are dropped.
+  // Returns the blocks released (0 without rows, or with nothing to drop).
+  struct QueryShape {
+    int n_q_heads = 0;
+    int head_dim = 0;
+    float scale = 0.0f;  // multiplies q.k before the softmax
+  };
+  bool wants_queries() const { return retention_.policy == RetentionPolicy::kSnapKv; }
+  void observe_queries(int l, int64_t pos, const float* q, int64_t n_tokens,
+                       const QueryShape& shape);
+  int64_t apply_snapkv();
+
   // The primary group's table (all layers for a single-group model).
   int64_t n_blocks() const { return groups_[0].n_blocks(); }
   std::span<const int32_t> ids() const { return groups_[0].ids(); }
@@ -117,6 +137,9 @@ class BlockTable {
   // (GroupTable::drop_invisible), then apply_retention(). Returns the blocks
   // released.
   int64_t drop_invisible();
+  // What reserve(n_new) / reserve_all do first: drop_invisible(), and
+  // apply_snapkv() when n_new == 1. Returns the blocks released.
+  int64_t prepare_step(int64_t n_new);
 
   // drop_invisible(), then capacity() >= length() + n_new in every group
   // (copy-on-write of shared tails first). All or nothing beyond the drop:
@@ -153,6 +176,13 @@ class BlockTable {
   BlockPool* pool_ = nullptr;
   RetentionConfig retention_;
   RetentionStats retention_stats_;
+  // SnapKV observation rows per model layer: positions [start, start + n).
+  struct ObservedQueries {
+    int64_t start = 0;
+    std::vector<float> rows;  // [n, n_q_heads * head_dim]
+  };
+  std::vector<ObservedQueries> obs_;  // [n_layers] while rows are held, else empty
+  QueryShape obs_shape_;
   std::vector<GroupTable> groups_;  // [n_groups]; never reallocated (tables register by address)
 };
 

@@ -14,17 +14,27 @@ Error bad(const std::string& what) {
 
 Status validate_retention(const RetentionConfig& c) {
   if (c.policy == RetentionPolicy::kNone) return {};
-  if (c.sinks < 0) return bad("sinks=" + std::to_string(c.sinks) + " must be >= 0");
+  constexpr int64_t kMax = int64_t{1} << 30;
+  if (c.sinks > kMax || c.window > kMax || c.slack > kMax || c.budget > kMax || c.kernel > kMax) {
+    return bad("parameters must be at most " + std::to_string(kMax));
+  }
   if (c.window < 1) {
     return bad("window=" + std::to_string(c.window) +
-               " must be >= 1 (the recent tokens each query sees, itself included)");
+               (c.policy == RetentionPolicy::kSnapKv
+                    ? " must be >= 1 (the observation window)"
+                    : " must be >= 1 (the recent tokens each query sees, itself included)"));
   }
-  if (c.slack < 0) {
-    return bad("slack=" + std::to_string(c.slack) + " must be >= 1 (or 0 for the block size)");
+  if (c.policy == RetentionPolicy::kStreamingLlm) {
+    if (c.sinks < 0) return bad("sinks=" + std::to_string(c.sinks) + " must be >= 0");
+    if (c.slack < 0) {
+      return bad("slack=" + std::to_string(c.slack) + " must be >= 1 (or 0 for the block size)");
+    }
   }
-  constexpr int64_t kMax = int64_t{1} << 30;
-  if (c.sinks > kMax || c.window > kMax || c.slack > kMax) {
-    return bad("sinks, window and slack must be at most " + std::to_string(kMax));
+  if (c.policy == RetentionPolicy::kSnapKv) {
+    if (c.budget < 1) return bad("budget=" + std::to_string(c.budget) + " must be >= 1");
+    if (c.kernel < 1 || c.kernel % 2 == 0) {
+      return bad("kernel=" + std::to_string(c.kernel) + " must be odd and >= 1");
+    }
   }
   return {};
 }
@@ -38,11 +48,19 @@ Result<RetentionConfig> parse_retention(std::string_view spec) {
     if (!params.empty()) return bad("policy 'none' takes no parameters");
     return c;
   }
-  if (name != "streamingllm") {
-    return bad("unknown policy '" + std::string(name) + "' (known: none, streamingllm)");
+  const char* known = nullptr;
+  if (name == "streamingllm") {
+    c.policy = RetentionPolicy::kStreamingLlm;
+    known = "sinks, window, slack";
+  } else if (name == "snapkv") {
+    c.policy = RetentionPolicy::kSnapKv;
+    c.window = 32;
+    known = "budget, window, kernel, gqa";
+  } else {
+    return bad("unknown policy '" + std::string(name) + "' (known: none, streamingllm, snapkv)");
   }
-  c.policy = RetentionPolicy::kStreamingLlm;
-  bool have_window = false;
+  const bool snap = c.policy == RetentionPolicy::kSnapKv;
+  bool have_window = false, have_budget = false;
   size_t at = 0;
   while (at < params.size()) {
     size_t end = params.find(',', at);
@@ -55,26 +73,46 @@ Result<RetentionConfig> parse_retention(std::string_view spec) {
     }
     const std::string_view key = kv.substr(0, eq);
     const std::string_view val = kv.substr(eq + 1);
+    if (snap && key == "gqa") {
+      if (val == "union") {
+        c.gqa = GqaRule::kUnion;
+      } else if (val == "mean") {
+        c.gqa = GqaRule::kMean;
+      } else {
+        return bad("gqa='" + std::string(val) + "' must be union or mean");
+      }
+      continue;
+    }
     int64_t x = 0;
     const auto [p, ec] = std::from_chars(val.data(), val.data() + val.size(), x);
-    if (ec != std::errc() || p != val.data() + val.size()) {
+    const bool is_int = ec == std::errc() && p == val.data() + val.size();
+    int64_t* field = nullptr;
+    if (key == "window") {
+      field = &c.window;
+      have_window = true;
+    } else if (!snap && key == "sinks") {
+      field = &c.sinks;
+    } else if (!snap && key == "slack") {
+      field = &c.slack;
+    } else if (snap && key == "budget") {
+      field = &c.budget;
+      have_budget = true;
+    } else if (snap && key == "kernel") {
+      field = &c.kernel;
+    } else {
+      return bad("unknown " + std::string(name) + " parameter '" + std::string(key) +
+                 "' (known: " + known + ")");
+    }
+    if (!is_int) {
       return bad("parameter " + std::string(key) + "='" + std::string(val) + "' is not an integer");
     }
-    if (key == "sinks") {
-      c.sinks = x;
-    } else if (key == "window") {
-      c.window = x;
-      have_window = true;
-    } else if (key == "slack") {
-      if (x < 1) return bad("slack=" + std::to_string(x) + " must be >= 1");
-      c.slack = x;
-    } else {
-      return bad("unknown streamingllm parameter '" + std::string(key) +
-                 "' (known: sinks, window, slack)");
-    }
+    if (key == "slack" && x < 1) return bad("slack=" + std::to_string(x) + " must be >= 1");
+    *field = x;
   }
-  if (!have_window)
+  if (!snap && !have_window) {
     return bad("streamingllm needs window=N (e.g. streamingllm:sinks=4,window=1024)");
+  }
+  if (snap && !have_budget) return bad("snapkv needs budget=N (e.g. snapkv:budget=1024)");
   KV_TRY_STATUS(validate_retention(c));
   return c;
 }
@@ -87,6 +125,10 @@ std::string retention_name(const RetentionConfig& c) {
       return "streamingllm:sinks=" + std::to_string(c.sinks) +
              ",window=" + std::to_string(c.window) +
              (c.slack > 0 ? ",slack=" + std::to_string(c.slack) : std::string());
+    case RetentionPolicy::kSnapKv:
+      return "snapkv:budget=" + std::to_string(c.budget) + ",window=" + std::to_string(c.window) +
+             ",kernel=" + std::to_string(c.kernel) +
+             ",gqa=" + (c.gqa == GqaRule::kMean ? "mean" : "union");
   }
   return "?";
 }
@@ -118,7 +160,7 @@ std::vector<int64_t> retention_keep_slots(const RetentionConfig& c,
                                           std::span<const int32_t> positions, int64_t length) {
   const auto n = static_cast<int64_t>(positions.size());
   std::vector<int64_t> keep;
-  if (c.policy == RetentionPolicy::kNone) {
+  if (c.policy != RetentionPolicy::kStreamingLlm) {  // snapkv decides at prefill end only
     keep.resize(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) keep[static_cast<size_t>(i)] = i;
     return keep;
@@ -132,6 +174,78 @@ std::vector<int64_t> retention_keep_slots(const RetentionConfig& c,
     if (p < c.sinks || p >= recent) keep.push_back(i);
   }
   return keep;
+}
+
+void snapkv_mark_unit(const RetentionConfig& c, std::span<const float> attn, int group,
+                      int64_t n_obs, int64_t n_keys, std::span<uint8_t> keep) {
+  KV_CHECK(c.policy == RetentionPolicy::kSnapKv && n_obs > 0 && n_obs <= n_keys && group > 0,
+           "snapkv_mark_unit: bad arguments");
+  KV_CHECK(static_cast<int64_t>(attn.size()) == group * n_obs * n_keys &&
+               static_cast<int64_t>(keep.size()) == n_keys,
+           "snapkv_mark_unit: attn or keep has the wrong size");
+  const int64_t n_prefix = n_keys - n_obs;
+  if (n_prefix <= c.budget) {
+    std::fill(keep.begin(), keep.begin() + n_prefix, 1);
+    return;
+  }
+  const int64_t half = c.kernel / 2;
+  std::vector<double> vote(static_cast<size_t>(n_prefix)), pooled(vote.size());
+  std::vector<int64_t> order(vote.size());
+  // Marks the `budget` prefix keys of highest pooled vote (earlier on ties).
+  auto choose = [&] {
+    for (int64_t j = 0; j < n_prefix; ++j) {
+      double m = vote[static_cast<size_t>(j)];
+      const int64_t hi = std::min(n_prefix - 1, j + half);
+      for (int64_t t = std::max<int64_t>(0, j - half); t <= hi; ++t) {
+        m = std::max(m, vote[static_cast<size_t>(t)]);
+      }
+      pooled[static_cast<size_t>(j)] = m;
+    }
+    for (int64_t j = 0; j < n_prefix; ++j) order[static_cast<size_t>(j)] = j;
+    std::partial_sort(order.begin(), order.begin() + c.budget, order.end(),
+                      [&](int64_t a, int64_t b) {
+                        const double pa = pooled[static_cast<size_t>(a)];
+                        const double pb = pooled[static_cast<size_t>(b)];
+                        return pa != pb ? pa > pb : a < b;
+                      });
+    for (int64_t i = 0; i < c.budget; ++i) keep[static_cast<size_t>(order[i])] = 1;
+  };
+  auto add_votes = [&](int h, double w) {
+    const float* head = attn.data() + int64_t{h} * n_obs * n_keys;
+    for (int64_t r = 0; r < n_obs; ++r) {
+      const float* row = head + r * n_keys;
+      for (int64_t j = 0; j < n_prefix; ++j) vote[static_cast<size_t>(j)] += w * row[j];
+    }
+  };
+  if (c.gqa == GqaRule::kMean) {
+    std::fill(vote.begin(), vote.end(), 0.0);
+    for (int h = 0; h < group; ++h) add_votes(h, 1.0 / group);
+    choose();
+  } else {
+    for (int h = 0; h < group; ++h) {
+      std::fill(vote.begin(), vote.end(), 0.0);
+      add_votes(h, 1.0);
+      choose();
+    }
+  }
+}
+
+std::vector<int64_t> snapkv_select(const RetentionConfig& c, std::span<const float> attn,
+                                   int64_t n_units, int group, int64_t n_obs, int64_t n_keys) {
+  KV_CHECK(static_cast<int64_t>(attn.size()) == n_units * group * n_obs * n_keys,
+           "snapkv_select: attn has the wrong size");
+  std::vector<uint8_t> keep(static_cast<size_t>(n_keys), 0);
+  for (int64_t j = n_keys - n_obs; j < n_keys; ++j) keep[static_cast<size_t>(j)] = 1;
+  const int64_t unit = int64_t{group} * n_obs * n_keys;
+  for (int64_t u = 0; u < n_units; ++u) {
+    snapkv_mark_unit(c, attn.subspan(static_cast<size_t>(u * unit), static_cast<size_t>(unit)),
+                     group, n_obs, n_keys, keep);
+  }
+  std::vector<int64_t> out;
+  for (int64_t j = 0; j < n_keys; ++j) {
+    if (keep[static_cast<size_t>(j)] != 0) out.push_back(j);
+  }
+  return out;
 }
 
 }  // namespace kvstack

@@ -10,6 +10,25 @@
 //                 positions [t - W + 1, t] (itself included), evaluated at
 //                 the start of every step (a prefill chunk's rows also see
 //                 the chunk's earlier rows, as in causal attention).
+//   snapkv        once at the end of each prefill (the step before the first
+//                 one-token step): the last w_obs prompt queries vote; per
+//                 query head, vote[j] = sum over the w_obs queries of their
+//                 softmax probability on prefix key j (keys before the
+//                 observation window); votes are max-pooled over a kernel
+//                 of k neighbours (1-D, stride 1, padding k / 2); each KV
+//                 head keeps the `budget` prefix tokens of highest pooled
+//                 vote (ties: the earlier token), plus the observation window.
+//                 GQA rule: `union` (default) keeps the union of the top
+//                 `budget` of each query head of the KV head; `mean` ranks
+//                 the mean of the KV head's query heads' votes (before
+//                 pooling). One slot map serves every layer and KV head of a
+//                 KV group (kv_groups.h: one block holds all of them), so the
+//                 group keeps the union over its layers and KV heads: resident
+//                 tokens are at least budget + w_obs and grow with how much
+//                 the heads disagree (measured in docs/benchmarks.md).
+//                 Tokens decoded afterwards all stay (as in the paper).
+//                 A sequence that never decodes (perplexity) is never
+//                 compacted.
 //
 // Positions. Survivors keep their ORIGINAL logical positions: keys are stored
 // already rotated, new tokens get position = logical length (not the
@@ -52,22 +71,32 @@ namespace kvstack {
 enum class RetentionPolicy : uint8_t {
   kNone = 0,  // exact: every token stays resident
   kStreamingLlm = 1,
+  kSnapKv = 2,
+};
+
+// SnapKV's rule for the query heads of one KV head (GQA).
+enum class GqaRule : uint8_t {
+  kUnion = 0,  // union of each query head's top-budget choice
+  kMean = 1,   // top budget of the mean vote
 };
 
 struct RetentionConfig {
   RetentionPolicy policy = RetentionPolicy::kNone;
-  int64_t sinks = 4;   // streamingllm: S, the first positions always kept
-  int64_t window = 0;  // streamingllm: W >= 1, recent positions a query sees (itself included)
-  int64_t slack = 0;   // droppable resident tokens that trigger a compaction (0 = block size)
+  int64_t sinks = 4;  // streamingllm: S, the first positions always kept
+  // streamingllm: W >= 1, recent positions a query sees (itself included);
+  // snapkv: w_obs >= 1, the observation window (default 32).
+  int64_t window = 0;
+  int64_t slack = 0;   // streamingllm: droppable tokens that trigger a compaction (0 = P)
+  int64_t budget = 0;  // snapkv: prefix tokens each KV head keeps (>= 1)
+  int64_t kernel = 7;  // snapkv: max-pooling kernel, odd, >= 1
+  GqaRule gqa = GqaRule::kUnion;  // snapkv
   bool active() const { return policy != RetentionPolicy::kNone; }
-  // Tokens the policy keeps resident at most (between compactions up to
-  // slack - 1 more).
-  int64_t budget() const { return sinks + window; }
 };
 
-// Parses "none" or "streamingllm:sinks=S,window=W[,slack=N]" (keys in any
-// order; sinks defaults to 4, window is required). Errors (kInvalidArgument)
-// name the policy, key or value at fault.
+// Parses "none", "streamingllm:sinks=S,window=W[,slack=N]" (sinks defaults
+// to 4, window is required) or "snapkv:budget=B[,window=W][,kernel=K]
+// [,gqa=union|mean]" (window 32, kernel 7, gqa union by default); keys in
+// any order. Errors (kInvalidArgument) name the policy, key or value at fault.
 Result<RetentionConfig> parse_retention(std::string_view spec);
 // The canonical text of a config ("none", "streamingllm:sinks=4,window=1024,slack=16").
 std::string retention_name(const RetentionConfig& config);
@@ -85,6 +114,21 @@ Status retention_supported(const KvLayout& layout);
 // slack rule (whether dropping is worth a compaction now) is the caller's.
 std::vector<int64_t> retention_keep_slots(const RetentionConfig& config,
                                           std::span<const int32_t> positions, int64_t length);
+
+// SnapKV's choice for one KV group from the observation window's attention.
+// attn: [n_units][group][n_obs][n_keys] probabilities, unit = one (layer, KV
+// head) of the KV group, group = its query heads, row r = the observation
+// query at key index n_keys - n_obs + r (its probabilities over keys beyond
+// itself are 0). Returns the kept key indices, ascending: for each unit the
+// policy's choice among the prefix [0, n_keys - n_obs) (every prefix key when
+// it holds at most budget), their union over units, plus the window.
+// REQUIRES: config.policy == kSnapKv, 0 < n_obs <= n_keys.
+std::vector<int64_t> snapkv_select(const RetentionConfig& config, std::span<const float> attn,
+                                   int64_t n_units, int group, int64_t n_obs, int64_t n_keys);
+// The same for one unit ([group][n_obs][n_keys]): sets keep[j] = 1 for the
+// unit's chosen prefix keys (keep: [n_keys]; the window is not marked).
+void snapkv_mark_unit(const RetentionConfig& config, std::span<const float> attn, int group,
+                      int64_t n_obs, int64_t n_keys, std::span<uint8_t> keep);
 
 // Lifetime counters of compaction (per table and summed per pool).
 struct RetentionStats {

@@ -10,8 +10,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
+#include <set>
 #include <vector>
 
 #include "kv/block_pool.h"
@@ -125,6 +127,132 @@ TEST(RetentionSelect, StreamingLlmMatchesDefinition) {
     if (sinks + window - 1 >= length) {
       EXPECT_EQ(keep.size(), pos.size()) << "window covers everything";
     }
+  }
+}
+
+// SnapKV's selection written from the paper's definition, independently of
+// snapkv_mark_unit: votes summed in double, max-pooling over a -inf padded
+// array, and "kept" = fewer than `budget` keys rank strictly before it
+// (higher pooled vote, or equal and earlier).
+std::vector<int64_t> snapkv_reference(const RetentionConfig& c, const std::vector<float>& attn,
+                                      int64_t n_units, int group, int64_t n_obs, int64_t n_keys) {
+  const int64_t n_prefix = n_keys - n_obs;
+  std::set<int64_t> kept;
+  for (int64_t j = n_prefix; j < n_keys; ++j) kept.insert(j);
+  auto select = [&](const std::vector<double>& vote) {
+    if (n_prefix <= c.budget) {
+      for (int64_t j = 0; j < n_prefix; ++j) kept.insert(j);
+      return;
+    }
+    const int64_t half = c.kernel / 2;
+    std::vector<double> padded(static_cast<size_t>(n_prefix + 2 * half),
+                               -std::numeric_limits<double>::infinity());
+    for (int64_t j = 0; j < n_prefix; ++j) padded[static_cast<size_t>(j + half)] = vote[j];
+    std::vector<double> pooled(static_cast<size_t>(n_prefix));
+    for (int64_t j = 0; j < n_prefix; ++j) {
+      pooled[j] = *std::max_element(padded.begin() + j, padded.begin() + j + c.kernel);
+    }
+    for (int64_t j = 0; j < n_prefix; ++j) {
+      int64_t before = 0;
+      for (int64_t t = 0; t < n_prefix; ++t) {
+        before += pooled[t] > pooled[j] || (pooled[t] == pooled[j] && t < j);
+      }
+      if (before < c.budget) kept.insert(j);
+    }
+  };
+  auto at = [&](int64_t u, int h, int64_t r, int64_t j) {
+    return static_cast<double>(
+        attn[static_cast<size_t>(((u * group + h) * n_obs + r) * n_keys + j)]);
+  };
+  for (int64_t u = 0; u < n_units; ++u) {
+    if (c.gqa == GqaRule::kMean) {
+      std::vector<double> vote(static_cast<size_t>(n_prefix), 0.0);
+      for (int64_t j = 0; j < n_prefix; ++j) {
+        for (int h = 0; h < group; ++h) {
+          for (int64_t r = 0; r < n_obs; ++r) vote[j] += at(u, h, r, j);
+        }
+        vote[j] /= group;
+      }
+      select(vote);
+    } else {
+      for (int h = 0; h < group; ++h) {
+        std::vector<double> vote(static_cast<size_t>(n_prefix), 0.0);
+        for (int64_t j = 0; j < n_prefix; ++j) {
+          for (int64_t r = 0; r < n_obs; ++r) vote[j] += at(u, h, r, j);
+        }
+        select(vote);
+      }
+    }
+  }
+  return {kept.begin(), kept.end()};
+}
+
+// Synthetic attention: causal rows of probabilities that are multiples of
+// 1/1024 (sums exact in double whatever the order), drawn from few values so
+// that votes tie; some rows put all mass on one key.
+TEST(RetentionSelect, SnapKvMatchesDefinition) {
+  std::mt19937 rng(17);
+  int n_checked = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int group = 1 << (trial % 3);  // 1, 2, 4 query heads per KV head
+    const int64_t n_units = 1 + trial % 3;
+    const int64_t n_keys = 1 + static_cast<int64_t>(rng() % 40);
+    // Windows larger than the context are clamped by the caller to n_keys.
+    const int64_t window = 1 + static_cast<int64_t>(rng() % 12);
+    const int64_t n_obs = std::min(window, n_keys);
+    RetentionConfig c{.policy = RetentionPolicy::kSnapKv,
+                      .window = window,
+                      .budget = 1 + static_cast<int64_t>(rng() % 10),
+                      .kernel = 1 + 2 * static_cast<int64_t>(rng() % 4),
+                      .gqa = trial % 2 == 0 ? GqaRule::kUnion : GqaRule::kMean};
+    std::vector<float> attn(static_cast<size_t>(n_units * group * n_obs * n_keys), 0.0f);
+    for (int64_t row = 0; row < n_units * group * n_obs; ++row) {
+      const int64_t r = row % n_obs;
+      const int64_t visible = n_keys - n_obs + r + 1;
+      std::vector<int> w(static_cast<size_t>(visible));
+      if (rng() % 5 == 0) {
+        w[rng() % visible] = 1024;
+      } else {
+        int left = 1024;
+        for (int64_t j = 0; j + 1 < visible; ++j) {
+          const int x = std::min(left, static_cast<int>(rng() % 4) * 16);
+          w[j] = x;
+          left -= x;
+        }
+        w[visible - 1] += left;
+      }
+      for (int64_t j = 0; j < visible; ++j) {
+        attn[static_cast<size_t>(row * n_keys + j)] = static_cast<float>(w[j] / 1024.0);
+      }
+    }
+    const std::vector<int64_t> got = snapkv_select(c, attn, n_units, group, n_obs, n_keys);
+    const std::vector<int64_t> want = snapkv_reference(c, attn, n_units, group, n_obs, n_keys);
+    ASSERT_EQ(got, want) << "trial " << trial << " group " << group << " keys " << n_keys << " obs "
+                         << n_obs << " budget " << c.budget << " kernel " << c.kernel;
+    if (n_keys - n_obs <= c.budget) {
+      EXPECT_EQ(static_cast<int64_t>(got.size()), n_keys) << "budget covers the prefix";
+    }
+    if (c.gqa == GqaRule::kMean && n_keys - n_obs > c.budget) {
+      EXPECT_EQ(static_cast<int64_t>(got.size()) <= n_obs + n_units * c.budget, true);
+    }
+    ++n_checked;
+  }
+  EXPECT_EQ(n_checked, 300);
+  // A parse round trip of every SnapKV parameter.
+  auto p = parse_retention("snapkv:budget=64,window=16,kernel=5,gqa=mean");
+  ASSERT_TRUE(p.ok()) << p.error().message;
+  EXPECT_EQ(retention_name(*p), "snapkv:budget=64,window=16,kernel=5,gqa=mean");
+  EXPECT_EQ(retention_name(*parse_retention("snapkv:budget=8")),
+            "snapkv:budget=8,window=32,kernel=7,gqa=union");
+  for (const auto& [spec, msg] : std::vector<std::pair<const char*, const char*>>{
+           {"snapkv:window=8", "needs budget=N"},
+           {"snapkv:budget=8,kernel=4", "kernel=4 must be odd"},
+           {"snapkv:budget=8,gqa=max", "gqa='max' must be union or mean"},
+           {"snapkv:budget=0", "budget=0 must be >= 1"},
+           {"snapkv:budget=8,sinks=2", "unknown snapkv parameter 'sinks'"}}) {
+    auto r = parse_retention(spec);
+    ASSERT_FALSE(r.ok()) << spec;
+    EXPECT_NE(r.error().message.find(msg), std::string::npos) << spec << ": " << r.error().message;
   }
 }
 

@@ -394,7 +394,8 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
   if (!q.cache_salt.empty()) q.cache_salt = cache_salt_key(q.cache_salt);
   if (auto it = body.find("kv_retention"); it != body.end() && !it->is_null()) {
     // {"policy": "streamingllm", "sinks": 4, "window": 1024[, "slack": 16]},
-    // or the CLI's text form "streamingllm:sinks=4,window=1024".
+    // {"policy": "snapkv", "budget": 1024, "window": 32[, "kernel": 7]
+    // [, "gqa": "mean"]}, or the CLI's text form "streamingllm:sinks=4,window=1024".
     std::string spec;
     if (it->is_string()) {
       spec = it->get<std::string>();
@@ -407,11 +408,14 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
       std::string params;
       for (const auto& [k, v] : it->items()) {
         if (k == "policy") continue;
-        if (!v.is_number_integer()) {
-          return bad("kv_retention",
-                     "'kv_retention." + k + "' must be an integer, not " + type_name(v));
+        const bool text = k == "gqa";  // the one non-integer parameter
+        if (text ? !v.is_string() : !v.is_number_integer()) {
+          return bad("kv_retention", "'kv_retention." + k + "' must be " +
+                                         (text ? "a string" : "an integer") + ", not " +
+                                         type_name(v));
         }
-        params += (params.empty() ? "" : ",") + k + "=" + std::to_string(v.get<int64_t>());
+        params += (params.empty() ? "" : ",") + k + "=" +
+                  (text ? v.get<std::string>() : std::to_string(v.get<int64_t>()));
       }
       if (!params.empty()) spec += ":" + params;
     } else {

@@ -28,8 +28,8 @@ def need_model():
         pytest.skip("kvstack binary or model missing")
 
 
-def run_json(*extra, n=200):
-    cmd = [BIN, "run", "-m", MODEL, "-p", PROMPT, "-n", str(n), "--temp", "0", "--ignore-eos",
+def run_json(*extra, n=200, prompt=PROMPT):
+    cmd = [BIN, "run", "-m", MODEL, "-p", prompt, "-n", str(n), "--temp", "0", "--ignore-eos",
            "--threads", str(THREADS), "--json", "--kv-stats", *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -65,8 +65,23 @@ def test_window_covering_sequence_is_exact(runs):
     assert wide["kv_stats"]["retention"]["compactions"] == 0
 
 
+def test_snapkv_compacts_the_prompt_once():
+    need_model()
+    res, _ = run_json("--no-prefix-cache", "--kv-retention", "snapkv:budget=24,window=8,gqa=mean",
+                      n=20, prompt=PROMPT * 12)
+    r = res["kv_stats"]["retention"]
+    g = res["kv_stats"]["groups"][0]
+    n_prompt = res["prompt_tokens"]
+    # One compaction at the first decode step; every decoded token stays.
+    assert r["compactions"] == 1 and r["tokens_dropped"] > 0 and r["blocks_freed"] > 0
+    assert g["tokens_resident"] == n_prompt + res["completion_tokens"] - 1 - r["tokens_dropped"]
+    assert g["tokens_resident"] >= 24 + 8 + res["completion_tokens"] - 1
+
+
 @pytest.mark.parametrize("spec,msg", [
     ("lru:budget=3", "unknown policy 'lru'"),
+    ("snapkv:window=8", "snapkv needs budget=N"),
+    ("snapkv:budget=8,kernel=2", "kernel=2 must be odd"),
     ("streamingllm:sinks=4", "needs window=N"),
     ("streamingllm:window=-2", "window=-2 must be >= 1"),
     ("streamingllm:window=8,foo=1", "unknown streamingllm parameter 'foo'"),
@@ -107,7 +122,8 @@ def test_server_request_field_default_stats_and_metrics():
         assert srv.wait_idle()["pool"]["retention"]["tokens_dropped"] == dropped_default
         # A narrower window per request (object and text forms) drops more.
         for field in ({"policy": "streamingllm", "sinks": 2, "window": 16, "slack": 4},
-                      "streamingllm:sinks=2,window=16"):
+                      "streamingllm:sinks=2,window=16",
+                      {"policy": "snapkv", "budget": 16, "window": 8, "gqa": "mean"}):
             r = requests.post(srv.base + "/v1/chat/completions",
                               json={"messages": [{"role": "user", "content": PROMPT}],
                                     "max_tokens": 60, "temperature": 0, "kv_retention": field},
@@ -119,6 +135,8 @@ def test_server_request_field_default_stats_and_metrics():
         for bad, msg in [({"policy": "h2o"}, "unknown policy 'h2o'"),
                          ({"policy": "streamingllm", "window": 0}, "window=0 must be >= 1"),
                          ({"policy": "streamingllm", "window": "8"}, "must be an integer"),
+                         ({"policy": "snapkv", "budget": 8, "gqa": 1}, "must be a string"),
+                         ({"policy": "snapkv", "budget": 8, "gqa": "max"}, "must be union or mean"),
                          ({"window": 8}, "needs a string 'policy'"),
                          (5, "must be an object or a string")]:
             r = requests.post(srv.base + "/v1/completions",
