@@ -59,7 +59,9 @@ std::vector<OptionSpec> engine_options() {
        "query's last W; compacts when N tokens are droppable, default the block size) or "
        "snapkv:budget=B[,window=W][,kernel=K][,gqa=union|mean] (at the end of each prefill the "
        "last W prompt queries (32) vote, max-pooled over K (7); each KV head keeps its top B "
-       "prompt tokens plus the window; a KV head's query heads union (default) or average); "
+       "prompt tokens plus the window; a KV head's query heads union (default) or average), "
+       "pyramidkv:budget=B[,beta=X] and snapkv's keys (B is the mean per layer: layer 0 "
+       "keeps 2B - B/X, the last B/X, linear in between; beta 20); "
        "serve: the default for requests without \"kv_retention\""},
       {"no-prefix-cache", 0, "", "do not share KV between requests (no prefix cache)"},
       {"public-prefix", 0, "FILE",

@@ -118,6 +118,8 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
     pc.n_tokens = config.kv_cache_tokens > 0 ? config.kv_cache_tokens : c.n_ctx_train;
     pc.prefill_chunk = config.prefill_chunk;
   }
+  // SnapKV chooses per layer: one slot map per layer frees what each chose.
+  pc.one_layer_per_group = config.kv_retention.selects_at_prefill_end();
   auto pool = BlockPool::create(*layout, pc);
   if (!pool) return pool.error();
   e->pool_ = std::move(*pool);

@@ -38,28 +38,35 @@ using testing::reference_last_logits;
 using testing::SyntheticCase;
 using testing::SyntheticSpec;
 
-// What each query position saw: the resident positions after its step
-// (= kept at the step's start plus the step's own tokens), up to itself.
+// What each query position saw, per layer: the resident positions of the
+// layer's group after its step (= kept at the step's start plus the step's
+// own tokens), up to itself.
 struct Visibility {
-  std::vector<std::set<int>> seen;  // [position] visible key positions
-  std::vector<int> slot_at_write;   // [position] its slot when written
-  bool visible(int t, int j) const { return seen[static_cast<size_t>(t)].count(j) > 0; }
+  std::vector<std::vector<std::set<int>>> seen;  // [layer][position] visible key positions
+  std::vector<int> slot_at_write;                // [position] its slot in group 0 when written
+  bool visible(int l, int t, int j) const {
+    return seen[static_cast<size_t>(l)][static_cast<size_t>(t)].count(j) > 0;
+  }
 };
 
 void record_step(const BlockTable& t, int64_t start, int64_t n, int64_t slots_before,
                  Visibility& vis) {
-  const GroupTable& g = t.group(0);
-  std::set<int> resident;
-  for (int64_t s = 0; s < g.length(); ++s) resident.insert(static_cast<int>(g.position(s)));
-  for (int64_t r = 0; r < n; ++r) {
-    const int pos = static_cast<int>(start + r);
-    std::set<int> mine;
-    for (int j : resident) {
-      if (j <= pos) mine.insert(j);
+  const KvGroups& groups = t.pool().groups();
+  vis.seen.resize(static_cast<size_t>(groups.n_layers()));
+  for (int l = 0; l < groups.n_layers(); ++l) {
+    const GroupTable& g = t.group(groups.slot(l).group);
+    std::set<int> resident;
+    for (int64_t s = 0; s < g.length(); ++s) resident.insert(static_cast<int>(g.position(s)));
+    for (int64_t r = 0; r < n; ++r) {
+      const int pos = static_cast<int>(start + r);
+      std::set<int> mine;
+      for (int j : resident) {
+        if (j <= pos) mine.insert(j);
+      }
+      vis.seen[static_cast<size_t>(l)].push_back(std::move(mine));
     }
-    vis.seen.push_back(std::move(mine));
-    vis.slot_at_write.push_back(static_cast<int>(slots_before + r));
   }
+  for (int64_t r = 0; r < n; ++r) vis.slot_at_write.push_back(static_cast<int>(slots_before + r));
 }
 
 KvDtype dtype_of(int block_size) {
@@ -76,7 +83,7 @@ std::vector<double> masked_reference(const testing::SyntheticWeights& w,
         for (double& x : k) x = testing::kv_round(x, dtype);
         for (double& x : v) x = testing::kv_round(x, dtype);
       },
-      [&vis](int, int t, int j) { return vis.visible(t, j); },
+      [&vis](int l, int t, int j) { return vis.visible(l, t, j); },
       rotate_by_slot ? testing::RopePosition(
                            [&vis](int t) { return vis.slot_at_write[static_cast<size_t>(t)]; })
                      : testing::RopePosition{});
@@ -181,85 +188,105 @@ TEST_P(Retention, BudgetLargerThanSequenceIsExact) {
   EXPECT_EQ(ret.retention_stats().n_compactions, 0);
 }
 
-// SnapKV: the prompt's last `window` queries vote at the end of prefill (the
-// first one-token step); the dropped prompt tokens are gone for every later
-// row, which still matches the masked float64 recomputation; kept tokens are
-// the observation window plus, per KV head, budget (union: up to budget per
-// query head) prompt tokens; decoded tokens all stay. A budget covering the
-// prompt gives the exact cache's bits.
-TEST_P(Retention, SnapKvEqualsMaskedRecomputationAndFreesBlocks) {
+// SnapKV and PyramidKV: the prompt's last `window` queries vote at the end
+// of prefill (the first one-token step); the dropped prompt tokens are gone
+// for every later row, which still matches the masked float64
+// recomputation (per layer: PyramidKV keeps different tokens in each
+// layer's group); each group keeps the observation window plus, per KV
+// head, its layer's budget (union: up to budget per query head) of prompt
+// tokens; decoded tokens all stay. A budget covering the prompt gives the
+// exact cache's bits. SnapKV runs on one group of all layers (the union
+// over layers) and PyramidKV on one group per layer (as the engine builds).
+TEST_P(Retention, PrefillEndSelectionEqualsMaskedRecomputationAndFreesBlocks) {
   const SyntheticSpec& spec = GetParam().spec;
   std::mt19937 rng(spec.seed + 13);
   std::uniform_int_distribution<int32_t> tok(0, spec.n_vocab - 1);
   const int n_prompt = 35, n_decode = 8, p = 4;
   std::vector<int32_t> tokens(n_prompt + n_decode);
   for (auto& t : tokens) t = tok(rng);
-  for (GqaRule rule : {GqaRule::kUnion, GqaRule::kMean}) {
-    for (int64_t budget : {int64_t{5}, int64_t{40}}) {
-      const std::string where = std::string(rule == GqaRule::kMean ? "mean" : "union") +
-                                " budget " + std::to_string(budget);
-      auto pool =
-          BlockPool::create(testing::window_layout(spec, KvDtype::kF32, p), {.n_tokens = 512});
-      ASSERT_TRUE(pool.ok());
-      BlockTable seq(**pool), exact(**pool);
-      const RetentionConfig rc{.policy = RetentionPolicy::kSnapKv,
-                               .window = 4,
-                               .budget = budget,
-                               .kernel = 3,
-                               .gqa = rule};
-      ASSERT_TRUE(seq.set_retention(rc).ok());
-      Visibility vis;
-      std::vector<float> logits, exact_logits;
-      bool all_equal = true;
-      for (int b = 0; b < n_prompt + n_decode;) {
-        const int n = b < n_prompt ? std::min(12, n_prompt - b) : 1;
-        const std::span<const int32_t> chunk(tokens.data() + b, n);
-        const StepSeq s{.table = &seq, .tokens = chunk, .logits = LogitsMode::kAll};
-        const StepSeq se{.table = &exact, .tokens = chunk, .logits = LogitsMode::kAll};
-        ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&s, 1), &logits).ok()) << where;
-        ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&se, 1), &exact_logits).ok()) << where;
-        (*pool)->check_invariants();
-        all_equal &=
-            std::memcmp(logits.data(), exact_logits.data(), logits.size() * sizeof(float)) == 0;
-        record_step(seq, b, n, seq.group(0).length() - n, vis);
-        for (int r = 0; r < n; ++r) {
-          const int pos = b + r;
-          ASSERT_LT(logits_rel_err(logits.data() + static_cast<size_t>(r) * spec.n_vocab,
-                                   masked_reference(w_, tokens, pos + 1, KvDtype::kF32, vis,
-                                                    /*rotate_by_slot=*/false)),
-                    kLogitTol)
-              << where << " position " << pos;
-        }
-        if (b == n_prompt) {
-          // The first decode step applied SnapKV to the prompt.
-          const int64_t kept = seq.group(0).length() - 1;
-          const int64_t n_heads = spec.n_heads, n_kv = spec.n_kv_heads;
-          const int64_t per_kv = rule == GqaRule::kMean ? budget : budget * (n_heads / n_kv);
-          if (budget >= n_prompt - rc.window) {
-            EXPECT_EQ(kept, n_prompt) << where;
-          } else {
-            EXPECT_GE(kept, budget + rc.window) << where;
-            EXPECT_LE(kept, rc.window + std::min<int64_t>(n_prompt - rc.window,
-                                                          spec.n_layers * n_kv * per_kv))
-                << where;
-            for (int64_t j = n_prompt - rc.window; j < n_prompt; ++j) {
-              EXPECT_GE(seq.group(0).slot_of(j), 0) << where << ": window position " << j;
+  for (RetentionPolicy policy : {RetentionPolicy::kSnapKv, RetentionPolicy::kPyramidKv}) {
+    for (GqaRule rule : {GqaRule::kUnion, GqaRule::kMean}) {
+      for (int64_t budget : {int64_t{5}, int64_t{40}}) {
+        const bool pyramid = policy == RetentionPolicy::kPyramidKv;
+        const std::string where = std::string(pyramid ? "pyramidkv " : "snapkv ") +
+                                  (rule == GqaRule::kMean ? "mean" : "union") + " budget " +
+                                  std::to_string(budget);
+        auto pool = BlockPool::create(testing::window_layout(spec, KvDtype::kF32, p),
+                                      {.n_tokens = 512, .one_layer_per_group = pyramid});
+        ASSERT_TRUE(pool.ok());
+        ASSERT_EQ((*pool)->n_groups(), pyramid ? spec.n_layers : 1);
+        BlockTable seq(**pool), exact(**pool);
+        const RetentionConfig rc{
+            .policy = policy, .window = 4, .budget = budget, .kernel = 3, .gqa = rule, .beta = 2};
+        ASSERT_TRUE(seq.set_retention(rc).ok());
+        Visibility vis;
+        std::vector<float> logits, exact_logits;
+        bool all_equal = true;
+        for (int b = 0; b < n_prompt + n_decode;) {
+          const int n = b < n_prompt ? std::min(12, n_prompt - b) : 1;
+          const std::span<const int32_t> chunk(tokens.data() + b, n);
+          const StepSeq s{.table = &seq, .tokens = chunk, .logits = LogitsMode::kAll};
+          const StepSeq se{.table = &exact, .tokens = chunk, .logits = LogitsMode::kAll};
+          ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&s, 1), &logits).ok()) << where;
+          ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&se, 1), &exact_logits).ok()) << where;
+          (*pool)->check_invariants();
+          all_equal &=
+              std::memcmp(logits.data(), exact_logits.data(), logits.size() * sizeof(float)) == 0;
+          record_step(seq, b, n, seq.group(0).length() - n, vis);
+          for (int r = 0; r < n; ++r) {
+            const int pos = b + r;
+            ASSERT_LT(logits_rel_err(logits.data() + static_cast<size_t>(r) * spec.n_vocab,
+                                     masked_reference(w_, tokens, pos + 1, KvDtype::kF32, vis,
+                                                      /*rotate_by_slot=*/false)),
+                      kLogitTol)
+                << where << " position " << pos;
+          }
+          if (b == n_prompt) {
+            // The first decode step applied the selection to the prompt.
+            for (int gi = 0; gi < seq.n_groups(); ++gi) {
+              const GroupTable& g = seq.group(gi);
+              const int64_t kept = g.length() - 1;
+              const int64_t layer_budget =
+                  retention_layer_budget(rc, (*pool)->group(gi).layers.front(), spec.n_layers);
+              const int64_t n_kv = spec.n_kv_heads;
+              const int64_t per_kv = rule == GqaRule::kMean
+                                         ? layer_budget
+                                         : layer_budget * (spec.n_heads / spec.n_kv_heads);
+              const int64_t n_units = static_cast<int64_t>((*pool)->group(gi).layers.size()) * n_kv;
+              const std::string at = where + " group " + std::to_string(gi);
+              if (layer_budget >= n_prompt - rc.window) {
+                EXPECT_EQ(kept, n_prompt) << at;
+              } else {
+                EXPECT_GE(kept, layer_budget + rc.window) << at;
+                EXPECT_LE(kept,
+                          rc.window + std::min<int64_t>(n_prompt - rc.window, n_units * per_kv))
+                    << at;
+                for (int64_t j = n_prompt - rc.window; j < n_prompt; ++j) {
+                  EXPECT_GE(g.slot_of(j), 0) << at << ": window position " << j;
+                }
+              }
             }
           }
+          b += n;
         }
-        b += n;
+        const bool covers =
+            retention_layer_budget(rc, 0, spec.n_layers) >= n_prompt - rc.window &&
+            retention_layer_budget(rc, spec.n_layers - 1, spec.n_layers) >= n_prompt - rc.window;
+        if (covers) {
+          EXPECT_TRUE(all_equal) << where << ": a budget covering the prompt changed bits";
+          EXPECT_FALSE(seq.compacted()) << where;
+        } else if (budget == 5) {  // larger budgets may still cover it through the union
+          EXPECT_TRUE(seq.compacted()) << where;
+          EXPECT_GT(seq.retention_stats().n_blocks_freed, 0) << where;
+        }
+        if (pyramid && budget == 5) {
+          // Deeper layers keep fewer prompt tokens (budgets decrease).
+          EXPECT_GE(seq.group(0).length(), seq.group(spec.n_layers - 1).length()) << where;
+        }
+        seq.release();
+        exact.release();
+        EXPECT_EQ((*pool)->n_free(), (*pool)->n_blocks()) << where;
       }
-      if (budget >= n_prompt - rc.window) {
-        EXPECT_TRUE(all_equal) << where << ": a budget covering the prompt changed bits";
-        EXPECT_FALSE(seq.compacted()) << where;
-      } else {
-        EXPECT_TRUE(seq.compacted()) << where;
-        EXPECT_GT(seq.retention_stats().n_blocks_freed, 0) << where;
-        EXPECT_EQ(seq.group(0).length(), seq.length() - seq.retention_stats().n_tokens_dropped);
-      }
-      seq.release();
-      exact.release();
-      EXPECT_EQ((*pool)->n_free(), (*pool)->n_blocks()) << where;
     }
   }
 }

@@ -55,7 +55,7 @@ int64_t page_size() {
 
 Result<std::unique_ptr<BlockPool>> BlockPool::create(const KvLayout& layout,
                                                      const BlockPoolConfig& config) {
-  auto groups = KvGroups::create(layout);
+  auto groups = KvGroups::create(layout, config.one_layer_per_group);
   if (!groups) return groups.error();
   const int64_t bb = groups->block_bytes();
   const int64_t p = layout.block_size();

@@ -80,6 +80,9 @@ struct BlockPoolConfig {
   int64_t n_tokens = 0;
   int64_t prefill_chunk = 0;  // tokens per step bounding window groups (0 = n_tokens)
   bool populate = false;      // pre-fault every page at creation (MAP_POPULATE)
+  // Every layer its own KV group (KvGroups::create): per-layer retention
+  // (snapkv, pyramidkv) keeps a slot map per layer.
+  bool one_layer_per_group = false;
 };
 
 // One KV group's share of the pool (BlockPoolStats::groups).

@@ -107,7 +107,7 @@ class BlockTable {
     int head_dim = 0;
     float scale = 0.0f;  // multiplies q.k before the softmax
   };
-  bool wants_queries() const { return retention_.policy == RetentionPolicy::kSnapKv; }
+  bool wants_queries() const { return retention_.selects_at_prefill_end(); }
   void observe_queries(int l, int64_t pos, const float* q, int64_t n_tokens,
                        const QueryShape& shape);
   int64_t apply_snapkv();

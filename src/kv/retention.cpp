@@ -20,7 +20,7 @@ Status validate_retention(const RetentionConfig& c) {
   }
   if (c.window < 1) {
     return bad("window=" + std::to_string(c.window) +
-               (c.policy == RetentionPolicy::kSnapKv
+               (c.selects_at_prefill_end()
                     ? " must be >= 1 (the observation window)"
                     : " must be >= 1 (the recent tokens each query sees, itself included)"));
   }
@@ -30,7 +30,10 @@ Status validate_retention(const RetentionConfig& c) {
       return bad("slack=" + std::to_string(c.slack) + " must be >= 1 (or 0 for the block size)");
     }
   }
-  if (c.policy == RetentionPolicy::kSnapKv) {
+  if (c.policy == RetentionPolicy::kPyramidKv && c.beta < 1) {
+    return bad("beta=" + std::to_string(c.beta) + " must be >= 1");
+  }
+  if (c.selects_at_prefill_end()) {
     if (c.budget < 1) return bad("budget=" + std::to_string(c.budget) + " must be >= 1");
     if (c.kernel < 1 || c.kernel % 2 == 0) {
       return bad("kernel=" + std::to_string(c.kernel) + " must be odd and >= 1");
@@ -56,10 +59,15 @@ Result<RetentionConfig> parse_retention(std::string_view spec) {
     c.policy = RetentionPolicy::kSnapKv;
     c.window = 32;
     known = "budget, window, kernel, gqa";
+  } else if (name == "pyramidkv") {
+    c.policy = RetentionPolicy::kPyramidKv;
+    c.window = 32;
+    known = "budget, beta, window, kernel, gqa";
   } else {
-    return bad("unknown policy '" + std::string(name) + "' (known: none, streamingllm, snapkv)");
+    return bad("unknown policy '" + std::string(name) +
+               "' (known: none, streamingllm, snapkv, pyramidkv)");
   }
-  const bool snap = c.policy == RetentionPolicy::kSnapKv;
+  const bool snap = c.selects_at_prefill_end();
   bool have_window = false, have_budget = false;
   size_t at = 0;
   while (at < params.size()) {
@@ -99,6 +107,8 @@ Result<RetentionConfig> parse_retention(std::string_view spec) {
       have_budget = true;
     } else if (snap && key == "kernel") {
       field = &c.kernel;
+    } else if (c.policy == RetentionPolicy::kPyramidKv && key == "beta") {
+      field = &c.beta;
     } else {
       return bad("unknown " + std::string(name) + " parameter '" + std::string(key) +
                  "' (known: " + known + ")");
@@ -112,7 +122,9 @@ Result<RetentionConfig> parse_retention(std::string_view spec) {
   if (!snap && !have_window) {
     return bad("streamingllm needs window=N (e.g. streamingllm:sinks=4,window=1024)");
   }
-  if (snap && !have_budget) return bad("snapkv needs budget=N (e.g. snapkv:budget=1024)");
+  if (snap && !have_budget) {
+    return bad(std::string(name) + " needs budget=N (e.g. " + std::string(name) + ":budget=1024)");
+  }
   KV_TRY_STATUS(validate_retention(c));
   return c;
 }
@@ -128,6 +140,10 @@ std::string retention_name(const RetentionConfig& c) {
     case RetentionPolicy::kSnapKv:
       return "snapkv:budget=" + std::to_string(c.budget) + ",window=" + std::to_string(c.window) +
              ",kernel=" + std::to_string(c.kernel) +
+             ",gqa=" + (c.gqa == GqaRule::kMean ? "mean" : "union");
+    case RetentionPolicy::kPyramidKv:
+      return "pyramidkv:budget=" + std::to_string(c.budget) + ",beta=" + std::to_string(c.beta) +
+             ",window=" + std::to_string(c.window) + ",kernel=" + std::to_string(c.kernel) +
              ",gqa=" + (c.gqa == GqaRule::kMean ? "mean" : "union");
   }
   return "?";
@@ -178,7 +194,7 @@ std::vector<int64_t> retention_keep_slots(const RetentionConfig& c,
 
 void snapkv_mark_unit(const RetentionConfig& c, std::span<const float> attn, int group,
                       int64_t n_obs, int64_t n_keys, std::span<uint8_t> keep) {
-  KV_CHECK(c.policy == RetentionPolicy::kSnapKv && n_obs > 0 && n_obs <= n_keys && group > 0,
+  KV_CHECK(c.selects_at_prefill_end() && n_obs > 0 && n_obs <= n_keys && group > 0,
            "snapkv_mark_unit: bad arguments");
   KV_CHECK(static_cast<int64_t>(attn.size()) == group * n_obs * n_keys &&
                static_cast<int64_t>(keep.size()) == n_keys,
@@ -228,6 +244,15 @@ void snapkv_mark_unit(const RetentionConfig& c, std::span<const float> attn, int
       choose();
     }
   }
+}
+
+int64_t retention_layer_budget(const RetentionConfig& c, int layer, int n_layers) {
+  if (c.policy != RetentionPolicy::kPyramidKv || n_layers <= 1) return c.budget;
+  const int64_t last = std::max<int64_t>(1, c.budget / c.beta);
+  const int64_t first = 2 * c.budget - last;
+  // The linear value rounded down: subtract the step rounded up.
+  const int64_t den = n_layers - 1;
+  return first - ((first - last) * layer + den - 1) / den;
 }
 
 std::vector<int64_t> snapkv_select(const RetentionConfig& c, std::span<const float> attn,

@@ -27,6 +27,14 @@
 //                 tokens are at least budget + w_obs and grow with how much
 //                 the heads disagree (measured in docs/benchmarks.md).
 //                 Tokens decoded afterwards all stay (as in the paper).
+//                 The engine gives every layer its own group under snapkv and
+//                 pyramidkv (BlockPoolConfig::one_layer_per_group), so the
+//                 union only spans one layer's KV heads.
+//   pyramidkv     SnapKV's selection with a budget per layer decreasing
+//                 linearly with depth (PyramidKV): with mean budget B over L
+//                 layers, the last layer keeps k_{L-1} = max(1, B / beta),
+//                 the first k_0 = 2B - k_{L-1}, layer l
+//                 k_0 - (k_0 - k_{L-1}) l / (L - 1) (rounded down; beta 20).
 //                 A sequence that never decodes (perplexity) is never
 //                 compacted.
 //
@@ -72,6 +80,7 @@ enum class RetentionPolicy : uint8_t {
   kNone = 0,  // exact: every token stays resident
   kStreamingLlm = 1,
   kSnapKv = 2,
+  kPyramidKv = 3,
 };
 
 // SnapKV's rule for the query heads of one KV head (GQA).
@@ -89,14 +98,20 @@ struct RetentionConfig {
   int64_t slack = 0;   // streamingllm: droppable tokens that trigger a compaction (0 = P)
   int64_t budget = 0;  // snapkv: prefix tokens each KV head keeps (>= 1)
   int64_t kernel = 7;  // snapkv: max-pooling kernel, odd, >= 1
-  GqaRule gqa = GqaRule::kUnion;  // snapkv
+  GqaRule gqa = GqaRule::kUnion;  // snapkv, pyramidkv
+  int64_t beta = 20;              // pyramidkv: first-to-last budget steepness (>= 1)
   bool active() const { return policy != RetentionPolicy::kNone; }
+  // SnapKV-style selection at the end of prefill (snapkv, pyramidkv).
+  bool selects_at_prefill_end() const {
+    return policy == RetentionPolicy::kSnapKv || policy == RetentionPolicy::kPyramidKv;
+  }
 };
 
 // Parses "none", "streamingllm:sinks=S,window=W[,slack=N]" (sinks defaults
 // to 4, window is required) or "snapkv:budget=B[,window=W][,kernel=K]
-// [,gqa=union|mean]" (window 32, kernel 7, gqa union by default); keys in
-// any order. Errors (kInvalidArgument) name the policy, key or value at fault.
+// [,gqa=union|mean]" (window 32, kernel 7, gqa union by default) or
+// "pyramidkv:budget=B[,beta=X]" plus snapkv's keys; keys in any order. Errors (kInvalidArgument)
+// name the policy, key or value at fault.
 Result<RetentionConfig> parse_retention(std::string_view spec);
 // The canonical text of a config ("none", "streamingllm:sinks=4,window=1024,slack=16").
 std::string retention_name(const RetentionConfig& config);
@@ -115,6 +130,10 @@ Status retention_supported(const KvLayout& layout);
 std::vector<int64_t> retention_keep_slots(const RetentionConfig& config,
                                           std::span<const int32_t> positions, int64_t length);
 
+// Prompt tokens layer `layer` of `n_layers` keeps under `config`: budget
+// for snapkv, the pyramid schedule above for pyramidkv.
+int64_t retention_layer_budget(const RetentionConfig& config, int layer, int n_layers);
+
 // SnapKV's choice for one KV group from the observation window's attention.
 // attn: [n_units][group][n_obs][n_keys] probabilities, unit = one (layer, KV
 // head) of the KV group, group = its query heads, row r = the observation
@@ -122,7 +141,8 @@ std::vector<int64_t> retention_keep_slots(const RetentionConfig& config,
 // itself are 0). Returns the kept key indices, ascending: for each unit the
 // policy's choice among the prefix [0, n_keys - n_obs) (every prefix key when
 // it holds at most budget), their union over units, plus the window.
-// REQUIRES: config.policy == kSnapKv, 0 < n_obs <= n_keys.
+// REQUIRES: config.selects_at_prefill_end(), 0 < n_obs <= n_keys (config.budget
+// is the budget used).
 std::vector<int64_t> snapkv_select(const RetentionConfig& config, std::span<const float> attn,
                                    int64_t n_units, int group, int64_t n_obs, int64_t n_keys);
 // The same for one unit ([group][n_obs][n_keys]): sets keep[j] = 1 for the

@@ -14,6 +14,7 @@
 #include <memory>
 #include <random>
 #include <set>
+#include <tuple>
 #include <vector>
 
 #include "kv/block_pool.h"
@@ -238,6 +239,40 @@ TEST(RetentionSelect, SnapKvMatchesDefinition) {
     ++n_checked;
   }
   EXPECT_EQ(n_checked, 300);
+  // PyramidKV's per-layer budgets: linear from 2B - B/beta down to B/beta.
+  for (auto [budget, beta, n_layers] : std::vector<std::tuple<int64_t, int64_t, int>>{
+           {1024, 20, 30}, {64, 4, 7}, {5, 20, 3}, {100, 1, 12}, {7, 3, 1}}) {
+    const RetentionConfig pc{
+        .policy = RetentionPolicy::kPyramidKv, .window = 8, .budget = budget, .beta = beta};
+    const int64_t last = std::max<int64_t>(1, budget / beta);
+    int64_t sum = 0;
+    for (int l = 0; l < n_layers; ++l) {
+      const int64_t k = retention_layer_budget(pc, l, n_layers);
+      if (l > 0) {
+        EXPECT_LE(k, retention_layer_budget(pc, l - 1, n_layers)) << "decreasing";
+      }
+      EXPECT_GE(k, 1);
+      sum += k;
+    }
+    if (n_layers > 1) {
+      EXPECT_EQ(retention_layer_budget(pc, 0, n_layers), 2 * budget - last);
+      EXPECT_EQ(retention_layer_budget(pc, n_layers - 1, n_layers), last);
+      // The mean is the budget up to the rounding down of each layer.
+      EXPECT_LE(sum, budget * n_layers);
+      EXPECT_GE(sum, budget * n_layers - n_layers);
+    } else {
+      EXPECT_EQ(sum, budget);
+    }
+    EXPECT_EQ(
+        retention_layer_budget({.policy = RetentionPolicy::kSnapKv, .budget = budget}, 0, n_layers),
+        budget);
+  }
+  EXPECT_EQ(retention_name(*parse_retention("pyramidkv:budget=128,beta=10,gqa=mean")),
+            "pyramidkv:budget=128,beta=10,window=32,kernel=7,gqa=mean");
+  EXPECT_NE(parse_retention("pyramidkv:budget=8,beta=0").error().message.find("beta=0"),
+            std::string::npos);
+  EXPECT_NE(parse_retention("pyramidkv:window=8").error().message.find("pyramidkv needs budget"),
+            std::string::npos);
   // A parse round trip of every SnapKV parameter.
   auto p = parse_retention("snapkv:budget=64,window=16,kernel=5,gqa=mean");
   ASSERT_TRUE(p.ok()) << p.error().message;

@@ -61,7 +61,11 @@ int64_t BlockTable::apply_snapkv() {
     const KvGroup& group = pool_->group(gt.group());
     if (group.window > 0) continue;  // windows are exact and bounded
     const int64_t n_keys = gt.length();
-    if (n_keys - n_obs <= retention_.budget) continue;
+    // The group's budget: its first layer's (pyramidkv groups hold one layer).
+    RetentionConfig rc = retention_;
+    rc.budget =
+        retention_layer_budget(retention_, group.layers.front(), pool_->groups().n_layers());
+    if (n_keys - n_obs <= rc.budget) continue;
     std::vector<uint8_t> keep(static_cast<size_t>(n_keys), 0);
     for (int64_t j = n_keys - n_obs; j < n_keys; ++j) keep[static_cast<size_t>(j)] = 1;
     bool ok = true;
@@ -93,8 +97,15 @@ int64_t BlockTable::apply_snapkv() {
             double mx = -std::numeric_limits<double>::infinity();
             for (int64_t j = 0; j <= last; ++j) {
               const float* kj = k.data() + (j * n_kv + h) * d;
+              // Eight partial sums: lets the compiler vectorize the dot.
+              float acc[8] = {};
+              int c = 0;
+              for (; c + 8 <= d; c += 8) {
+                for (int u = 0; u < 8; ++u) acc[u] += q[c + u] * kj[c + u];
+              }
               float dot = 0.0f;
-              for (int c = 0; c < d; ++c) dot += q[c] * kj[c];
+              for (; c < d; ++c) dot += q[c] * kj[c];
+              for (float a : acc) dot += a;
               scores[static_cast<size_t>(j)] = double{dot} * obs_shape_.scale;
               mx = std::max(mx, scores[static_cast<size_t>(j)]);
             }
@@ -109,7 +120,7 @@ int64_t BlockTable::apply_snapkv() {
             }
           }
         }
-        snapkv_mark_unit(retention_, attn, n_group, n_obs, n_keys, keep);
+        snapkv_mark_unit(rc, attn, n_group, n_obs, n_keys, keep);
       }
     }
     if (!ok) continue;

@@ -70,18 +70,37 @@ def test_snapkv_compacts_the_prompt_once():
     res, _ = run_json("--no-prefix-cache", "--kv-retention", "snapkv:budget=24,window=8,gqa=mean",
                       n=20, prompt=PROMPT * 12)
     r = res["kv_stats"]["retention"]
-    g = res["kv_stats"]["groups"][0]
-    n_prompt = res["prompt_tokens"]
-    # One compaction at the first decode step; every decoded token stays.
-    assert r["compactions"] == 1 and r["tokens_dropped"] > 0 and r["blocks_freed"] > 0
-    assert g["tokens_resident"] == n_prompt + res["completion_tokens"] - 1 - r["tokens_dropped"]
-    assert g["tokens_resident"] >= 24 + 8 + res["completion_tokens"] - 1
+    groups = res["kv_stats"]["groups"]
+    n_logical = res["prompt_tokens"] + res["completion_tokens"] - 1
+    # One KV group per layer; one compaction each at the first decode step;
+    # every decoded token stays.
+    assert len(groups) == 30
+    assert r["compactions"] == 30 and r["tokens_dropped"] > 0 and r["blocks_freed"] > 0
+    assert sum(n_logical - g["tokens_resident"] for g in groups) == r["tokens_dropped"]
+    for g in groups:
+        # mean: at most budget per KV head (3 heads) + the window + decoded tokens.
+        assert 24 + 8 + res["completion_tokens"] - 1 <= g["tokens_resident"]
+        assert g["tokens_resident"] <= 3 * 24 + 8 + res["completion_tokens"] - 1
+
+
+def test_pyramidkv_keeps_less_in_deeper_layers():
+    need_model()
+    res, _ = run_json("--no-prefix-cache", "--kv-retention", "pyramidkv:budget=24,window=8,beta=4",
+                      n=4, prompt=PROMPT * 12)
+    groups = res["kv_stats"]["groups"]
+    r = res["kv_stats"]["retention"]
+    assert len(groups) == 30, "one KV group per layer under pyramidkv"
+    assert r["compactions"] == 30 and r["blocks_freed"] > 0
+    # Budgets fall from 2 * 24 - 6 = 42 (layer 0) to 6 (layer 29).
+    assert groups[0]["tokens_resident"] > groups[-1]["tokens_resident"]
+    assert groups[-1]["tokens_resident"] >= 6 + 8
 
 
 @pytest.mark.parametrize("spec,msg", [
     ("lru:budget=3", "unknown policy 'lru'"),
     ("snapkv:window=8", "snapkv needs budget=N"),
     ("snapkv:budget=8,kernel=2", "kernel=2 must be odd"),
+    ("pyramidkv:budget=8,beta=0", "beta=0 must be >= 1"),
     ("streamingllm:sinks=4", "needs window=N"),
     ("streamingllm:window=-2", "window=-2 must be >= 1"),
     ("streamingllm:window=8,foo=1", "unknown streamingllm parameter 'foo'"),
