@@ -125,6 +125,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   e->pool_ = std::move(*pool);
   e->threads_ = std::make_unique<ThreadPool>(config.n_threads > 0 ? config.n_threads
                                                                   : default_thread_count());
+  e->pool_->set_threads(e->threads_.get());
   KV_TRY_STATUS(kv_rotation_check(config.kv_rotation, c.head_dim));
   e->forward_ = std::make_unique<Forward>(*e->model_, *e->threads_, config.kv_rotation);
   if (config.kv_center) {

@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "core/result.h"
+#include "core/thread_pool.h"
 #include "kv/kv_groups.h"
 #include "kv/kv_view.h"
 #include "kv/layout.h"
@@ -183,6 +184,11 @@ class BlockPool {
   int64_t n_available() const { return n_free() + n_cached_; }
   // The prefix index attached to this pool, or null (see PrefixIndex).
   PrefixIndex* index() const { return index_; }
+  // Threads table operations may use from the owner's thread (SnapKV's
+  // scoring at the end of prefill); null (the default) runs them inline.
+  // REQUIRES: outlives its use; not called from inside a job of `threads`.
+  void set_threads(ThreadPool* threads) { threads_ = threads; }
+  ThreadPool* threads() const { return threads_; }
 
   // Start of block `id`'s bytes (all layers). REQUIRES: id in range.
   uint8_t* block_data(BlockId id) const;
@@ -265,6 +271,7 @@ class BlockPool {
   // Prefix-cache metadata (hash, parent, tokens, LRU links) lives in the
   // attached PrefixIndex's per-block arrays.
   PrefixIndex* index_ = nullptr;
+  ThreadPool* threads_ = nullptr;
 
   std::vector<int32_t> free_list_;  // LIFO; low ids handed out first
   int64_t n_cached_ = 0;            // blocks in state kCached (prefix index)

@@ -56,7 +56,6 @@ int64_t BlockTable::apply_snapkv() {
   if (n_obs <= 0) return 0;
   int64_t n_freed = 0;
   std::vector<float> k, v, attn;
-  std::vector<double> scores;
   for (GroupTable& gt : groups_) {
     const KvGroup& group = pool_->group(gt.group());
     if (group.window > 0) continue;  // windows are exact and bounded
@@ -85,12 +84,15 @@ int64_t BlockTable::apply_snapkv() {
       read_kv(view, gt.ids(), 0, n_keys, k.data(), v.data());
       const ObservedQueries& o = obs[static_cast<size_t>(l)];
       attn.assign(static_cast<size_t>(int64_t{n_group} * n_obs * n_keys), 0.0f);
-      scores.resize(static_cast<size_t>(n_keys));
       for (int h = 0; h < n_kv; ++h) {
-        std::fill(attn.begin(), attn.end(), 0.0f);
-        for (int qi = 0; qi < n_group; ++qi) {
-          const int qh = h * n_group + qi;
-          for (int64_t r = 0; r < n_obs; ++r) {
+        // Row (qi, r): query head h * n_group + qi at observation slot
+        // n_keys - n_obs + r, softmax over the keys up to itself.
+        auto rows = [&](int64_t begin, int64_t end) {
+          std::vector<double> scores(static_cast<size_t>(n_keys));
+          for (int64_t row_i = begin; row_i < end; ++row_i) {
+            const int qi = static_cast<int>(row_i / n_obs);
+            const int64_t r = row_i % n_obs;
+            const int qh = h * n_group + qi;
             const int64_t pos = length - n_obs + r;
             const float* q = o.rows.data() + (pos - o.start) * q_dim + int64_t{qh} * d;
             const int64_t last = n_keys - n_obs + r;  // the query's own slot
@@ -114,11 +116,18 @@ int64_t BlockTable::apply_snapkv() {
               sum +=
                   (scores[static_cast<size_t>(j)] = std::exp(scores[static_cast<size_t>(j)] - mx));
             }
-            float* row = attn.data() + (int64_t{qi} * n_obs + r) * n_keys;
+            float* out = attn.data() + row_i * n_keys;
+            std::fill(out, out + n_keys, 0.0f);
             for (int64_t j = 0; j <= last; ++j) {
-              row[j] = static_cast<float>(scores[static_cast<size_t>(j)] / sum);
+              out[j] = static_cast<float>(scores[static_cast<size_t>(j)] / sum);
             }
           }
+        };
+        const int64_t n_rows = int64_t{n_group} * n_obs;
+        if (pool_->threads() != nullptr) {
+          pool_->threads()->parallel_for(n_rows, 1, rows);
+        } else {
+          rows(0, n_rows);
         }
         snapkv_mark_unit(rc, attn, n_group, n_obs, n_keys, keep);
       }
