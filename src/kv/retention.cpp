@@ -246,6 +246,15 @@ void snapkv_mark_unit(const RetentionConfig& c, std::span<const float> attn, int
   }
 }
 
+int64_t retention_peak_blocks(const RetentionConfig& c, int64_t exact_blocks, int64_t block_size,
+                              int64_t chunk) {
+  if (c.policy != RetentionPolicy::kStreamingLlm) return exact_blocks;
+  const int64_t slack = c.slack > 0 ? c.slack : block_size;
+  // After a compaction: < sinks + (window - 1) + slack resident; then the step's chunk.
+  const int64_t tokens = c.sinks + c.window + slack - 2 + std::max<int64_t>(1, chunk);
+  return std::min(exact_blocks, (tokens + block_size - 1) / block_size + 1);
+}
+
 int64_t retention_layer_budget(const RetentionConfig& c, int layer, int n_layers) {
   if (c.policy != RetentionPolicy::kPyramidKv || n_layers <= 1) return c.budget;
   const int64_t last = std::max<int64_t>(1, c.budget / c.beta);

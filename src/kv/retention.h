@@ -134,6 +134,13 @@ std::vector<int64_t> retention_keep_slots(const RetentionConfig& config,
 // for snapkv, the pyramid schedule above for pyramidkv.
 int64_t retention_layer_budget(const RetentionConfig& config, int layer, int n_layers);
 
+// Blocks a full-attention group of a table under `config` holds at most
+// during a step of up to `chunk` tokens (streamingllm: compaction keeps
+// fewer than sinks + window + slack tokens before each step), given the
+// exact cache's `exact_blocks`; exact_blocks for other policies.
+int64_t retention_peak_blocks(const RetentionConfig& config, int64_t exact_blocks,
+                              int64_t block_size, int64_t chunk);
+
 // SnapKV's choice for one KV group from the observation window's attention.
 // attn: [n_units][group][n_obs][n_keys] probabilities, unit = one (layer, KV
 // head) of the KV group, group = its query heads, row r = the observation

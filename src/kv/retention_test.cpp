@@ -437,6 +437,12 @@ TEST(Compaction, StreamingRunStaysWithinBudget) {
           .ok());
   const int64_t max_slots = sinks + window - 1 + p - 1 + 1;  // + slack - 1, + the new token
   const int64_t max_blocks = (max_slots + p - 1) / p + 1;
+  const RetentionConfig rc{
+      .policy = RetentionPolicy::kStreamingLlm, .sinks = sinks, .window = window};
+  // What the scheduler reserves for one-token steps covers every step here.
+  EXPECT_GE(retention_peak_blocks(rc, 1000, p, 1), (max_slots + p - 1) / p);
+  EXPECT_EQ(retention_peak_blocks(rc, 2, p, 1), 2) << "never more than the exact cache";
+  EXPECT_EQ(retention_peak_blocks({}, 77, p, 1), 77);
   int64_t peak_blocks = 0;
   append(t, 30);  // a prompt, then decode
   for (int64_t i = 0; i < n_steps; ++i) {

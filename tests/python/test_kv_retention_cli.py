@@ -171,3 +171,36 @@ def test_server_request_field_default_stats_and_metrics():
         assert "kvstack:kv_retention_bytes_moved_total" in metrics
     finally:
         srv.stop()
+
+
+def test_streaming_sequences_share_a_small_pool_without_preemption():
+    """Four ~560-token sequences in a 1,024-token pool: exact ones must be
+    preempted (and recomputed); StreamingLLM ones stay within their window's
+    blocks, are admitted by that bound and all run to the end together."""
+    need_model()
+    import concurrent.futures as cf
+    from test_server import ServerProcess
+
+    def serve(*extra):
+        srv = ServerProcess("--kv-cache-tokens", "1024", "--max-seqs", "4", *extra)
+        try:
+            body = {"prompt": PROMPT * 10, "max_tokens": 300, "temperature": 0,
+                    "ignore_eos": True}
+            with cf.ThreadPoolExecutor(4) as ex:
+                rs = list(ex.map(lambda _: requests.post(srv.base + "/v1/completions", json=body,
+                                                         timeout=600), range(4)))
+            assert [r.status_code for r in rs] == [200] * 4, [r.text for r in rs]
+            assert all(r.json()["usage"]["completion_tokens"] == 300 for r in rs)
+            metrics = srv.get("/metrics").text
+            value = lambda name: float(next(l for l in metrics.splitlines()
+                                            if l.startswith(name)).split()[-1])
+            assert srv.wait_idle()["pool"]["blocks_used"] == 0
+            return value("kvstack:num_preemptions_total"), value(
+                "kvstack:kv_retention_blocks_freed_total")
+        finally:
+            srv.stop()
+
+    exact_preempted, _ = serve()
+    sllm_preempted, freed = serve("--kv-retention", "streamingllm:sinks=4,window=64")
+    assert exact_preempted > 0
+    assert sllm_preempted == 0 and freed > 0
