@@ -53,6 +53,16 @@ std::vector<OptionSpec> engine_options() {
        "run the model with these per-layer attention windows (0 = full attention), the list "
        "repeating over the layers (512,512,512,512,512,0: Gemma 3's pattern); window layers "
        "keep only the blocks their window can see"},
+      {"kv-retention", 0, "POLICY",
+       "keep fewer tokens resident (approximate; compaction frees whole blocks): none "
+       "(default), streamingllm:sinks=S,window=W[,slack=N] (the first S tokens plus each "
+       "query's last W; compacts when N tokens are droppable, default the block size) or "
+       "snapkv:budget=B[,window=W][,kernel=K][,gqa=union|mean] (at the end of each prefill the "
+       "last W prompt queries (32) vote, max-pooled over K (7); each KV head keeps its top B "
+       "prompt tokens plus the window; a KV head's query heads union (default) or average), "
+       "pyramidkv:budget=B[,beta=X] and snapkv's keys (B is the mean per layer: layer 0 "
+       "keeps 2B - B/X, the last B/X, linear in between; beta 20); "
+       "serve: the default for requests without \"kv_retention\""},
       {"no-prefix-cache", 0, "", "do not share KV between requests (no prefix cache)"},
       {"public-prefix", 0, "FILE",
        "pre-compute and pin the KV of this text (e.g. a system prompt) for every namespace; "
@@ -173,6 +183,11 @@ Result<EngineConfig> engine_config_from(const Args& args) {
       c.layer_windows.push_back(static_cast<int>(w));
       at = comma + 1;
     }
+  }
+  if (auto kr = args.get("kv-retention")) {
+    auto r = parse_retention(*kr);
+    if (!r) return r.error();
+    c.kv_retention = *r;
   }
   c.prefix_cache = !args.flag("no-prefix-cache");
   if (!c.prefix_cache && args.has("public-prefix")) {

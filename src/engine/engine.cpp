@@ -107,6 +107,10 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   e->tokenizer_ = std::make_unique<Tokenizer>(std::move(*tokenizer));
   auto layout = engine_kv_layout(c, config);
   if (!layout) return layout.error();
+  if (config.kv_retention.active()) {
+    KV_TRY_STATUS(validate_retention(config.kv_retention));
+    KV_TRY_STATUS(retention_supported(*layout));
+  }
   BlockPoolConfig pc;
   if (config.kv_cache_mem > 0) {
     pc.mem_bytes = static_cast<int64_t>(config.kv_cache_mem);
@@ -114,11 +118,14 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
     pc.n_tokens = config.kv_cache_tokens > 0 ? config.kv_cache_tokens : c.n_ctx_train;
     pc.prefill_chunk = config.prefill_chunk;
   }
+  // SnapKV chooses per layer: one slot map per layer frees what each chose.
+  pc.one_layer_per_group = config.kv_retention.selects_at_prefill_end();
   auto pool = BlockPool::create(*layout, pc);
   if (!pool) return pool.error();
   e->pool_ = std::move(*pool);
   e->threads_ = std::make_unique<ThreadPool>(config.n_threads > 0 ? config.n_threads
                                                                   : default_thread_count());
+  e->pool_->set_threads(e->threads_.get());
   KV_TRY_STATUS(kv_rotation_check(config.kv_rotation, c.head_dim));
   e->forward_ = std::make_unique<Forward>(*e->model_, *e->threads_, config.kv_rotation);
   if (config.kv_center) {

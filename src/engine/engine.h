@@ -52,6 +52,9 @@ struct EngineConfig {
   // Model::set_layer_windows; empty = the model's own), repeated over the
   // layers when shorter: runs a model as a hybrid sliding-window one.
   std::vector<int> layer_windows;
+  // --kv-retention (kv/retention.h): the policy of every new table and
+  // sequence (new_table / new_sequence); kNone keeps every token.
+  RetentionConfig kv_retention;
   // Prefix cache (sequence.h): off = every request computes its own K/V.
   bool prefix_cache = true;
   std::string default_namespace = "default";  // namespace of requests without a cache salt
@@ -100,14 +103,21 @@ class Engine {
 
   KvManager& kv() { return *kv_; }
 
-  // A new, empty sequence table in this engine's pool (no prefix cache).
-  BlockTable new_table() { return BlockTable(*pool_); }
+  // A new, empty sequence table in this engine's pool (no prefix cache),
+  // under config().kv_retention (checked against the layout at create()).
+  BlockTable new_table() {
+    BlockTable t(*pool_);
+    KV_CHECK(t.set_retention(config_.kv_retention).ok(), "retention checked at create()");
+    return t;
+  }
 
   // A new, empty sequence in the namespace of `cache_salt` (empty: the
   // deployment default). Use prefill(Sequence&) / generate(Sequence&) to run
   // it through the prefix cache.
   Sequence new_sequence(std::string_view cache_salt = "") {
-    return kv_->new_sequence(kv_->namespace_for(cache_salt));
+    Sequence s = kv_->new_sequence(kv_->namespace_for(cache_salt));
+    KV_CHECK(s.table().set_retention(config_.kv_retention).ok(), "retention checked at create()");
+    return s;
   }
 
   // Runs `tokens` through the model on top of `table` in chunks of at most

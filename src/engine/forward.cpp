@@ -187,12 +187,20 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   for (const StepSeq& s : batch) {
     const auto n = static_cast<int64_t>(s.tokens.size());
     s.table->write(l, s.table->length(), k_.data() + row * kv_dim, v_.data() + row * kv_dim, n);
+    // SnapKV (kv/retention.h): the table keeps its prompt's last queries.
+    if (n > 1 && s.table->wants_queries()) {
+      s.table->observe_queries(
+          l, s.table->length(), q_.data() + row * q_dim, n,
+          {.n_q_heads = c.n_heads, .head_dim = c.head_dim, .scale = c.attn_scale});
+    }
     // Layer l's group table: entries before the window may be kNullBlock
     // (never read: the kernels start at the first visible key).
     const std::span<const int32_t> ids = s.table->ids_for_layer(l);
     seqs.push_back(AttnSeq{.block_table = ids.data(),
                            .n_blocks = static_cast<int32_t>(ids.size()),
-                           .n_past = static_cast<int32_t>(s.table->length()),
+                           // Resident slots (retention compacts them;
+                           // RoPE above used logical positions).
+                           .n_past = static_cast<int32_t>(s.table->resident_length(l)),
                            .n_new = static_cast<int32_t>(n),
                            .q = q_.data() + row * q_dim,
                            .out = attn_.data() + row * q_dim});

@@ -329,9 +329,14 @@ int64_t Scheduler::reserve_blocks(const Choice& s) const {
   const int64_t chunk = engine_.config().prefill_chunk;
   const int64_t target_tokens_now = target_tokens(s);
   int64_t n = 0;
+  const RetentionConfig& retention = s.kv.table().retention();
   for (int g = 0; g < groups.n_groups(); ++g) {
-    n += std::max<int64_t>(0, groups.peak_blocks(g, target_tokens_now, chunk) -
-                                  s.kv.table().group(g).n_resident_blocks());
+    int64_t peak = groups.peak_blocks(g, target_tokens_now, chunk);
+    // StreamingLLM compacts full groups: their blocks stay bounded.
+    if (groups.group(g).window == 0) {
+      peak = retention_peak_blocks(retention, peak, engine_.pool().block_size(), chunk);
+    }
+    n += std::max<int64_t>(0, peak - s.kv.table().group(g).n_resident_blocks());
   }
   if (s.pending_forks > 0) {
     const auto n_prompt = static_cast<int64_t>(s.req->req.prompt.size());
@@ -378,6 +383,11 @@ void Scheduler::admit() {
                                           engine_.tokenizer(), std::move(*stops));
       seq->tokens = q.prompt;
       seq->pending_forks = q.n - 1;
+      if (q.kv_retention) {
+        // parse_request checked the config and the KV format; forks inherit it.
+        KV_CHECK(seq->kv.table().set_retention(*q.kv_retention).ok(),
+                 "kv_retention was validated before submission");
+      }
       const int64_t need = reserve_blocks(*seq);
       if (need > budget && !running_.empty()) return;
       budget -= need;

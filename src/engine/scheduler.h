@@ -109,6 +109,10 @@ struct SeqRequest {
   bool ignore_eos = false;
   int n_logprobs = -1;     // -1: no logprobs; 0..20: chosen token plus that many alternatives
   std::string cache_salt;  // prefix-cache namespace (empty: the deployment default)
+  // Retention policy of this request's sequences (kv/retention.h); unset:
+  // the deployment default (EngineConfig::kv_retention). Validated by the
+  // caller (parse_request) against the engine's KV format.
+  std::optional<RetentionConfig> kv_retention;
 };
 
 // Latency histogram with fixed upper bounds (seconds), Prometheus style.

@@ -87,6 +87,11 @@ void Sequence::on_committed(std::span<const int32_t> tokens) {
 void Sequence::publish() {
   PrefixIndex* index = kv_->index();
   if (index == nullptr || ns_ == kNoNamespace || publish_stopped_) return;
+  if (table_.compacted()) {
+    // Retention (retention.h): compacted blocks are private, never published.
+    publish_stopped_ = true;
+    return;
+  }
   const int64_t n_full = table_.shareable_length() / table_.pool().block_size();
   if (n_published_ >= n_full) return;
   // Stops for good at the first block another sequence already published
@@ -196,6 +201,7 @@ KvPrefixStats KvManager::prefix_stats() const {
   s.block_size = pool_.block_size();
   const BlockPoolStats ps = pool_.stats();
   s.groups = ps.groups;
+  s.retention = ps.retention;
   if (!index_) return s;
   s.enabled = true;
   const PrefixIndexStats is = index_->stats();
@@ -300,7 +306,20 @@ std::string prefix_stats_json(const KvPrefixStats& s) {
         static_cast<long long>(gs.payload_bytes), static_cast<long long>(gs.allocated_bytes));
     out += buf;
   }
-  return out + "]}";
+  out += "]";
+  {
+    const RetentionStats& r = s.retention;
+    char buf[256];
+    std::snprintf(buf, sizeof(buf),
+                  ", \"retention\": {\"compactions\": %lld, \"tokens_dropped\": %lld, "
+                  "\"blocks_freed\": %lld, \"bytes_moved\": %lld, \"deferred\": %lld}",
+                  static_cast<long long>(r.n_compactions),
+                  static_cast<long long>(r.n_tokens_dropped),
+                  static_cast<long long>(r.n_blocks_freed), static_cast<long long>(r.n_bytes_moved),
+                  static_cast<long long>(r.n_deferred));
+    out += buf;
+  }
+  return out + "}";
 }
 
 // One line per KV group (kv_groups.h).
@@ -320,8 +339,28 @@ std::string format_group_stats(const std::vector<BlockPoolGroupStats>& groups) {
   return out;
 }
 
+namespace {
+
+// The retention line of format_prefix_stats (empty when nothing compacted).
+std::string format_retention_stats(const RetentionStats& r) {
+  if (r.n_compactions == 0 && r.n_deferred == 0) return "";
+  char buf[320];
+  std::snprintf(buf, sizeof(buf),
+                "retention: %lld compactions dropped %lld tokens, freed %lld blocks, moved %lld "
+                "bytes (%lld deferred: no block for copy-on-write)\n",
+                static_cast<long long>(r.n_compactions), static_cast<long long>(r.n_tokens_dropped),
+                static_cast<long long>(r.n_blocks_freed), static_cast<long long>(r.n_bytes_moved),
+                static_cast<long long>(r.n_deferred));
+  return buf;
+}
+
+}  // namespace
+
 std::string format_prefix_stats(const KvPrefixStats& s) {
-  if (!s.enabled) return "prefix cache: off\n" + format_group_stats(s.groups);
+  if (!s.enabled) {
+    return "prefix cache: off\n" + format_group_stats(s.groups) +
+           format_retention_stats(s.retention);
+  }
   const auto ll = [](int64_t v) { return static_cast<long long>(v); };
   char buf[1600];
   std::snprintf(
@@ -347,7 +386,7 @@ std::string format_prefix_stats(const KvPrefixStats& s) {
                   ll(n.counts.n_hit_tokens), 100.0 * n.counts.hit_rate(), ll(n.counts.n_nodes));
     out += buf;
   }
-  return out + format_group_stats(s.groups);
+  return out + format_group_stats(s.groups) + format_retention_stats(s.retention);
 }
 
 KvEventFile::~KvEventFile() {

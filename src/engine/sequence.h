@@ -85,6 +85,9 @@ struct KvPrefixStats {
   // The pool per KV group (kv_groups.h; one entry for a single-group model),
   // filled whether or not the prefix cache is on.
   std::vector<BlockPoolGroupStats> groups;
+  // Retention compaction totals over every table of the pool (retention.h),
+  // filled whether or not the prefix cache is on.
+  RetentionStats retention;
 };
 
 // A human table (units spelled out, one line per namespace) and a JSON

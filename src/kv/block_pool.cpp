@@ -55,7 +55,7 @@ int64_t page_size() {
 
 Result<std::unique_ptr<BlockPool>> BlockPool::create(const KvLayout& layout,
                                                      const BlockPoolConfig& config) {
-  auto groups = KvGroups::create(layout);
+  auto groups = KvGroups::create(layout, config.one_layer_per_group);
   if (!groups) return groups.error();
   const int64_t bb = groups->block_bytes();
   const int64_t p = layout.block_size();
@@ -283,6 +283,7 @@ BlockPoolStats BlockPool::stats() const {
   s.n_cow_copies = n_cow_copies_;
   s.n_partial_copies = n_partial_copies_;
   s.n_clone_copies = n_clone_copies_;
+  s.retention = retention_;
   return s;
 }
 
@@ -300,6 +301,17 @@ void BlockPool::check_invariants() const {
              "a group that keeps every block has dropped entries");
     committed[t->group_] += t->length_;
     reserved[t->group_] += t->capacity() - t->length_;
+    // Positions per slot: stored only after a compaction, one per committed
+    // slot, ascending, below the logical length.
+    KV_CHECK(t->n_evicted_ >= 0, "evicted count negative");
+    KV_CHECK(t->n_evicted_ == 0 ? t->positions_.empty()
+                                : static_cast<int64_t>(t->positions_.size()) == t->length_,
+             "positions per slot out of sync with the committed length");
+    for (size_t i = 0; i < t->positions_.size(); ++i) {
+      KV_CHECK(t->positions_[i] < t->logical_length() &&
+                   (i == 0 || t->positions_[i] > t->positions_[i - 1]),
+               "positions per slot are not ascending below the logical length");
+    }
     for (int64_t j = 0; j < t->n_blocks(); ++j) {
       const int32_t id = t->ids_[j];
       if (j < t->n_dropped_) {

@@ -53,9 +53,11 @@
 #include <vector>
 
 #include "core/result.h"
+#include "core/thread_pool.h"
 #include "kv/kv_groups.h"
 #include "kv/kv_view.h"
 #include "kv/layout.h"
+#include "kv/retention.h"
 
 namespace kvstack {
 
@@ -79,6 +81,9 @@ struct BlockPoolConfig {
   int64_t n_tokens = 0;
   int64_t prefill_chunk = 0;  // tokens per step bounding window groups (0 = n_tokens)
   bool populate = false;      // pre-fault every page at creation (MAP_POPULATE)
+  // Every layer its own KV group (KvGroups::create): per-layer retention
+  // (snapkv, pyramidkv) keeps a slot map per layer.
+  bool one_layer_per_group = false;
 };
 
 // One KV group's share of the pool (BlockPoolStats::groups).
@@ -115,6 +120,7 @@ struct BlockPoolStats {
   int64_t n_cow_copies = 0;                 // shared partial tails copied before an append
   int64_t n_partial_copies = 0;             // cached blocks copied for a partial-block prefix hit
   int64_t n_clone_copies = 0;               // blocks copied by BlockTable::clone_private
+  RetentionStats retention;                 // compaction totals (retention.h), all tables
   std::vector<BlockPoolGroupStats> groups;  // [n_groups], group order of kv_groups.h
 };
 
@@ -178,6 +184,11 @@ class BlockPool {
   int64_t n_available() const { return n_free() + n_cached_; }
   // The prefix index attached to this pool, or null (see PrefixIndex).
   PrefixIndex* index() const { return index_; }
+  // Threads table operations may use from the owner's thread (SnapKV's
+  // scoring at the end of prefill); null (the default) runs them inline.
+  // REQUIRES: outlives its use; not called from inside a job of `threads`.
+  void set_threads(ThreadPool* threads) { threads_ = threads; }
+  ThreadPool* threads() const { return threads_; }
 
   // Start of block `id`'s bytes (all layers). REQUIRES: id in range.
   uint8_t* block_data(BlockId id) const;
@@ -260,6 +271,7 @@ class BlockPool {
   // Prefix-cache metadata (hash, parent, tokens, LRU links) lives in the
   // attached PrefixIndex's per-block arrays.
   PrefixIndex* index_ = nullptr;
+  ThreadPool* threads_ = nullptr;
 
   std::vector<int32_t> free_list_;  // LIFO; low ids handed out first
   int64_t n_cached_ = 0;            // blocks in state kCached (prefix index)
@@ -275,6 +287,7 @@ class BlockPool {
   int64_t n_cow_copies_ = 0;
   int64_t n_partial_copies_ = 0;
   int64_t n_clone_copies_ = 0;
+  RetentionStats retention_;  // summed over every table's compactions
 };
 
 }  // namespace kvstack

@@ -17,7 +17,12 @@ BlockTable::BlockTable(BlockPool& pool) : pool_(&pool) {
 }
 
 BlockTable::BlockTable(BlockTable&& other) noexcept
-    : pool_(other.pool_), groups_(std::move(other.groups_)) {
+    : pool_(other.pool_),
+      retention_(other.retention_),
+      retention_stats_(other.retention_stats_),
+      obs_(std::move(other.obs_)),
+      obs_shape_(other.obs_shape_),
+      groups_(std::move(other.groups_)) {
   // The vector's buffer moved: the group tables keep their addresses (and
   // registrations). The moved-from table stays usable and empty.
   other.make_groups();
@@ -27,15 +32,62 @@ BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
   if (this == &other) return *this;
   groups_.clear();  // releases and unregisters this table's groups
   pool_ = other.pool_;
+  retention_ = other.retention_;
+  retention_stats_ = other.retention_stats_;
+  obs_ = std::move(other.obs_);
+  obs_shape_ = other.obs_shape_;
   groups_ = std::move(other.groups_);
   other.make_groups();
   return *this;
 }
 
 int64_t BlockTable::converted() const {
-  int64_t c = groups_[0].converted();
-  for (const GroupTable& g : groups_) c = std::min(c, g.converted());
+  int64_t c = groups_[0].converted() + groups_[0].n_evicted();
+  for (const GroupTable& g : groups_) c = std::min(c, g.converted() + g.n_evicted());
   return c;
+}
+
+bool BlockTable::compacted() const {
+  return std::any_of(groups_.begin(), groups_.end(),
+                     [](const GroupTable& g) { return g.compacted(); });
+}
+
+Status BlockTable::set_retention(const RetentionConfig& config) {
+  if (config.active()) {
+    KV_TRY_STATUS(validate_retention(config));
+    KV_TRY_STATUS(retention_supported(pool_->layout()));
+  }
+  retention_ = config;
+  return Status{};
+}
+
+int64_t BlockTable::apply_retention() {
+  if (retention_.policy != RetentionPolicy::kStreamingLlm) return 0;
+  const int64_t length = this->length();
+  const int64_t slack = retention_.slack > 0 ? retention_.slack : pool_->block_size();
+  int64_t n_freed = 0;
+  std::vector<int32_t> identity;
+  for (GroupTable& g : groups_) {
+    if (pool_->group(g.group()).window > 0) continue;  // windows are exact and bounded
+    std::span<const int32_t> positions = g.positions();
+    if (!g.compacted()) {
+      identity.resize(static_cast<size_t>(g.length()));
+      for (size_t i = 0; i < identity.size(); ++i) identity[i] = static_cast<int32_t>(i);
+      positions = identity;
+    }
+    const std::vector<int64_t> keep = retention_keep_slots(retention_, positions, length);
+    if (g.length() - static_cast<int64_t>(keep.size()) < slack) continue;
+    const int64_t before = retention_stats_.n_blocks_freed;
+    const Status st = g.compact(keep, &retention_stats_);
+    if (!st.ok()) {
+      KV_CHECK(st.error().code == Errc::kOutOfBlocks, "apply_retention: compaction refused");
+      ++retention_stats_.n_deferred;
+      ++pool_->retention_.n_deferred;
+      continue;
+    }
+    n_freed += retention_stats_.n_blocks_freed - before;
+  }
+  return n_freed;
 }
 
 KvResidualView BlockTable::residual_view(int l) const {
@@ -69,12 +121,19 @@ bool BlockTable::tail_shared() const {
 int64_t BlockTable::drop_invisible() {
   int64_t n = 0;
   for (GroupTable& g : groups_) n += g.drop_invisible();
+  if (retention_.active()) n += apply_retention();
+  return n;
+}
+
+int64_t BlockTable::prepare_step(int64_t n_new) {
+  int64_t n = drop_invisible();
+  if (n_new == 1 && !obs_.empty()) n += apply_snapkv();
   return n;
 }
 
 Status BlockTable::reserve(int64_t n_new) {
   KV_CHECK(n_new >= 0, "reserve: negative token count");
-  drop_invisible();
+  prepare_step(n_new);
   if (groups_.size() == 1) return groups_[0].reserve(n_new);
   const int64_t need = blocks_needed(n_new);
   if (need > pool_->n_available()) {
@@ -97,7 +156,8 @@ void BlockTable::write(int l, int64_t pos, const float* k_rows, const float* v_r
                        int64_t n_tokens) {
   KV_CHECK(l >= 0 && l < pool_->groups().n_layers(), "write: layer index out of range");
   const KvLayerSlot s = pool_->groups().slot(l);
-  groups_[static_cast<size_t>(s.group)].write(s.index, pos, k_rows, v_rows, n_tokens);
+  GroupTable& g = groups_[static_cast<size_t>(s.group)];
+  g.write(s.index, pos - g.n_evicted(), k_rows, v_rows, n_tokens);
 }
 
 void BlockTable::commit(int64_t n_new) {
@@ -112,6 +172,8 @@ int64_t BlockTable::rollback() {
 
 void BlockTable::release() {
   for (GroupTable& g : groups_) g.release();
+  retention_stats_ = RetentionStats{};
+  obs_.clear();
 }
 
 BlockRef BlockTable::share_block(int64_t i) const {
@@ -132,6 +194,9 @@ Status BlockTable::adopt_partial_copy(BlockRef src, int64_t n_tokens) {
 BlockTable BlockTable::fork() const {
   BlockTable t(*pool_);
   for (size_t g = 0; g < groups_.size(); ++g) t.groups_[g] = groups_[g].fork();
+  t.retention_ = retention_;
+  t.obs_ = obs_;  // a fork before the first decode step still applies SnapKV
+  t.obs_shape_ = obs_shape_;
   return t;
 }
 
@@ -153,6 +218,7 @@ Result<BlockTable> BlockTable::clone_private() const {
     KV_CHECK(c.ok(), "clone_private: a group's copy failed after a successful plan");
     t.groups_[g] = std::move(*c);
   }
+  t.retention_ = retention_;
   return t;
 }
 
@@ -173,7 +239,7 @@ Status reserve_all(std::span<BlockTable* const> tables, std::span<const int64_t>
   }
   // Dropping invisible window blocks is always safe (no later step reads
   // them) and makes room for this step.
-  for (BlockTable* t : tables) t->drop_invisible();
+  for (size_t i = 0; i < tables.size(); ++i) tables[i]->prepare_step(n_new[i]);
   const int64_t need = plan_reserve(tables, n_new);
   if (need > pool.n_available()) {
     ++pool.n_out_of_blocks_;

@@ -7,9 +7,16 @@
 // did; ids()/data()/n_blocks() are the primary group's (group 0) table.
 //
 // Lengths (the same in every group between and during steps):
-//   length()    committed tokens: their K/V were written for every layer and
-//               the forward that produced them finished.
-//   capacity()  slots covered by the tables (n_blocks * P) >= length().
+//   length()    committed LOGICAL tokens: their K/V were written for every
+//               layer and the forward that produced them finished; the next
+//               token takes position length().
+//   capacity()  logical tokens the tables cover (tokens compaction removed
+//               plus n_blocks * P) >= length().
+// Retention (retention.h): with set_retention() the table compacts its
+// full-attention groups before each step (in drop_invisible(), which
+// reserve() and reserve_all() run first), so a group's resident slots
+// (resident_length) can be fewer than length(); positions per slot are kept
+// (group_table.h). Without retention nothing of this runs.
 // A step appends n_new tokens in phases:
 //   1. plan:     blocks_needed(n_new) / plan_reserve(...)  (no side effect)
 //   2. reserve:  reserve(n_new) or reserve_all(...)         (all or nothing;
@@ -53,7 +60,15 @@ class BlockTable {
   GroupTable& group(int g) { return groups_[static_cast<size_t>(g)]; }
   const GroupTable& group(int g) const { return groups_[static_cast<size_t>(g)]; }
 
-  int64_t length() const { return groups_[0].length(); }
+  int64_t length() const { return groups_[0].logical_length(); }
+  // Resident slots of model layer l's group: the kernels' key count (the
+  // attention kernels index slots; compaction keeps slot order == position
+  // order, and only full-attention groups compact).
+  int64_t resident_length(int l) const {
+    return groups_[static_cast<size_t>(pool_->groups().slot(l).group)].length();
+  }
+  // True once any group compacted (retention): blocks are then private.
+  bool compacted() const;
   // KIVI: the smallest converted length over groups; length() otherwise.
   int64_t converted() const;
   // Committed positions whose blocks are final in every group.
@@ -61,7 +76,41 @@ class BlockTable {
   // Residual of model layer l (KIVI layouts; an empty view otherwise).
   KvResidualView residual_view(int l) const;
   int64_t residual_bytes() const;
-  int64_t capacity() const { return groups_[0].capacity(); }
+  int64_t capacity() const { return groups_[0].capacity() + groups_[0].n_evicted(); }
+
+  // Retention policy (retention.h) applied before every later step; kNone
+  // (the default) turns it off. kUnsupported / kInvalidArgument (nothing
+  // changed) when the pool's layout cannot compact (retention_supported) or
+  // the config is out of range.
+  Status set_retention(const RetentionConfig& config);
+  const RetentionConfig& retention() const { return retention_; }
+  // This table's compaction counters (since creation or the last release()).
+  const RetentionStats& retention_stats() const { return retention_stats_; }
+  // Applies the retention policy now: compacts each full-attention group
+  // whose droppable resident tokens reach the slack (retention.h). Returns
+  // the blocks released. A compaction whose copy-on-write finds no block is
+  // skipped (counted in n_deferred) and retried at the next step.
+  int64_t apply_retention();
+
+  // SnapKV (retention.h). While wants_queries(), the forward pass hands each
+  // layer's query rows of every multi-token step ([n_tokens, n_q_heads,
+  // head_dim] at logical positions [pos, pos + n_tokens), after RoPE and
+  // --kv-rotate: the basis K is stored in); the table keeps, per model
+  // layer, the rows of the last `window` positions. The next one-token step
+  // (reserve / reserve_all with n_new == 1: decoding begins, the prompt has
+  // ended) first runs apply_snapkv(), which scores the observation window
+  // against the stored keys, selects (snapkv_mark_unit per layer and KV
+  // head, union over the KV group) and compacts; then the rows are dropped.
+  // Returns the blocks released (0 without rows, or with nothing to drop).
+  struct QueryShape {
+    int n_q_heads = 0;
+    int head_dim = 0;
+    float scale = 0.0f;  // multiplies q.k before the softmax
+  };
+  bool wants_queries() const { return retention_.selects_at_prefill_end(); }
+  void observe_queries(int l, int64_t pos, const float* q, int64_t n_tokens,
+                       const QueryShape& shape);
+  int64_t apply_snapkv();
 
   // The primary group's table (all layers for a single-group model).
   int64_t n_blocks() const { return groups_[0].n_blocks(); }
@@ -85,8 +134,12 @@ class BlockTable {
   bool tail_shared() const;
 
   // Window groups: releases the blocks no query from length() on can see
-  // (GroupTable::drop_invisible). Returns the blocks released.
+  // (GroupTable::drop_invisible), then apply_retention(). Returns the blocks
+  // released.
   int64_t drop_invisible();
+  // What reserve(n_new) / reserve_all do first: drop_invisible(), and
+  // apply_snapkv() when n_new == 1. Returns the blocks released.
+  int64_t prepare_step(int64_t n_new);
 
   // drop_invisible(), then capacity() >= length() + n_new in every group
   // (copy-on-write of shared tails first). All or nothing beyond the drop:
@@ -94,7 +147,9 @@ class BlockTable {
   // reserved anything. REQUIRES n_new >= 0.
   Status reserve(int64_t n_new);
 
-  // Writes model layer l's K/V (see GroupTable::write).
+  // Writes model layer l's K/V for logical positions [pos, pos + n_tokens)
+  // (see GroupTable::write; a compacted group writes them at its slots
+  // pos - n_evicted()).
   void write(int l, int64_t pos, const float* k_rows, const float* v_rows, int64_t n_tokens);
   // Commits n_new written tokens in every group.
   void commit(int64_t n_new);
@@ -119,6 +174,15 @@ class BlockTable {
   void make_groups();
 
   BlockPool* pool_ = nullptr;
+  RetentionConfig retention_;
+  RetentionStats retention_stats_;
+  // SnapKV observation rows per model layer: positions [start, start + n).
+  struct ObservedQueries {
+    int64_t start = 0;
+    std::vector<float> rows;  // [n, n_q_heads * head_dim]
+  };
+  std::vector<ObservedQueries> obs_;  // [n_layers] while rows are held, else empty
+  QueryShape obs_shape_;
   std::vector<GroupTable> groups_;  // [n_groups]; never reallocated (tables register by address)
 };
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <utility>
 
@@ -36,6 +37,8 @@ GroupTable::GroupTable(GroupTable&& other) noexcept
       ids_(std::move(other.ids_)),
       n_dropped_(other.n_dropped_),
       length_(other.length_),
+      n_evicted_(other.n_evicted_),
+      positions_(std::move(other.positions_)),
       kivi_(other.kivi_),
       converted_(other.converted_),
       res_k_(std::move(other.res_k_)),
@@ -43,6 +46,8 @@ GroupTable::GroupTable(GroupTable&& other) noexcept
   other.ids_.clear();
   other.n_dropped_ = 0;
   other.length_ = 0;
+  other.n_evicted_ = 0;
+  other.positions_.clear();
   other.converted_ = 0;
   other.res_k_.assign(res_k_.size(), {});
   other.res_v_.assign(res_v_.size(), {});
@@ -67,6 +72,10 @@ GroupTable& GroupTable::operator=(GroupTable&& other) noexcept {
   n_dropped_ = other.n_dropped_;
   other.n_dropped_ = 0;
   length_ = other.length_;
+  n_evicted_ = other.n_evicted_;
+  positions_ = std::move(other.positions_);
+  other.n_evicted_ = 0;
+  other.positions_.clear();
   kivi_ = other.kivi_;
   converted_ = other.converted_;
   res_k_ = std::move(other.res_k_);
@@ -290,6 +299,11 @@ void GroupTable::write(int l, int64_t pos, const float* k_rows, const float* v_r
 void GroupTable::commit(int64_t n_new) {
   KV_CHECK(n_new >= 0, "commit: negative token count");
   KV_CHECK(length_ + n_new <= capacity(), "commit: more tokens than reserved");
+  if (n_evicted_ > 0) {
+    for (int64_t i = 0; i < n_new; ++i) {
+      positions_.push_back(static_cast<int32_t>(logical_length() + i));
+    }
+  }
   length_ += n_new;
   pool_->n_tokens_committed_[group_] += n_new;
   pool_->n_tokens_reserved_[group_] -= n_new;
@@ -330,12 +344,15 @@ void GroupTable::release() {
   ids_.clear();
   n_dropped_ = 0;
   length_ = 0;
+  n_evicted_ = 0;
+  positions_.clear();
   pool_->debug_check();
 }
 
 BlockRef GroupTable::share_block(int64_t i) const {
   KV_CHECK(i >= n_dropped_ && (i + 1) * block_size_ <= shareable_length(),
            "share_block: only full committed (KIVI: converted), non-dropped blocks may be shared");
+  KV_CHECK(n_evicted_ == 0, "share_block: a compacted table's blocks are private");
   const int32_t id = ids_[i];
   pool_->add_ref(id);
   ++pool_->loose_refs_[id];
@@ -432,6 +449,8 @@ GroupTable GroupTable::fork() const {
   t.n_dropped_ = n_dropped_;
   for (int64_t j = n_dropped_; j < keep; ++j) pool_->add_ref(t.ids_[j]);
   t.length_ = length_;
+  t.n_evicted_ = n_evicted_;
+  t.positions_ = positions_;
   t.copy_residual_from(*this);
   pool_->n_tokens_committed_[group_] += length_;
   pool_->n_tokens_reserved_[group_] += keep * block_size_ - length_;
@@ -456,11 +475,131 @@ Result<GroupTable> GroupTable::clone_private() const {
   for (int64_t j = n_dropped_; j < keep; ++j) pool_->copy_block(ids_[j], t.ids_[j]);
   pool_->n_clone_copies_ += n_copy;
   t.length_ = length_;
+  t.n_evicted_ = n_evicted_;
+  t.positions_ = positions_;
   t.copy_residual_from(*this);
   pool_->n_tokens_committed_[group_] += length_;
   pool_->n_tokens_reserved_[group_] += keep * block_size_ - length_;
   pool_->debug_check();
   return t;
+}
+
+int64_t GroupTable::slot_of(int64_t pos) const {
+  if (pos < 0 || pos >= logical_length()) return -1;
+  if (positions_.empty()) return pos;
+  const auto it = std::lower_bound(positions_.begin(), positions_.end(), pos);
+  if (it == positions_.end() || *it != pos) return -1;
+  return it - positions_.begin();
+}
+
+Status GroupTable::compact(std::span<const int64_t> keep, RetentionStats* stats) {
+  const auto n_keep = static_cast<int64_t>(keep.size());
+  KV_CHECK(n_blocks() == (length_ + block_size_ - 1) / block_size_,
+           "compact: the table holds a reservation (compact between steps)");
+  for (int64_t d = 0; d < n_keep; ++d) {
+    KV_CHECK(keep[d] >= 0 && keep[d] < length_ && (d == 0 || keep[d] > keep[d - 1]),
+             "compact: kept slots must be ascending, unique and committed");
+  }
+  if (window_ > 0 || pool_->group(group_).window > 0 || kivi_) {
+    return make_error(Errc::kUnsupported,
+                      "compact: sliding-window and KIVI groups cannot be compacted");
+  }
+  for (int i = 0; i < layout_->n_layers(); ++i) {
+    const KvLayerPlacement& pl = layout_->placement(i);
+    if (pl.k_meta_block_bytes > 0 || pl.v_meta_block_bytes > 0) {
+      return make_error(Errc::kUnsupported,
+                        "compact: a format with per-block metadata (fp8) cannot move tokens");
+    }
+  }
+  if (n_keep == length_) return Status{};
+  // Slots [0, first_moved) stay where they are; every later kept token moves
+  // down (keep[d] > d from there on, as keep is strictly increasing).
+  int64_t first_moved = 0;
+  while (first_moved < n_keep && keep[first_moved] == first_moved) ++first_moved;
+  const int64_t new_blocks = (n_keep + block_size_ - 1) / block_size_;
+  const int64_t first_written = first_moved / block_size_;
+  int64_t n_cow = 0;
+  for (int64_t j = first_written; j < new_blocks; ++j) n_cow += block_shared(j) ? 1 : 0;
+  if (n_cow > pool_->n_available()) {
+    ++pool_->n_out_of_blocks_;
+    return make_error(Errc::kOutOfBlocks, "KV pool exhausted: compaction needs " +
+                                              std::to_string(n_cow) + " copy-on-write blocks, " +
+                                              std::to_string(pool_->n_available()) + " available");
+  }
+  RetentionStats delta;
+  // 1. Private destination blocks. Block j's old contents feed only
+  // destinations in blocks <= j, so the copy serves every later read of it.
+  for (int64_t j = first_written; j < new_blocks; ++j) {
+    if (!block_shared(j)) continue;
+    std::vector<int32_t> fresh;
+    pool_->take_free(1, fresh, group_);
+    pool_->copy_block(ids_[j], fresh[0]);
+    pool_->drop_ref(ids_[j]);
+    ids_[j] = fresh[0];
+    delta.n_bytes_moved += pool_->block_bytes();
+  }
+  // 2. Move rows in ascending order: destination d <= source keep[d], and
+  // every slot overwritten so far (< d) is below every source still unread.
+  for (int i = 0; i < layout_->n_layers(); ++i) {
+    const PagedKvLayerView v = pool_->group_layer_view(group_, i);
+    const int n_heads = v.n_kv_heads;
+    const int64_t k_head = v.head_stride;
+    for (int64_t d = first_moved; d < n_keep; ++d) {
+      const int64_t src = keep[d];
+      const int64_t sb = int64_t{ids_[src / block_size_]} * v.block_stride;
+      const int64_t db = int64_t{ids_[d / block_size_]} * v.block_stride;
+      const int64_t ss = src % block_size_, ds = d % block_size_;
+      for (int h = 0; h < n_heads; ++h) {
+        std::memcpy(v.k + db + h * k_head + ds * v.slot_stride,
+                    v.k + sb + h * k_head + ss * v.slot_stride, static_cast<size_t>(v.slot_stride));
+        delta.n_bytes_moved += v.slot_stride;
+        if (v.v != nullptr) {
+          const int64_t vh = v.value_head_stride(), vs = v.value_slot_stride();
+          std::memcpy(v.v + db + h * vh + ds * vs, v.v + sb + h * vh + ss * vs,
+                      static_cast<size_t>(vs));
+          delta.n_bytes_moved += vs;
+        }
+        if (v.k_meta != nullptr && v.k_meta_slot_stride > 0) {
+          const int64_t mh = v.k_meta_head_stride, ms = v.k_meta_slot_stride;
+          std::memcpy(v.k_meta + db + h * mh + ds * ms, v.k_meta + sb + h * mh + ss * ms,
+                      static_cast<size_t>(ms));
+          delta.n_bytes_moved += ms;
+        }
+        if (v.v_meta != nullptr && v.v_meta_slot_stride > 0) {
+          const int64_t mh = v.v_meta_head_stride, ms = v.v_meta_slot_stride;
+          std::memcpy(v.v_meta + db + h * mh + ds * ms, v.v_meta + sb + h * mh + ss * ms,
+                      static_cast<size_t>(ms));
+          delta.n_bytes_moved += ms;
+        }
+      }
+    }
+  }
+  // 3. Positions, then release the blocks past the survivors (newest first).
+  std::vector<int32_t> pos(static_cast<size_t>(n_keep));
+  for (int64_t d = 0; d < n_keep; ++d) pos[d] = static_cast<int32_t>(position(keep[d]));
+  const int64_t old_length = length_, old_capacity = capacity();
+  for (int64_t j = n_blocks() - 1; j >= new_blocks; --j) pool_->drop_ref(ids_[j]);
+  delta.n_blocks_freed = n_blocks() - new_blocks;
+  ids_.resize(static_cast<size_t>(new_blocks));
+  positions_ = std::move(pos);
+  length_ = n_keep;
+  n_evicted_ += old_length - n_keep;
+  delta.n_compactions = 1;
+  delta.n_tokens_dropped = old_length - n_keep;
+  pool_->n_tokens_committed_[group_] -= old_length - n_keep;
+  pool_->n_tokens_reserved_[group_] += (capacity() - length_) - (old_capacity - old_length);
+  pool_->retention_.n_compactions += delta.n_compactions;
+  pool_->retention_.n_tokens_dropped += delta.n_tokens_dropped;
+  pool_->retention_.n_blocks_freed += delta.n_blocks_freed;
+  pool_->retention_.n_bytes_moved += delta.n_bytes_moved;
+  if (stats != nullptr) {
+    stats->n_compactions += delta.n_compactions;
+    stats->n_tokens_dropped += delta.n_tokens_dropped;
+    stats->n_blocks_freed += delta.n_blocks_freed;
+    stats->n_bytes_moved += delta.n_bytes_moved;
+  }
+  pool_->debug_check();
+  return Status{};
 }
 
 }  // namespace kvstack

@@ -61,6 +61,19 @@
 // converted blocks; adopt_partial_copy() re-expands a partly adopted group
 // into the residual (its decoded values) so groups stay whole.
 //
+// Positions per slot (spec section 12; retention.h). Normally slot s holds
+// logical position s and nothing is stored for it. compact() (retention
+// compaction) packs the kept tokens densely into slots 0 .. n - 1 and
+// releases the blocks past them; from then on positions() holds every
+// committed slot's original logical position (ascending: compaction keeps
+// order, so causal order in slots equals causal order in positions), new
+// tokens take position logical_length() (not the resident count), and
+// length() counts resident slots while logical_length() = length() +
+// n_evicted() counts every token the sequence ever committed. Only
+// full-attention groups compact (a window group's mask needs logical
+// distances the kernels compute from slots), and a compacted table is never
+// shared by index (share_block refuses it).
+//
 // Thread-safety: same as BlockPool (single owner). write() on distinct
 // positions may run concurrently while no table/pool is mutated.
 #pragma once
@@ -72,6 +85,7 @@
 #include "core/result.h"
 #include "kv/block_pool.h"
 #include "kv/kv_groups.h"
+#include "kv/retention.h"
 
 namespace kvstack {
 
@@ -98,7 +112,31 @@ class GroupTable {
   // KIVI, already converted). Returns the blocks released. A no-op for other
   // groups. Never needed again: a later step starts at >= length().
   int64_t drop_invisible();
+  // Committed resident slots (== logical_length() unless compacted).
   int64_t length() const { return length_; }
+  // Logical tokens committed: the position the next token takes.
+  int64_t logical_length() const { return length_ + n_evicted_; }
+  // Tokens compaction removed (0 unless compacted).
+  int64_t n_evicted() const { return n_evicted_; }
+  bool compacted() const { return n_evicted_ > 0; }
+  // Logical position of committed slot s, and the slots' positions
+  // ([length()] ascending; EMPTY when not compacted: then position(s) == s).
+  int64_t position(int64_t s) const { return positions_.empty() ? s : positions_[s]; }
+  std::span<const int32_t> positions() const { return positions_; }
+  // Slot holding logical position `pos`, or -1 when it was dropped (or is
+  // not committed). O(log length()).
+  int64_t slot_of(int64_t pos) const;
+  // Retention compaction: keeps the committed slots `keep` (ascending,
+  // unique, each < length()), moving them in order to slots 0 ..
+  // keep.size() - 1 with their logical positions, then releases the blocks
+  // past ceil(keep.size() / P) (released newest first; a published one becomes
+  // cached). A destination block that is shared or published is copied to a
+  // private block first (copy-on-write), so nobody else's K/V change. All or
+  // nothing: kOutOfBlocks (nothing changed) when those copies find no block;
+  // kUnsupported for a window group, KIVI or per-block-metadata (fp8)
+  // layers. Adds what it did to *stats (may be null) and the pool's totals.
+  // REQUIRES: nothing reserved past the committed length (between steps).
+  Status compact(std::span<const int64_t> keep, RetentionStats* stats);
   // KIVI: positions < converted() are quantized in the blocks; the rest are in
   // the residual. Equals length() for other layouts.
   int64_t converted() const { return kivi_ ? converted_ : length_; }
@@ -213,6 +251,8 @@ class GroupTable {
   std::vector<int32_t> ids_;  // [n_blocks]; each non-null entry holds one reference
   int64_t n_dropped_ = 0;     // ids_[0, n_dropped_) are kNullBlock
   int64_t length_ = 0;
+  int64_t n_evicted_ = 0;           // tokens removed by compact()
+  std::vector<int32_t> positions_;  // [length_] when n_evicted_ > 0, else empty
   // KIVI residual (empty unless the layout has_kivi()).
   bool kivi_ = false;
   int64_t converted_ = 0;

@@ -7,7 +7,7 @@
 
 namespace kvstack {
 
-Result<KvGroups> KvGroups::create(const KvLayout& model_layout) {
+Result<KvGroups> KvGroups::create(const KvLayout& model_layout, bool one_layer_per_group) {
   KvGroups out;
   out.block_size_ = model_layout.block_size();
   const int n = model_layout.n_layers();
@@ -19,7 +19,7 @@ Result<KvGroups> KvGroups::create(const KvLayout& model_layout) {
   // be a class of their own.)
   std::map<int, std::vector<int>> classes;  // window -> layers
   for (int l = 0; l < n; ++l) classes[model_layout.layer(l).window].push_back(l);
-  if (classes.size() == 1) {
+  if (classes.size() == 1 && (!one_layer_per_group || n == 1)) {
     // One class: the model layout itself, byte for byte.
     std::vector<int> all(static_cast<size_t>(n));
     std::iota(all.begin(), all.end(), 0);
@@ -37,6 +37,7 @@ Result<KvGroups> KvGroups::create(const KvLayout& model_layout) {
   for (const auto& [key, layers] : classes) {
     per_group = std::gcd(per_group, static_cast<int>(layers.size()));
   }
+  if (one_layer_per_group) per_group = 1;
   const KvLayoutOptions options{.kivi_residual = model_layout.has_kivi()
                                                      ? model_layout.kivi_residual()
                                                      : KvLayoutOptions{}.kivi_residual};

@@ -47,8 +47,10 @@ struct KvLayerSlot {
 class KvGroups {
  public:
   // Groups the layers of `model_layout` (their kind and window). Errors come
-  // from the per-group layouts (KvLayout::create).
-  static Result<KvGroups> create(const KvLayout& model_layout);
+  // from the per-group layouts (KvLayout::create). one_layer_per_group: every
+  // layer its own group (retention policies that keep different tokens per
+  // layer, retention.h: each group has its own slot map).
+  static Result<KvGroups> create(const KvLayout& model_layout, bool one_layer_per_group = false);
 
   int n_groups() const { return static_cast<int>(groups_.size()); }
   const KvGroup& group(int g) const { return groups_[static_cast<size_t>(g)]; }

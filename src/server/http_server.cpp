@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "kv/prefix_index.h"
+#include "kv/retention.h"
 #include "server/openai_protocol.h"
 #include "server/request_group.h"
 
@@ -218,6 +219,15 @@ std::string prometheus_text(const SchedulerMetrics& m, const BlockPoolStats& poo
                [](const BlockPoolGroupStats& g) { return g.payload_bytes; });
   group_metric("kvstack:kv_group_allocated_bytes", "Bytes of this group's used and cached blocks.",
                [](const BlockPoolGroupStats& g) { return g.allocated_bytes; });
+  append_metric(out, "kvstack:kv_retention_tokens_dropped_total", "counter",
+                "Resident tokens removed by retention compaction (--kv-retention).",
+                static_cast<double>(pool.retention.n_tokens_dropped), labels);
+  append_metric(out, "kvstack:kv_retention_blocks_freed_total", "counter",
+                "KV blocks retention compaction released from sequences.",
+                static_cast<double>(pool.retention.n_blocks_freed), labels);
+  append_metric(out, "kvstack:kv_retention_bytes_moved_total", "counter",
+                "KV bytes retention compaction copied (moved rows, copy-on-write blocks).",
+                static_cast<double>(pool.retention.n_bytes_moved), labels);
   append_metric(out, "kvstack:prefix_cache_queries_total", "counter",
                 "Prompt tokens looked up in the prefix cache.",
                 static_cast<double>(m.n_prefix_queries), labels);
@@ -453,6 +463,12 @@ void HttpServer::routes() {
                      {"evictions", p.n_evictions},
                      {"cow_copies", p.n_cow_copies},
                      {"out_of_blocks", p.n_out_of_blocks}};
+      // Retention compaction (kv/retention.h), all sequences, lifetime.
+      out["pool"]["retention"] = {{"compactions", p.retention.n_compactions},
+                                  {"tokens_dropped", p.retention.n_tokens_dropped},
+                                  {"blocks_freed", p.retention.n_blocks_freed},
+                                  {"bytes_moved", p.retention.n_bytes_moved},
+                                  {"deferred", p.retention.n_deferred}};
       // Per KV group (kv_groups.h): a hybrid model's full and window groups.
       json groups = json::array();
       for (const BlockPoolGroupStats& g : p.groups) {
@@ -589,6 +605,9 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
   limits.model_id = config_.model_id;
   limits.model_aliases = config_.model_aliases;
   limits.n_ctx = n_ctx;
+  if (const Status rs = retention_supported(engine.layout()); !rs.ok()) {
+    limits.retention_unsupported = rs.error().message;
+  }
   auto parsed = parse_request(endpoint, body, tok, chat_, limits);
   if (auto* e = std::get_if<ApiError>(&parsed)) {
     send_error(res, *e);

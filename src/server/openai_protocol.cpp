@@ -6,6 +6,7 @@
 #include <cmath>
 #include <set>
 
+#include "kv/retention.h"
 #include "tokenizer/stream_decoder.h"
 
 namespace kvstack::server {
@@ -152,6 +153,7 @@ const std::set<std::string>& known_fields(Endpoint e) {
                                                "stream_options",
                                                "logprobs",
                                                "cache_salt",
+                                               "kv_retention",
                                                "user",
                                                "ignore_eos",
                                                "logit_bias",
@@ -390,6 +392,48 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
                                  " bytes, over the limit of " + std::to_string(kMaxCacheSaltBytes));
   }
   if (!q.cache_salt.empty()) q.cache_salt = cache_salt_key(q.cache_salt);
+  if (auto it = body.find("kv_retention"); it != body.end() && !it->is_null()) {
+    // {"policy": "streamingllm", "sinks": 4, "window": 1024[, "slack": 16]},
+    // {"policy": "snapkv", "budget": 1024, "window": 32[, "kernel": 7]
+    // [, "gqa": "mean"]}, or the CLI's text form "streamingllm:sinks=4,window=1024".
+    std::string spec;
+    if (it->is_string()) {
+      spec = it->get<std::string>();
+    } else if (it->is_object()) {
+      const auto pol = it->find("policy");
+      if (pol == it->end() || !pol->is_string()) {
+        return bad("kv_retention", "'kv_retention' needs a string 'policy' (none, streamingllm)");
+      }
+      spec = pol->get<std::string>();
+      std::string params;
+      for (const auto& [k, v] : it->items()) {
+        if (k == "policy") continue;
+        const bool text = k == "gqa";  // the one non-integer parameter
+        if (text ? !v.is_string() : !v.is_number_integer()) {
+          return bad("kv_retention", "'kv_retention." + k + "' must be " +
+                                         (text ? "a string" : "an integer") + ", not " +
+                                         type_name(v));
+        }
+        params += (params.empty() ? "" : ",") + k + "=" +
+                  (text ? v.get<std::string>() : std::to_string(v.get<int64_t>()));
+      }
+      if (!params.empty()) spec += ":" + params;
+    } else {
+      return bad("kv_retention", std::string("'kv_retention' must be an object or a string, not ") +
+                                     type_name(*it));
+    }
+    auto r = parse_retention(spec);
+    if (!r) {
+      std::string msg = r.error().message;
+      const std::string cli = "--kv-retention: ";
+      if (msg.rfind(cli, 0) == 0) msg = "'kv_retention': " + msg.substr(cli.size());
+      return bad("kv_retention", msg);
+    }
+    if (r->active() && !limits.retention_unsupported.empty()) {
+      return bad("kv_retention", "'kv_retention': " + limits.retention_unsupported);
+    }
+    q.kv_retention = *r;
+  }
   if (auto it = body.find("stop"); it != body.end() && !it->is_null()) {
     if (it->is_string()) {
       q.stop.push_back(it->get<std::string>());

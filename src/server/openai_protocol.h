@@ -61,6 +61,9 @@ struct ProtocolLimits {
   std::vector<std::string> model_aliases;  // other accepted names ("kvstack", the file name)
   int64_t n_ctx = 0;                       // model context
   int64_t default_max_tokens_completions = 16;  // OpenAI's default for /v1/completions
+  // Why "kv_retention" cannot be honoured by this engine's KV format (400
+  // for a request asking for a policy); empty when it can.
+  std::string retention_unsupported;
 };
 
 // Parses and validates a body. The tokenizer turns prompts and rendered chat

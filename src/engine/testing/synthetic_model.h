@@ -180,9 +180,27 @@ inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
       });
 }
 
+// Retention references (forward_retention_test.cpp): visible(layer, t, j)
+// says whether query position t attends to key position j <= t (on top of
+// the layer's window); rope_pos(t) is the position RoPE rotates token t's q
+// and k by (the token index unless given).
+using KeyVisible = std::function<bool(int layer, int t, int j)>;
+using RopePosition = std::function<int(int t)>;
+inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
+                                                 const std::vector<int32_t>& tokens,
+                                                 const KvRowHook& store, const KeyVisible& visible,
+                                                 const RopePosition& rope_pos = {});
+
 inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
                                                  const std::vector<int32_t>& tokens,
                                                  const KvRowHook& store) {
+  return reference_last_logits(w, tokens, store, KeyVisible{});
+}
+
+inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
+                                                 const std::vector<int32_t>& tokens,
+                                                 const KvRowHook& store, const KeyVisible& visible,
+                                                 const RopePosition& rope_pos) {
   const SyntheticSpec& s = w.spec;
   const int hd = s.head_dim();
   const int n = static_cast<int>(tokens.size());
@@ -235,8 +253,9 @@ inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
         for (int i = 0; i < q_dim; ++i) q[t][i] += L.bq[i];
         for (int i = 0; i < kv_dim; ++i) k[t][i] += L.bk[i], v[t][i] += L.bv[i];
       }
-      rope(q[t], s.n_heads, t);
-      rope(k[t], s.n_kv_heads, t);
+      const int rp = rope_pos ? rope_pos(t) : t;
+      rope(q[t], s.n_heads, rp);
+      rope(k[t], s.n_kv_heads, rp);
       store(layer_index, t, k[t], v[t]);
     }
     for (int t = 0; t < n; ++t) {
@@ -249,6 +268,10 @@ inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
         const int j0 = w_l > 0 ? std::max(0, t - w_l + 1) : 0;  // first visible key
         for (int j = 0; j < j0; ++j) sc[j] = -1e300;
         for (int j = j0; j <= t; ++j) {
+          if (visible && !visible(layer_index, t, j)) {
+            sc[j] = -1e300;
+            continue;
+          }
           double d = 0;
           for (int i = 0; i < hd; ++i) d += q[t][h * hd + i] * k[j][kvh * hd + i];
           sc[j] = d / std::sqrt(static_cast<double>(hd));

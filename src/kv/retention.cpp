@@ -1,0 +1,285 @@
+#include "kv/retention.h"
+
+#include <algorithm>
+#include <charconv>
+
+namespace kvstack {
+namespace {
+
+Error bad(const std::string& what) {
+  return make_error(Errc::kInvalidArgument, "--kv-retention: " + what);
+}
+
+}  // namespace
+
+Status validate_retention(const RetentionConfig& c) {
+  if (c.policy == RetentionPolicy::kNone) return {};
+  constexpr int64_t kMax = int64_t{1} << 30;
+  if (c.sinks > kMax || c.window > kMax || c.slack > kMax || c.budget > kMax || c.kernel > kMax) {
+    return bad("parameters must be at most " + std::to_string(kMax));
+  }
+  if (c.window < 1) {
+    return bad("window=" + std::to_string(c.window) +
+               (c.selects_at_prefill_end()
+                    ? " must be >= 1 (the observation window)"
+                    : " must be >= 1 (the recent tokens each query sees, itself included)"));
+  }
+  if (c.policy == RetentionPolicy::kStreamingLlm) {
+    if (c.sinks < 0) return bad("sinks=" + std::to_string(c.sinks) + " must be >= 0");
+    if (c.slack < 0) {
+      return bad("slack=" + std::to_string(c.slack) + " must be >= 1 (or 0 for the block size)");
+    }
+  }
+  if (c.policy == RetentionPolicy::kPyramidKv && c.beta < 1) {
+    return bad("beta=" + std::to_string(c.beta) + " must be >= 1");
+  }
+  if (c.selects_at_prefill_end()) {
+    if (c.budget < 1) return bad("budget=" + std::to_string(c.budget) + " must be >= 1");
+    if (c.kernel < 1 || c.kernel % 2 == 0) {
+      return bad("kernel=" + std::to_string(c.kernel) + " must be odd and >= 1");
+    }
+  }
+  return {};
+}
+
+Result<RetentionConfig> parse_retention(std::string_view spec) {
+  RetentionConfig c;
+  const size_t colon = spec.find(':');
+  const std::string_view name = spec.substr(0, colon);
+  const std::string_view params = colon == std::string_view::npos ? "" : spec.substr(colon + 1);
+  if (name == "none") {
+    if (!params.empty()) return bad("policy 'none' takes no parameters");
+    return c;
+  }
+  const char* known = nullptr;
+  if (name == "streamingllm") {
+    c.policy = RetentionPolicy::kStreamingLlm;
+    known = "sinks, window, slack";
+  } else if (name == "snapkv") {
+    c.policy = RetentionPolicy::kSnapKv;
+    c.window = 32;
+    known = "budget, window, kernel, gqa";
+  } else if (name == "pyramidkv") {
+    c.policy = RetentionPolicy::kPyramidKv;
+    c.window = 32;
+    known = "budget, beta, window, kernel, gqa";
+  } else {
+    return bad("unknown policy '" + std::string(name) +
+               "' (known: none, streamingllm, snapkv, pyramidkv)");
+  }
+  const bool snap = c.selects_at_prefill_end();
+  bool have_window = false, have_budget = false;
+  size_t at = 0;
+  while (at < params.size()) {
+    size_t end = params.find(',', at);
+    if (end == std::string_view::npos) end = params.size();
+    const std::string_view kv = params.substr(at, end - at);
+    at = end + 1;
+    const size_t eq = kv.find('=');
+    if (eq == std::string_view::npos) {
+      return bad("parameter '" + std::string(kv) + "' is not key=value");
+    }
+    const std::string_view key = kv.substr(0, eq);
+    const std::string_view val = kv.substr(eq + 1);
+    if (snap && key == "gqa") {
+      if (val == "union") {
+        c.gqa = GqaRule::kUnion;
+      } else if (val == "mean") {
+        c.gqa = GqaRule::kMean;
+      } else {
+        return bad("gqa='" + std::string(val) + "' must be union or mean");
+      }
+      continue;
+    }
+    int64_t x = 0;
+    const auto [p, ec] = std::from_chars(val.data(), val.data() + val.size(), x);
+    const bool is_int = ec == std::errc() && p == val.data() + val.size();
+    int64_t* field = nullptr;
+    if (key == "window") {
+      field = &c.window;
+      have_window = true;
+    } else if (!snap && key == "sinks") {
+      field = &c.sinks;
+    } else if (!snap && key == "slack") {
+      field = &c.slack;
+    } else if (snap && key == "budget") {
+      field = &c.budget;
+      have_budget = true;
+    } else if (snap && key == "kernel") {
+      field = &c.kernel;
+    } else if (c.policy == RetentionPolicy::kPyramidKv && key == "beta") {
+      field = &c.beta;
+    } else {
+      return bad("unknown " + std::string(name) + " parameter '" + std::string(key) +
+                 "' (known: " + known + ")");
+    }
+    if (!is_int) {
+      return bad("parameter " + std::string(key) + "='" + std::string(val) + "' is not an integer");
+    }
+    if (key == "slack" && x < 1) return bad("slack=" + std::to_string(x) + " must be >= 1");
+    *field = x;
+  }
+  if (!snap && !have_window) {
+    return bad("streamingllm needs window=N (e.g. streamingllm:sinks=4,window=1024)");
+  }
+  if (snap && !have_budget) {
+    return bad(std::string(name) + " needs budget=N (e.g. " + std::string(name) + ":budget=1024)");
+  }
+  KV_TRY_STATUS(validate_retention(c));
+  return c;
+}
+
+std::string retention_name(const RetentionConfig& c) {
+  switch (c.policy) {
+    case RetentionPolicy::kNone:
+      return "none";
+    case RetentionPolicy::kStreamingLlm:
+      return "streamingllm:sinks=" + std::to_string(c.sinks) +
+             ",window=" + std::to_string(c.window) +
+             (c.slack > 0 ? ",slack=" + std::to_string(c.slack) : std::string());
+    case RetentionPolicy::kSnapKv:
+      return "snapkv:budget=" + std::to_string(c.budget) + ",window=" + std::to_string(c.window) +
+             ",kernel=" + std::to_string(c.kernel) +
+             ",gqa=" + (c.gqa == GqaRule::kMean ? "mean" : "union");
+    case RetentionPolicy::kPyramidKv:
+      return "pyramidkv:budget=" + std::to_string(c.budget) + ",beta=" + std::to_string(c.beta) +
+             ",window=" + std::to_string(c.window) + ",kernel=" + std::to_string(c.kernel) +
+             ",gqa=" + (c.gqa == GqaRule::kMean ? "mean" : "union");
+  }
+  return "?";
+}
+
+Status retention_supported(const KvLayout& layout) {
+  bool any_full = false;
+  for (int l = 0; l < layout.n_layers(); ++l) {
+    const KvLayerSpec& s = layout.layer(l);
+    for (const KvDtype t : {s.dtype, s.value_dtype()}) {
+      if (t == KvDtype::kFp8 || kv_dtype_is_kivi(t)) {
+        return make_error(Errc::kUnsupported,
+                          std::string("--kv-retention: KV format ") + kv_dtype_name(t) +
+                              " cannot move single tokens (fp8 keeps one scale per block, KIVI "
+                              "quantizes keys over groups of tokens); use f16, bf16, f32, int8 "
+                              "or int4");
+      }
+    }
+    any_full |= s.window == 0;
+  }
+  if (!any_full) {
+    return make_error(Errc::kInvalidArgument,
+                      "--kv-retention: every layer is a sliding window (already bounded); "
+                      "there is no full-attention layer to compact");
+  }
+  return {};
+}
+
+std::vector<int64_t> retention_keep_slots(const RetentionConfig& c,
+                                          std::span<const int32_t> positions, int64_t length) {
+  const auto n = static_cast<int64_t>(positions.size());
+  std::vector<int64_t> keep;
+  if (c.policy != RetentionPolicy::kStreamingLlm) {  // snapkv decides at prefill end only
+    keep.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) keep[static_cast<size_t>(i)] = i;
+    return keep;
+  }
+  // streamingllm: a query at position >= length sees [length - W + 1, ...):
+  // keep the sinks and every resident position from there on.
+  const int64_t recent = std::max<int64_t>(0, length - c.window + 1);
+  keep.reserve(static_cast<size_t>(std::min(n, c.sinks + c.window)));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = positions[static_cast<size_t>(i)];
+    if (p < c.sinks || p >= recent) keep.push_back(i);
+  }
+  return keep;
+}
+
+void snapkv_mark_unit(const RetentionConfig& c, std::span<const float> attn, int group,
+                      int64_t n_obs, int64_t n_keys, std::span<uint8_t> keep) {
+  KV_CHECK(c.selects_at_prefill_end() && n_obs > 0 && n_obs <= n_keys && group > 0,
+           "snapkv_mark_unit: bad arguments");
+  KV_CHECK(static_cast<int64_t>(attn.size()) == group * n_obs * n_keys &&
+               static_cast<int64_t>(keep.size()) == n_keys,
+           "snapkv_mark_unit: attn or keep has the wrong size");
+  const int64_t n_prefix = n_keys - n_obs;
+  if (n_prefix <= c.budget) {
+    std::fill(keep.begin(), keep.begin() + n_prefix, 1);
+    return;
+  }
+  const int64_t half = c.kernel / 2;
+  std::vector<double> vote(static_cast<size_t>(n_prefix)), pooled(vote.size());
+  std::vector<int64_t> order(vote.size());
+  // Marks the `budget` prefix keys of highest pooled vote (earlier on ties).
+  auto choose = [&] {
+    for (int64_t j = 0; j < n_prefix; ++j) {
+      double m = vote[static_cast<size_t>(j)];
+      const int64_t hi = std::min(n_prefix - 1, j + half);
+      for (int64_t t = std::max<int64_t>(0, j - half); t <= hi; ++t) {
+        m = std::max(m, vote[static_cast<size_t>(t)]);
+      }
+      pooled[static_cast<size_t>(j)] = m;
+    }
+    for (int64_t j = 0; j < n_prefix; ++j) order[static_cast<size_t>(j)] = j;
+    std::partial_sort(order.begin(), order.begin() + c.budget, order.end(),
+                      [&](int64_t a, int64_t b) {
+                        const double pa = pooled[static_cast<size_t>(a)];
+                        const double pb = pooled[static_cast<size_t>(b)];
+                        return pa != pb ? pa > pb : a < b;
+                      });
+    for (int64_t i = 0; i < c.budget; ++i) keep[static_cast<size_t>(order[i])] = 1;
+  };
+  auto add_votes = [&](int h, double w) {
+    const float* head = attn.data() + int64_t{h} * n_obs * n_keys;
+    for (int64_t r = 0; r < n_obs; ++r) {
+      const float* row = head + r * n_keys;
+      for (int64_t j = 0; j < n_prefix; ++j) vote[static_cast<size_t>(j)] += w * row[j];
+    }
+  };
+  if (c.gqa == GqaRule::kMean) {
+    std::fill(vote.begin(), vote.end(), 0.0);
+    for (int h = 0; h < group; ++h) add_votes(h, 1.0 / group);
+    choose();
+  } else {
+    for (int h = 0; h < group; ++h) {
+      std::fill(vote.begin(), vote.end(), 0.0);
+      add_votes(h, 1.0);
+      choose();
+    }
+  }
+}
+
+int64_t retention_peak_blocks(const RetentionConfig& c, int64_t exact_blocks, int64_t block_size,
+                              int64_t chunk) {
+  if (c.policy != RetentionPolicy::kStreamingLlm) return exact_blocks;
+  const int64_t slack = c.slack > 0 ? c.slack : block_size;
+  // After a compaction: < sinks + (window - 1) + slack resident; then the step's chunk.
+  const int64_t tokens = c.sinks + c.window + slack - 2 + std::max<int64_t>(1, chunk);
+  return std::min(exact_blocks, (tokens + block_size - 1) / block_size + 1);
+}
+
+int64_t retention_layer_budget(const RetentionConfig& c, int layer, int n_layers) {
+  if (c.policy != RetentionPolicy::kPyramidKv || n_layers <= 1) return c.budget;
+  const int64_t last = std::max<int64_t>(1, c.budget / c.beta);
+  const int64_t first = 2 * c.budget - last;
+  // The linear value rounded down: subtract the step rounded up.
+  const int64_t den = n_layers - 1;
+  return first - ((first - last) * layer + den - 1) / den;
+}
+
+std::vector<int64_t> snapkv_select(const RetentionConfig& c, std::span<const float> attn,
+                                   int64_t n_units, int group, int64_t n_obs, int64_t n_keys) {
+  KV_CHECK(static_cast<int64_t>(attn.size()) == n_units * group * n_obs * n_keys,
+           "snapkv_select: attn has the wrong size");
+  std::vector<uint8_t> keep(static_cast<size_t>(n_keys), 0);
+  for (int64_t j = n_keys - n_obs; j < n_keys; ++j) keep[static_cast<size_t>(j)] = 1;
+  const int64_t unit = int64_t{group} * n_obs * n_keys;
+  for (int64_t u = 0; u < n_units; ++u) {
+    snapkv_mark_unit(c, attn.subspan(static_cast<size_t>(u * unit), static_cast<size_t>(unit)),
+                     group, n_obs, n_keys, keep);
+  }
+  std::vector<int64_t> out;
+  for (int64_t j = 0; j < n_keys; ++j) {
+    if (keep[static_cast<size_t>(j)] != 0) out.push_back(j);
+  }
+  return out;
+}
+
+}  // namespace kvstack

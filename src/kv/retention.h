@@ -1,0 +1,169 @@
+// Token retention policies (kv-cache-spec.md sections 8 and 12): which
+// logical positions of a sequence stay resident, and when the block table
+// compacts the survivors into dense blocks (GroupTable::compact) so that the
+// dropped tokens' blocks really return to the pool.
+//
+// Policies are approximate execution modes, opt-in per request or deployment
+// (--kv-retention, the server's "kv_retention" field). Implemented:
+//   streamingllm  S attention-sink tokens (positions [0, S)) plus the recent
+//                 window: a query at logical position t sees the sinks and
+//                 positions [t - W + 1, t] (itself included), evaluated at
+//                 the start of every step (a prefill chunk's rows also see
+//                 the chunk's earlier rows, as in causal attention).
+//   snapkv        once at the end of each prefill (the step before the first
+//                 one-token step): the last w_obs prompt queries vote; per
+//                 query head, vote[j] = sum over the w_obs queries of their
+//                 softmax probability on prefix key j (keys before the
+//                 observation window); votes are max-pooled over a kernel
+//                 of k neighbours (1-D, stride 1, padding k / 2); each KV
+//                 head keeps the `budget` prefix tokens of highest pooled
+//                 vote (ties: the earlier token), plus the observation window.
+//                 GQA rule: `union` (default) keeps the union of the top
+//                 `budget` of each query head of the KV head; `mean` ranks
+//                 the mean of the KV head's query heads' votes (before
+//                 pooling). One slot map serves every layer and KV head of a
+//                 KV group (kv_groups.h: one block holds all of them), so the
+//                 group keeps the union over its layers and KV heads: resident
+//                 tokens are at least budget + w_obs and grow with how much
+//                 the heads disagree (measured in docs/benchmarks.md).
+//                 Tokens decoded afterwards all stay (as in the paper).
+//                 The engine gives every layer its own group under snapkv and
+//                 pyramidkv (BlockPoolConfig::one_layer_per_group), so the
+//                 union only spans one layer's KV heads.
+//   pyramidkv     SnapKV's selection with a budget per layer decreasing
+//                 linearly with depth (PyramidKV): with mean budget B over L
+//                 layers, the last layer keeps k_{L-1} = max(1, B / beta),
+//                 the first k_0 = 2B - k_{L-1}, layer l
+//                 k_0 - (k_0 - k_{L-1}) l / (L - 1) (rounded down; beta 20).
+//                 A sequence that never decodes (perplexity) is never
+//                 compacted.
+//
+// Positions. Survivors keep their ORIGINAL logical positions: keys are stored
+// already rotated, new tokens get position = logical length (not the
+// resident count). The paper's rolling cache re-assigns positions inside
+// the cache; kvstack does not (spec section 8: re-rotating by slot index is
+// a bug), so a compacted cache attends exactly as the full cache would with
+// the dropped tokens masked.
+//
+// Compaction policy (when selection becomes freed memory). Before each step
+// the table drops what the policy no longer keeps, but only once at least
+// `slack` resident tokens are droppable (default: the block size P), so each
+// compaction frees at least one whole block and moves the survivors after
+// the first dropped slot once per `slack` tokens (bytes moved are counted).
+// Between compactions a query sees up to slack - 1 more recent tokens than
+// W: slack=1 compacts every step (exactly S + W visible, the most bytes
+// moved). Only full-attention groups (KvGroup::window == 0) are compacted:
+// sliding-window groups already keep only their window and stay exact.
+//
+// Identity. A compacted table's blocks are private: a sequence stops
+// publishing to the prefix index at its first compaction (blocks published
+// before it hold exact K/V computed with the whole history), so a compacted
+// sequence never serves a prefix hit to an exact request (or to any other).
+//
+// Formats. Compaction moves single token rows with their per-row metadata;
+// fp8 (one scale per block) and KIVI (keys quantized per channel over groups
+// of tokens) cannot move single tokens and are refused (retention_supported).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/result.h"
+#include "kv/layout.h"
+
+namespace kvstack {
+
+enum class RetentionPolicy : uint8_t {
+  kNone = 0,  // exact: every token stays resident
+  kStreamingLlm = 1,
+  kSnapKv = 2,
+  kPyramidKv = 3,
+};
+
+// SnapKV's rule for the query heads of one KV head (GQA).
+enum class GqaRule : uint8_t {
+  kUnion = 0,  // union of each query head's top-budget choice
+  kMean = 1,   // top budget of the mean vote
+};
+
+struct RetentionConfig {
+  RetentionPolicy policy = RetentionPolicy::kNone;
+  int64_t sinks = 4;  // streamingllm: S, the first positions always kept
+  // streamingllm: W >= 1, recent positions a query sees (itself included);
+  // snapkv: w_obs >= 1, the observation window (default 32).
+  int64_t window = 0;
+  int64_t slack = 0;   // streamingllm: droppable tokens that trigger a compaction (0 = P)
+  int64_t budget = 0;  // snapkv: prefix tokens each KV head keeps (>= 1)
+  int64_t kernel = 7;  // snapkv: max-pooling kernel, odd, >= 1
+  GqaRule gqa = GqaRule::kUnion;  // snapkv, pyramidkv
+  int64_t beta = 20;              // pyramidkv: first-to-last budget steepness (>= 1)
+  bool active() const { return policy != RetentionPolicy::kNone; }
+  // SnapKV-style selection at the end of prefill (snapkv, pyramidkv).
+  bool selects_at_prefill_end() const {
+    return policy == RetentionPolicy::kSnapKv || policy == RetentionPolicy::kPyramidKv;
+  }
+};
+
+// Parses "none", "streamingllm:sinks=S,window=W[,slack=N]" (sinks defaults
+// to 4, window is required) or "snapkv:budget=B[,window=W][,kernel=K]
+// [,gqa=union|mean]" (window 32, kernel 7, gqa union by default) or
+// "pyramidkv:budget=B[,beta=X]" plus snapkv's keys; keys in any order. Errors (kInvalidArgument)
+// name the policy, key or value at fault.
+Result<RetentionConfig> parse_retention(std::string_view spec);
+// The canonical text of a config ("none", "streamingllm:sinks=4,window=1024,slack=16").
+std::string retention_name(const RetentionConfig& config);
+// kInvalidArgument when the config's values are out of range (what
+// parse_retention checks; for configs built from other sources, e.g. JSON).
+Status validate_retention(const RetentionConfig& config);
+// kUnsupported naming the format when a layout's KV format cannot be
+// compacted token by token (fp8, KIVI), or kInvalidArgument when no layer is
+// full attention (nothing to compact).
+Status retention_supported(const KvLayout& layout);
+
+// Slots of a group to keep before a step that starts at logical length
+// `length`, given `positions` ([n_slots] ascending logical positions of the
+// resident slots), as ascending slot indices. kNone keeps every slot. The
+// slack rule (whether dropping is worth a compaction now) is the caller's.
+std::vector<int64_t> retention_keep_slots(const RetentionConfig& config,
+                                          std::span<const int32_t> positions, int64_t length);
+
+// Prompt tokens layer `layer` of `n_layers` keeps under `config`: budget
+// for snapkv, the pyramid schedule above for pyramidkv.
+int64_t retention_layer_budget(const RetentionConfig& config, int layer, int n_layers);
+
+// Blocks a full-attention group of a table under `config` holds at most
+// during a step of up to `chunk` tokens (streamingllm: compaction keeps
+// fewer than sinks + window + slack tokens before each step), given the
+// exact cache's `exact_blocks`; exact_blocks for other policies.
+int64_t retention_peak_blocks(const RetentionConfig& config, int64_t exact_blocks,
+                              int64_t block_size, int64_t chunk);
+
+// SnapKV's choice for one KV group from the observation window's attention.
+// attn: [n_units][group][n_obs][n_keys] probabilities, unit = one (layer, KV
+// head) of the KV group, group = its query heads, row r = the observation
+// query at key index n_keys - n_obs + r (its probabilities over keys beyond
+// itself are 0). Returns the kept key indices, ascending: for each unit the
+// policy's choice among the prefix [0, n_keys - n_obs) (every prefix key when
+// it holds at most budget), their union over units, plus the window.
+// REQUIRES: config.selects_at_prefill_end(), 0 < n_obs <= n_keys (config.budget
+// is the budget used).
+std::vector<int64_t> snapkv_select(const RetentionConfig& config, std::span<const float> attn,
+                                   int64_t n_units, int group, int64_t n_obs, int64_t n_keys);
+// The same for one unit ([group][n_obs][n_keys]): sets keep[j] = 1 for the
+// unit's chosen prefix keys (keep: [n_keys]; the window is not marked).
+void snapkv_mark_unit(const RetentionConfig& config, std::span<const float> attn, int group,
+                      int64_t n_obs, int64_t n_keys, std::span<uint8_t> keep);
+
+// Lifetime counters of compaction (per table and summed per pool).
+struct RetentionStats {
+  int64_t n_compactions = 0;     // compactions applied
+  int64_t n_tokens_dropped = 0;  // resident tokens removed by compaction
+  int64_t n_blocks_freed = 0;    // blocks compaction released from tables
+  int64_t n_bytes_moved = 0;     // K/V bytes copied (rows moved + copy-on-write blocks)
+  int64_t n_deferred = 0;        // compactions skipped: copy-on-write found no block
+};
+
+}  // namespace kvstack
