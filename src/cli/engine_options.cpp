@@ -10,6 +10,7 @@
 #include "cli/text_input.h"
 #include "core/cpu_features.h"
 #include "core/units.h"
+#include "engine/deepseek2.h"
 #include "engine/model.h"
 #include "kv/rotation.h"
 #include "model/config.h"
@@ -216,16 +217,23 @@ Result<std::unique_ptr<Engine>> load_engine(const Args& args, bool quiet) {
     const Model& model = (*engine)->model();
     std::vector<GgmlType> types;
     for (const LayerWeights& l : model.layers()) {
-      for (const WeightView* wv : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) {
+      for (const WeightView* wv : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down,
+                                   &l.mla.wq_a, &l.mla.wq_b, &l.mla.wkv_a, &l.mla.wkv_b,
+                                   &l.moe.router, &l.moe.sh_gate, &l.moe.sh_up, &l.moe.sh_down}) {
         if (wv->data != nullptr) types.push_back(wv->type);
+      }
+      for (const auto* ex : {&l.moe.gate, &l.moe.up, &l.moe.down}) {
+        if (!ex->empty()) types.push_back(ex->front().type);
       }
     }
     types.push_back(model.output().type);
     const CpuFeatures& cf = cpu_features();
     const bool attn_avx2 =
         best_isa() >= Isa::kAvx2 && cf.fma && cf.f16c && model.config().head_dim % 8 == 0;
-    const std::string kernels = "matmul: " + matmul_kernel_summary(types) + "; attention " +
-                                (attn_avx2 ? "avx2" : "scalar");
+    std::string kernels = "matmul: " + matmul_kernel_summary(types) + "; attention " +
+                          (attn_avx2 ? "avx2" : "scalar");
+    if (model.config().arch == "deepseek2")
+      kernels += "; " + deepseek2_kernel_summary(model.config());
     std::fprintf(stderr,
                  "kvstack: loaded %s (%s weights) in %.0f ms; %d threads, kernels (%s); KV pool "
                  "%lld blocks x %d tokens (%s, %s)\n",

@@ -64,7 +64,7 @@ class Deepseek2Spec:
     yarn_mscale_all_dim: float = 0.707
     ctx: int = 1024
     rope_base: float = 10000.0
-    weight_type: QK = QK.Q8_0
+    weight_type: QK = QK.F32
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -76,7 +76,7 @@ VARIANTS = [
     Deepseek2Spec("q-split", q_lora=0, split_kv_b=True, weights_norm=True, seed=2),
     Deepseek2Spec("qlora-split-sigmoid", q_lora=32, split_kv_b=True, gating=2, weights_norm=True,
                   weights_scale=2.5, probs_bias=True, n_expert_shared=2, seed=3),
-    Deepseek2Spec("q-kvb-f16-noyarn", q_lora=0, split_kv_b=False, yarn=False, weight_type=QK.F16,
+    Deepseek2Spec("q-kvb-noyarn", q_lora=0, split_kv_b=False, yarn=False,
                   n_dense_lead=0, seed=4),
 ]
 
@@ -177,13 +177,18 @@ def write_deepseek2(path, spec: Deepseek2Spec, tokenizer_gguf):
             mat(p + "attn_q.weight", H * d_qk, spec.n_embd)
         mat(p + "attn_kv_a_mqa.weight", spec.kv_lora + spec.rope, spec.n_embd)
         norm(p + "attn_kv_a_norm.weight", spec.kv_lora)
+        # One f16 [H, nope + v, kv_lora] up-projection written in either layout,
+        # so a spec and its twin with split_kv_b flipped are the same model.
+        kv_b = (rng.standard_normal((H, spec.nope + spec.v_dim, spec.kv_lora)) /
+                np.sqrt(spec.kv_lora)).astype(np.float16)
         if spec.split_kv_b:
             # numpy [H, kv_lora, nope] = ggml {nope, kv_lora, H}; [H, v, kv_lora] = {kv_lora, v, H}
-            mat(p + "attn_k_b.weight", H, spec.kv_lora, spec.nope, std=1.0 / np.sqrt(spec.kv_lora),
-                qtype=QK.F16)
-            mat(p + "attn_v_b.weight", H, spec.v_dim, spec.kv_lora, qtype=QK.F16)
+            w.add_tensor(p + "attn_k_b.weight",
+                         np.ascontiguousarray(kv_b[:, :spec.nope, :].transpose(0, 2, 1)))
+            w.add_tensor(p + "attn_v_b.weight", np.ascontiguousarray(kv_b[:, spec.nope:, :]))
         else:
-            mat(p + "attn_kv_b.weight", H * (spec.nope + spec.v_dim), spec.kv_lora)
+            w.add_tensor(p + "attn_kv_b.weight", kv_b.reshape(H * (spec.nope + spec.v_dim),
+                                                              spec.kv_lora))
         mat(p + "attn_output.weight", spec.n_embd, H * spec.v_dim)
         norm(p + "ffn_norm.weight", spec.n_embd)
         if i < spec.n_dense_lead:
@@ -207,6 +212,12 @@ def write_deepseek2(path, spec: Deepseek2Spec, tokenizer_gguf):
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def twin(spec: Deepseek2Spec) -> Deepseek2Spec:
+    """The same model (same weights) in the other kv_b layout."""
+    import dataclasses
+    return dataclasses.replace(spec, name=spec.name + "-twin", split_kv_b=not spec.split_kv_b)
 
 
 def write_all(out_dir, tokenizer_gguf, variants=VARIANTS):

@@ -1,0 +1,72 @@
+// deepseek2 layer math for Forward (forward.cpp calls it for arch deepseek2):
+// MLA attention projected into the expanded per-head Q/K/V rows that the
+// paged KV cache and attention kernels take, YaRN RoPE of the decoupled key,
+// and the MoE FFN. Facts as llama.cpp's deepseek2 graph (models/deepseek2.cpp)
+// and build_moe_ffn (llama-graph.cpp).
+//
+// MLA, per token t and head h (d_c = kv_lora_rank, d_R = qk_rope):
+//   q_t      = W_q x_t, or W_qb rmsnorm(W_qa x_t)            [H][nope + rope]
+//   [c; k_R] = W_kva x_t; c = rmsnorm(c)                     d_c, d_R (k_R shared by every head)
+//   [k_nope; v]_h = W_kvb,h c                                [nope], [v]
+//   K_h = [k_nope_h ; rope(k_R)], Q_h = [q_nope_h ; rope(q_rope_h)], V_h = v_h,
+// each zero-padded to ModelConfig::head_dim; softmax scale ModelConfig::attn_scale.
+//
+// Thread-safety: one object per Forward, driven by its thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "engine/model.h"
+
+namespace kvstack {
+
+struct MoeRouteParams {
+  ModelConfig::MoeGating gating = ModelConfig::MoeGating::kSoftmax;
+  int n_expert = 0;
+  int n_used = 0;               // k
+  bool norm = false;            // divide the k weights by their sum (clamped to >= 2^-14)
+  float scale = 1.0f;           // then multiply by this
+  const float* bias = nullptr;  // [n_expert] added to the probabilities for selection only
+};
+
+// Routes one token from its router logits [n_expert]: ids[n_used] are the
+// experts with the largest selection scores, best first, ties going to the
+// lower index; weights[n_used] their weights (see ModelConfig::Moe).
+void moe_route(const float* logits, const MoeRouteParams& p, int32_t* ids, float* weights);
+
+// YaRN / plain RoPE over n_rot dims of n_rows vectors: row r is x + r * stride
+// and is rotated at position pos[r / rows_per_pos]; adjacent pairs (x[2i],
+// x[2i+1]) as ggml's GGML_ROPE_TYPE_NORM with ext_factor 1 when yarn.enabled.
+void rope_yarn_rows(float* x, int64_t n_rows, int64_t stride, int64_t rows_per_pos,
+                    const int32_t* pos, const ModelConfig& c);
+
+// For the load line: "mla: expanded to per-head K/V (...); moe: top-k of E
+// experts (gating, ...)".
+std::string deepseek2_kernel_summary(const ModelConfig& c);
+
+class Deepseek2Layers {
+ public:
+  Deepseek2Layers(const Model& model, ThreadPool& threads) : model_(model), threads_(threads) {}
+
+  // h [n_tok, n_embd] (after attn_norm) -> q, k, v [n_tok, n_heads, head_dim]
+  // at positions pos[n_tok], RoPE applied, padding zero.
+  void qkv(int layer, const float* h, int64_t n_tok, const int32_t* pos, float* q, float* k,
+           float* v);
+  // The attention output [n_tok, n_heads, head_dim] -> [n_tok, n_heads * v_head_dim], in place.
+  void compact_attention(float* attn, int64_t n_tok) const;
+  // h [n_tok, n_embd] (after ffn_norm) -> out [n_tok, n_embd]: routed experts
+  // plus shared experts. REQUIRES: config().is_moe_layer(layer); out != h.
+  void moe(int layer, const float* h, int64_t n_tok, float* out);
+
+ private:
+  const Model& model_;
+  ThreadPool& threads_;
+  std::vector<float> qa_, qfull_, kva_, lat_, kv_;           // MLA workspace
+  std::vector<float> logits_, wts_, xg_, gate_, up_, down_;  // MoE workspace
+  std::vector<int32_t> ids_, rows_;
+};
+
+}  // namespace kvstack

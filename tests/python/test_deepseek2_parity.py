@@ -1,0 +1,138 @@
+"""kvstack's deepseek2 forward pass (MLA + MoE) against llama.cpp (llama-cpp-python).
+
+No small deepseek2 GGUF exists, so the test writes tiny random-weight models
+(deepseek2_gen.py) into a temp dir: both q paths (attn_q, attn_q_a + norm +
+attn_q_b), both kv_b layouts llama.cpp loads (attn_kv_b, which llama.cpp runs
+as MHA; split attn_k_b / attn_v_b, which it runs through its latent cache with
+the absorbed formula), a dense leading layer then MoE layers (softmax and
+sigmoid gating, weight normalisation on and off, a scale, the exp_probs_b
+selection bias, one or two shared experts), YaRN scaling on and off. kvstack
+runs every variant with the latent expanded to per-head K/V in its paged cache.
+
+Logits are compared with f32 weights and an f32 KV cache in both engines:
+random weights make these models chaotic under f16/Q8_0 rounding (an MoE
+router near-tie flips an expert and moves the logits of that position by
+several units; with Q8_0 weights llama.cpp's flash on/off disagrees on the top
+token at ~6% of positions). Greedy decoding runs the default f16 cache.
+
+The yardstick is llama.cpp against itself, as in test_llamacpp_parity.py, here
+the larger of two disagreements per logit: flash attention on vs off, and the
+same weights in the other kv_b layout (llama.cpp's other attention path): per-position logits within (1.25 + 1/sqrt(n))x its
+mean and 1.5x its max disagreement, every top-1 difference a near-tie, and
+greedy continuations identical up to a near-tie step. Random weights make
+these models sensitive: llama.cpp's own disagreement reaches several logits at
+the few positions where an expert choice flips.
+
+Env: KVSTACK_BIN; the tokenizer is copied from models/SmolLM2-135M-Instruct.Q4_1.gguf.
+"""
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from conftest import SOURCE_DIR, THREADS, run_kvstack
+from deepseek2_gen import VARIANTS, twin, write_deepseek2
+from llama_parity import check_greedy, check_logits, kvstack_logits, llama_greedy, llama_logits
+
+llama_cpp = pytest.importorskip("llama_cpp")
+TOKENIZER = SOURCE_DIR / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GPL = pathlib.Path("/usr/share/common-licenses/GPL-3")
+if not TOKENIZER.exists():
+    pytest.skip(f"tokenizer source not found: {TOKENIZER}", allow_module_level=True)
+NEAR_TIE = 1.0  # logits; see test_llamacpp_parity.py
+N_VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{name: (path, twin path)}: each variant and the same weights in the other kv_b layout."""
+    d = tmp_path_factory.mktemp("deepseek2")
+    return {v.name: (write_deepseek2(d / f"tiny-deepseek2-{v.name}.gguf", v, TOKENIZER),
+                     write_deepseek2(d / f"tiny-deepseek2-{v.name}-twin.gguf", twin(v), TOKENIZER))
+            for v in VARIANTS}
+
+
+def make_llama(path, flash, f32_kv=True):
+    kv = {"type_k": 0, "type_v": 0} if f32_kv else {}  # 0 = GGML_TYPE_F32
+    return llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_batch=512, logits_all=True,
+                           n_threads=THREADS, n_threads_batch=THREADS, verbose=False,
+                           flash_attn=flash, **kv)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tok = llama_cpp.Llama(model_path=str(TOKENIZER), vocab_only=True, verbose=False)
+    text = GPL.read_text(encoding="utf-8") if GPL.exists() else "The quick brown fox. " * 400
+    ids = tok.tokenize(text.encode(), add_bos=False, special=False)
+    # short; 160 tokens; 600 tokens: past the YaRN original context (256) and
+    # over many 16-token KV blocks.
+    return {"short": ids[:6], "medium": ids[:160], "long": ids[1000:1600]}
+
+
+@pytest.mark.parametrize("variant", [v.name for v in VARIANTS])
+def test_logits_and_greedy_match_llama_cpp(models, prompts, variant):
+    path, twin_path = models[variant]
+    ref_llama, alt_llama = make_llama(path, False), make_llama(path, True)
+    twin_llama = make_llama(twin_path, False)
+    for name, ids in prompts.items():
+        ref = llama_logits(ref_llama, ids)
+        flash = llama_logits(alt_llama, ids)
+        other = llama_logits(twin_llama, ids)
+        # llama.cpp's own spread: the larger, per logit, of flash on vs off and
+        # the same weights run through its other attention path (latent cache
+        # with absorbed W_UK/W_UV for split files, MHA for kv_b files).
+        alt = ref + np.maximum(np.abs(flash - ref), np.abs(other - ref))
+        got = kvstack_logits(ids, "-m", path, "--kv-dtype", "f32")
+        assert got.shape == ref.shape == (len(ids), N_VOCAB)
+        check_logits(f"{variant}/{name}", ids, ref, alt, got)
+    # Greedy decode (one token per step through the paged cache), f16 KV in both.
+    ids, n = prompts["medium"], 24
+    ref, gaps = llama_greedy(make_llama(path, False, f32_kv=False), ids, n)
+    proc = run_kvstack("run", "-m", path, "--tokens", ",".join(map(str, ids)), "-n", n,
+                       "--temp", 0, "--ignore-eos", "--json", "--threads", THREADS)
+    check_greedy(variant, ref, gaps, json.loads(proc.stdout)["tokens"], n, NEAR_TIE)
+
+
+def test_load_line_names_mla_and_moe(models):
+    path = models["qlora-split-sigmoid"][0]
+    proc = run_kvstack("logits", "-m", path, "--tokens", "1,2,3", "--out", "/dev/null",
+                       "--threads", THREADS)
+    assert "mla: expanded to per-head K/V" in proc.stderr, proc.stderr
+    assert "moe: top-2 of 8 experts (sigmoid" in proc.stderr, proc.stderr
+
+
+def test_bad_deepseek2_file_is_rejected_by_name(tmp_path):
+    """A kv_b tensor with the wrong shape: kvstack names the tensor, loads nothing."""
+    import dataclasses
+    import gguf
+
+    spec = dataclasses.replace(VARIANTS[0], name="bad")
+    good = write_deepseek2(tmp_path / "good.gguf", spec, TOKENIZER)
+    r = gguf.GGUFReader(str(good))
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "deepseek2")
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = f.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, f.contents())
+        elif vtype == gguf.GGUFValueType.STRING:
+            w.add_string(key, f.contents())
+        elif vtype == gguf.GGUFValueType.BOOL:
+            w.add_bool(key, bool(f.contents()))
+        else:
+            w.add_key_value(key, f.contents(), vtype)
+    for t in r.tensors:
+        data = np.array(t.data)
+        if t.name == "blk.1.attn_kv_b.weight":
+            data = data[:-1]  # one output row short
+        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    proc = run_kvstack("logits", "-m", tmp_path / "bad.gguf", "--tokens", "1", "--out",
+                       tmp_path / "x.npy", check=False)
+    assert proc.returncode != 0
+    assert "blk.1.attn_kv_b.weight" in proc.stderr, proc.stderr
