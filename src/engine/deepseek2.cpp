@@ -179,58 +179,65 @@ void Deepseek2Layers::moe(int layer, const float* h, int64_t n_tok, float* out) 
   const ModelConfig& c = model_.config();
   const ModelConfig::Moe& e = c.moe;
   const MoeWeights& w = model_.layers()[static_cast<size_t>(layer)].moe;
-  const int64_t d = c.n_embd, E = e.n_expert, K = e.n_expert_used, F = e.n_ff_exp;
-  const auto n = static_cast<size_t>(n_tok);
-  logits_.resize(n * static_cast<size_t>(E));
-  matmul(w.router, h, n_tok, logits_.data(), &threads_);
-  ids_.resize(n * static_cast<size_t>(K));
-  wts_.resize(n * static_cast<size_t>(K));
   const MoeRouteParams rp{.gating = e.gating,
                           .n_expert = e.n_expert,
                           .n_used = e.n_expert_used,
                           .norm = e.weights_norm,
                           .scale = e.weights_scale,
                           .bias = w.probs_bias};
+  moe_forward(w, rp, h, n_tok, out, moe_, &threads_);
+}
+
+void moe_forward(const MoeWeights& w, const MoeRouteParams& p, const float* h, int64_t n_tok,
+                 float* out, MoeScratch& s, ThreadPool* pool) {
+  const int64_t d = w.router.n_in, E = p.n_expert, K = p.n_used;
+  const auto n = static_cast<size_t>(n_tok);
+  s.logits.resize(n * static_cast<size_t>(E));
+  matmul(w.router, h, n_tok, s.logits.data(), pool);
+  s.ids.resize(n * static_cast<size_t>(K));
+  s.wts.resize(n * static_cast<size_t>(K));
   for (int64_t t = 0; t < n_tok; ++t) {
-    moe_route(logits_.data() + t * E, rp, ids_.data() + t * K, wts_.data() + t * K);
+    moe_route(s.logits.data() + t * E, p, s.ids.data() + t * K, s.wts.data() + t * K);
   }
   // Shared experts first (llama.cpp adds them to the routed sum; the order of
-  // two float additions per element is the only difference).
+  // the float additions per element is the only difference).
   if (w.sh_gate.data != nullptr) {
     const int64_t ff = w.sh_gate.n_out;
-    gate_.resize(n * static_cast<size_t>(ff));
-    up_.resize(n * static_cast<size_t>(ff));
-    matmul(w.sh_gate, h, n_tok, gate_.data(), &threads_);
-    matmul(w.sh_up, h, n_tok, up_.data(), &threads_);
-    swiglu(gate_.data(), up_.data(), gate_.data(), n_tok * ff);
-    matmul(w.sh_down, gate_.data(), n_tok, out, &threads_);
+    s.gate.resize(n * static_cast<size_t>(ff));
+    s.up.resize(n * static_cast<size_t>(ff));
+    matmul(w.sh_gate, h, n_tok, s.gate.data(), pool);
+    matmul(w.sh_up, h, n_tok, s.up.data(), pool);
+    swiglu(s.gate.data(), s.up.data(), s.gate.data(), n_tok * ff);
+    matmul(w.sh_down, s.gate.data(), n_tok, out, pool);
   } else {
     std::fill_n(out, n_tok * d, 0.0f);
   }
   // Routed experts: gather the tokens of each expert, run it once on them.
   for (int64_t ex = 0; ex < E; ++ex) {
-    rows_.clear();
+    s.rows.clear();
     for (int64_t i = 0; i < n_tok * K; ++i) {
-      if (ids_[static_cast<size_t>(i)] == ex) rows_.push_back(static_cast<int32_t>(i));
+      if (s.ids[static_cast<size_t>(i)] == ex) s.rows.push_back(static_cast<int32_t>(i));
     }
-    if (rows_.empty()) continue;
-    const auto m = static_cast<int64_t>(rows_.size());
-    xg_.resize(static_cast<size_t>(m * d));
+    if (s.rows.empty()) continue;
+    const auto m = static_cast<int64_t>(s.rows.size());
+    const WeightView& wg = w.gate[static_cast<size_t>(ex)];
+    const int64_t F = wg.n_out;
+    s.xg.resize(static_cast<size_t>(m * d));
     for (int64_t j = 0; j < m; ++j) {
-      std::copy_n(h + (rows_[static_cast<size_t>(j)] / K) * d, d, xg_.data() + j * d);
+      std::copy_n(h + (s.rows[static_cast<size_t>(j)] / K) * d, d, s.xg.data() + j * d);
     }
-    gate_.resize(static_cast<size_t>(m * F));
-    up_.resize(static_cast<size_t>(m * F));
-    down_.resize(static_cast<size_t>(m * d));
-    matmul(w.gate[static_cast<size_t>(ex)], xg_.data(), m, gate_.data(), &threads_);
-    matmul(w.up[static_cast<size_t>(ex)], xg_.data(), m, up_.data(), &threads_);
-    swiglu(gate_.data(), up_.data(), gate_.data(), m * F);
-    matmul(w.down[static_cast<size_t>(ex)], gate_.data(), m, down_.data(), &threads_);
+    s.gate.resize(static_cast<size_t>(m * F));
+    s.up.resize(static_cast<size_t>(m * F));
+    s.down.resize(static_cast<size_t>(m * d));
+    matmul(wg, s.xg.data(), m, s.gate.data(), pool);
+    matmul(w.up[static_cast<size_t>(ex)], s.xg.data(), m, s.up.data(), pool);
+    swiglu(s.gate.data(), s.up.data(), s.gate.data(), m * F);
+    matmul(w.down[static_cast<size_t>(ex)], s.gate.data(), m, s.down.data(), pool);
     for (int64_t j = 0; j < m; ++j) {
-      const int32_t i = rows_[static_cast<size_t>(j)];
-      const float wt = wts_[static_cast<size_t>(i)];
+      const int32_t i = s.rows[static_cast<size_t>(j)];
+      const float wt = s.wts[static_cast<size_t>(i)];
       float* o = out + (i / K) * d;
-      const float* dj = down_.data() + j * d;
+      const float* dj = s.down.data() + j * d;
       for (int64_t x = 0; x < d; ++x) o[x] += wt * dj[x];
     }
   }

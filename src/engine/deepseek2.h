@@ -37,6 +37,19 @@ struct MoeRouteParams {
 // lower index; weights[n_used] their weights (see ModelConfig::Moe).
 void moe_route(const float* logits, const MoeRouteParams& p, int32_t* ids, float* weights);
 
+// Scratch buffers of moe_forward, reused across calls.
+struct MoeScratch {
+  std::vector<float> logits, wts, xg, gate, up, down;
+  std::vector<int32_t> ids, rows;
+};
+
+// The MoE FFN: out[n_tok, d] = shared experts' SwiGLU(h) + sum over each
+// token's routed experts of weight * SwiGLU_e(h), h [n_tok, d] (d = the
+// router's n_in). Each expert runs once on the tokens routed to it.
+// REQUIRES: w matches p (n_expert views, router [n_expert, d]); out != h.
+void moe_forward(const MoeWeights& w, const MoeRouteParams& p, const float* h, int64_t n_tok,
+                 float* out, MoeScratch& s, ThreadPool* pool);
+
 // YaRN / plain RoPE over n_rot dims of n_rows vectors: row r is x + r * stride
 // and is rotated at position pos[r / rows_per_pos]; adjacent pairs (x[2i],
 // x[2i+1]) as ggml's GGML_ROPE_TYPE_NORM with ext_factor 1 when yarn.enabled.
@@ -64,9 +77,8 @@ class Deepseek2Layers {
  private:
   const Model& model_;
   ThreadPool& threads_;
-  std::vector<float> qa_, qfull_, kva_, lat_, kv_;           // MLA workspace
-  std::vector<float> logits_, wts_, xg_, gate_, up_, down_;  // MoE workspace
-  std::vector<int32_t> ids_, rows_;
+  std::vector<float> qa_, qfull_, kva_, lat_, kv_;  // MLA workspace
+  MoeScratch moe_;
 };
 
 }  // namespace kvstack

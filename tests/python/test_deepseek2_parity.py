@@ -136,3 +136,15 @@ def test_bad_deepseek2_file_is_rejected_by_name(tmp_path):
                        tmp_path / "x.npy", check=False)
     assert proc.returncode != 0
     assert "blk.1.attn_kv_b.weight" in proc.stderr, proc.stderr
+
+
+def test_inspect_shows_mla_and_moe(models):
+    out = run_kvstack("inspect", "-m", models["q-split"][0]).stdout
+    assert "architecture     deepseek2" in out
+    assert "attn_k_b/attn_v_b, attn_q, yarn" in out
+    assert "MLA latent       32 + 16 elements" in out
+    # the expanded cache: 4 heads x 48 dims (k 32 + 16, v 32 padded) per layer
+    assert "2 x 3 layers x 4 kv heads x 48 dims" in out
+    # query scale mscale^2 / sqrt(48), mscale = 1 + 0.1 * 0.707 * ln 4
+    scale = float(out.split("query scale ")[1].split(",")[0])
+    assert abs(scale - (1 + 0.1 * 0.707 * np.log(4)) ** 2 / np.sqrt(48)) < 1e-5
