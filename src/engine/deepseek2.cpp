@@ -77,8 +77,9 @@ void rope_yarn_rows(float* x, int64_t n_rows, int64_t stride, int64_t rows_per_p
       for (int i0 = 0; i0 < n_rot; i0 += 2) {
         float th = fs * theta;
         if (y.enabled) {
+          const int pair = i0 / 2;  // ggml's rope_yarn_ramp: integer i0 / 2
           const float ramp_y =
-              (static_cast<float>(i0 / 2) - y.corr_lo) / std::max(0.001f, y.corr_hi - y.corr_lo);
+              (static_cast<float>(pair) - y.corr_lo) / std::max(0.001f, y.corr_hi - y.corr_lo);
           const float mix = 1.0f - std::min(1.0f, std::max(0.0f, ramp_y));
           th = th * (1.0f - mix) + theta * mix;
         }
