@@ -84,9 +84,8 @@ int run_inspect(const std::vector<std::string>& argv) {
     // The cache below is the expanded one kvstack runs; the latent it could
     // hold instead is (kv_lora_rank + qk_rope) elements per layer and token.
     std::printf("deepseek2        %s\n", deepseek2_kernel_summary(c).c_str());
-    std::printf(
-        "MLA latent       %d + %d elements per layer and token (not what kvstack caches yet)\n",
-        c.mla.kv_lora_rank, c.mla.qk_rope);
+    std::printf("MLA latent       %d + %d elements per layer and token (--kv-mla latent)\n",
+                c.mla.kv_lora_rank, c.mla.qk_rope);
   }
 
   // KV bytes per token: 2 (K and V) * layers * kv heads * head dim * bytes.

@@ -5,6 +5,9 @@
 #include <cstdio>
 #include <numeric>
 
+#include "attention/mla_attention.h"
+#include "kv/kv_codec.h"
+#include "model/dequant.h"
 #include "ops/elementwise.h"
 #include "ops/matmul.h"
 
@@ -99,16 +102,18 @@ void rope_yarn_rows(float* x, int64_t n_rows, int64_t stride, int64_t rows_per_p
   }
 }
 
-std::string deepseek2_kernel_summary(const ModelConfig& c) {
+std::string deepseek2_kernel_summary(const ModelConfig& c, bool latent) {
   const ModelConfig::Mla& m = c.mla;
-  std::string s = "mla: expanded to per-head K/V (" + std::to_string(c.n_heads) + " heads, k " +
-                  std::to_string(m.qk_nope) + "+" + std::to_string(m.qk_rope) + ", v " +
-                  std::to_string(m.v_head_dim) + ", cached " + std::to_string(c.head_dim) +
-                  " per head; latent " + std::to_string(m.kv_lora_rank) + "+" +
-                  std::to_string(m.qk_rope) + ", " +
-                  (m.split_kv_b ? "attn_k_b/attn_v_b" : "attn_kv_b") + ", " +
-                  (m.q_lora_rank > 0 ? "q low-rank " + std::to_string(m.q_lora_rank) : "attn_q") +
-                  (c.yarn.enabled ? ", yarn" : "") + ")";
+  const std::string lat = std::to_string(m.kv_lora_rank) + "+" + std::to_string(m.qk_rope);
+  std::string s = latent ? "mla: latent cache, absorbed attention (scalar), " + lat +
+                               " per token shared by " + std::to_string(c.n_heads) + " heads ("
+                         : "mla: expanded to per-head K/V (" + std::to_string(c.n_heads) +
+                               " heads, cached " + std::to_string(c.head_dim) +
+                               " per head; latent " + lat + ", ";
+  s += "k " + std::to_string(m.qk_nope) + "+" + std::to_string(m.qk_rope) + ", v " +
+       std::to_string(m.v_head_dim) + ", " + (m.split_kv_b ? "attn_k_b/attn_v_b" : "attn_kv_b") +
+       ", " + (m.q_lora_rank > 0 ? "q low-rank " + std::to_string(m.q_lora_rank) : "attn_q") +
+       (c.yarn.enabled ? ", yarn" : "") + ")";
   const ModelConfig::Moe& e = c.moe;
   if (e.n_expert > 0) {
     const char* g = e.gating == ModelConfig::MoeGating::kSigmoid         ? "sigmoid"
@@ -166,6 +171,115 @@ void Deepseek2Layers::qkv(int layer, const float* h, int64_t n_tok, const int32_
       std::copy_n(kvh + nope, vd, v + row);
     }
   }
+}
+
+Status Deepseek2Layers::latent_attention(int layer, std::span<const StepSeq> batch, const float* h,
+                                         int64_t n_tok, const int32_t* pos, float* out,
+                                         int64_t* rejected) {
+  const ModelConfig& c = model_.config();
+  const ModelConfig::Mla& m = c.mla;
+  const LayerWeights& w = model_.layers()[static_cast<size_t>(layer)];
+  const int64_t H = c.n_heads, dqk = m.qk_dim(), nope = m.qk_nope, rope = m.qk_rope;
+  const int64_t r = m.kv_lora_rank, vd = m.v_head_dim, dl = r + rope;
+  const auto n = static_cast<size_t>(n_tok);
+  // q, the latent and the RoPE key, as the expanded path computes them.
+  qfull_.resize(n * static_cast<size_t>(H * dqk));
+  if (m.q_lora_rank > 0) {
+    qa_.resize(n * static_cast<size_t>(m.q_lora_rank));
+    matmul(w.mla.wq_a, h, n_tok, qa_.data(), &threads_);
+    rms_norm(qa_.data(), w.mla.q_a_norm, n_tok, m.q_lora_rank, c.norm_eps, qa_.data());
+    matmul(w.mla.wq_b, qa_.data(), n_tok, qfull_.data(), &threads_);
+  } else {
+    matmul(w.wq, h, n_tok, qfull_.data(), &threads_);
+  }
+  kva_.resize(n * static_cast<size_t>(dl));
+  matmul(w.mla.wkv_a, h, n_tok, kva_.data(), &threads_);
+  rows_.resize(n * static_cast<size_t>(dl));
+  for (int64_t t = 0; t < n_tok; ++t) {
+    rms_norm(kva_.data() + t * dl, w.mla.kv_a_norm, r, c.norm_eps, rows_.data() + t * dl);
+    std::copy_n(kva_.data() + t * dl + r, rope, rows_.data() + t * dl + r);
+  }
+  rope_yarn_rows(qfull_.data() + nope, n_tok * H, dqk, H, pos, c);
+  rope_yarn_rows(rows_.data() + r, n_tok, dl, 1, pos, c);
+
+  // W_kvb in f32 once: rows h*(nope+v) + i (i < nope) are W_UK,h, then W_UV,h.
+  if (wkv_b_f32_.empty()) wkv_b_f32_.resize(static_cast<size_t>(c.n_layers));
+  std::vector<float>& wb = wkv_b_f32_[static_cast<size_t>(layer)];
+  if (wb.empty()) {
+    const WeightView& kvb = w.mla.wkv_b;
+    wb.resize(static_cast<size_t>(kvb.n_out * kvb.n_in));
+    const size_t rb = ggml_row_bytes(kvb.type, kvb.n_in);
+    for (int64_t i = 0; i < kvb.n_out; ++i) {
+      dequantize_row(kvb.type, kvb.data + static_cast<size_t>(i) * rb, wb.data() + i * kvb.n_in,
+                     kvb.n_in);
+    }
+  }
+  // Absorb W_UK into the query: q_abs,h = [W_UK,h^T q_nope,h ; q_rope,h].
+  q_abs_.resize(n * static_cast<size_t>(H * dl));
+  for (int64_t t = 0; t < n_tok; ++t) {
+    for (int64_t hh = 0; hh < H; ++hh) {
+      const float* qh = qfull_.data() + (t * H + hh) * dqk;
+      float* qa = q_abs_.data() + (t * H + hh) * dl;
+      std::fill_n(qa, r, 0.0f);
+      const float* wk = wb.data() + hh * (nope + vd) * r;
+      for (int64_t i = 0; i < nope; ++i) {
+        const float qi = qh[i];
+        const float* wrow = wk + i * r;
+        for (int64_t j = 0; j < r; ++j) qa[j] += qi * wrow[j];
+      }
+      std::copy_n(qh + nope, rope, qa + r);
+    }
+  }
+
+  // Check every sequence's rows, then write them and attend.
+  const PagedKvLayerView view = batch.front().table->pool().layer_view(layer);
+  int64_t row = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const auto nn = static_cast<int64_t>(batch[i].tokens.size());
+    const Status st =
+        kv_validate_rows(view, batch[i].table->length(), rows_.data() + row * dl, nullptr, nn);
+    if (!st.ok()) {
+      *rejected = static_cast<int64_t>(i);
+      return make_error(st.error().code, "layer " + std::to_string(layer) + ", step entry " +
+                                             std::to_string(i) + ": " + st.error().message);
+    }
+    row += nn;
+  }
+  o_lat_.resize(n * static_cast<size_t>(H * r));
+  std::vector<AttnSeq> seqs;
+  seqs.reserve(batch.size());
+  row = 0;
+  for (const StepSeq& s : batch) {
+    const auto nn = static_cast<int64_t>(s.tokens.size());
+    s.table->write(layer, s.table->length(), rows_.data() + row * dl, nullptr, nn);
+    const std::span<const int32_t> ids = s.table->ids_for_layer(layer);
+    seqs.push_back(AttnSeq{.block_table = ids.data(),
+                           .n_blocks = static_cast<int32_t>(ids.size()),
+                           .n_past = static_cast<int32_t>(s.table->length()),
+                           .n_new = static_cast<int32_t>(nn),
+                           .q = q_abs_.data() + row * H * dl,
+                           .out = o_lat_.data() + row * H * r});
+    row += nn;
+  }
+  const MlaAttnParams ap{.n_heads = c.n_heads,
+                         .latent_dim = m.kv_lora_rank,
+                         .rope_dim = m.qk_rope,
+                         .scale = c.attn_scale};
+  KV_TRY_STATUS(mla_attention(view, ap, seqs, &threads_));
+  // W_UV after the weighted sum: out_h = W_UV,h o_lat,h.
+  for (int64_t t = 0; t < n_tok; ++t) {
+    for (int64_t hh = 0; hh < H; ++hh) {
+      const float* ol = o_lat_.data() + (t * H + hh) * r;
+      const float* wv = wb.data() + (hh * (nope + vd) + nope) * r;
+      float* o = out + (t * H + hh) * vd;
+      for (int64_t k = 0; k < vd; ++k) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < r; ++j) acc += wv[k * r + j] * ol[j];
+        o[k] = acc;
+      }
+    }
+  }
+  return {};
 }
 
 void Deepseek2Layers::compact_attention(float* attn, int64_t n_tok) const {

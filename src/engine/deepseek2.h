@@ -18,7 +18,10 @@
 #include <string>
 #include <vector>
 
+#include <span>
+
 #include "core/thread_pool.h"
+#include "engine/forward.h"
 #include "engine/model.h"
 
 namespace kvstack {
@@ -58,7 +61,8 @@ void rope_yarn_rows(float* x, int64_t n_rows, int64_t stride, int64_t rows_per_p
 
 // For the load line: "mla: expanded to per-head K/V (...); moe: top-k of E
 // experts (gating, ...)".
-std::string deepseek2_kernel_summary(const ModelConfig& c);
+// latent: the KV cache holds latent rows (--kv-mla latent), else expanded K/V.
+std::string deepseek2_kernel_summary(const ModelConfig& c, bool latent = false);
 
 class Deepseek2Layers {
  public:
@@ -68,6 +72,15 @@ class Deepseek2Layers {
   // at positions pos[n_tok], RoPE applied, padding zero.
   void qkv(int layer, const float* h, int64_t n_tok, const int32_t* pos, float* q, float* k,
            float* v);
+  // MLA with the latent cache (layer l's pool view is a kMlaLatent layer,
+  // --kv-mla latent): h [n_tok, n_embd] (after attn_norm) -> out [n_tok,
+  // H * v]. Writes each sequence's latent rows [rmsnorm(c) ; rope(k_R)] at
+  // its reserved slots, then per head q_lat = W_UK,h^T q_nope,h, latent
+  // attention (mla_attention.h) and W_UV,h times the latent output. On a row
+  // the cache dtype cannot hold, *rejected is the step entry and nothing of
+  // this layer is written.
+  Status latent_attention(int layer, std::span<const StepSeq> batch, const float* h, int64_t n_tok,
+                          const int32_t* pos, float* out, int64_t* rejected);
   // The attention output [n_tok, n_heads, head_dim] -> [n_tok, n_heads * v_head_dim], in place.
   void compact_attention(float* attn, int64_t n_tok) const;
   // h [n_tok, n_embd] (after ffn_norm) -> out [n_tok, n_embd]: routed experts
@@ -79,6 +92,9 @@ class Deepseek2Layers {
   ThreadPool& threads_;
   std::vector<float> qa_, qfull_, kva_, lat_, kv_;  // MLA workspace
   MoeScratch moe_;
+  std::vector<float> q_abs_, rows_, o_lat_;  // latent path: [n,H,dc+dR], [n,dc+dR], [n,H,dc]
+  // Per layer, wkv_b in f32 ([H * (nope + v)][kv_lora]), built on first latent use.
+  std::vector<std::vector<float>> wkv_b_f32_;
 };
 
 }  // namespace kvstack

@@ -130,6 +130,10 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
 
   // Attention block.
   rms_norm(x_.data(), w.attn_norm, n_tok, c.n_embd, c.norm_eps, h_.data());
+  // deepseek2 with a latent KV layer (--kv-mla latent): forward_deepseek2.cpp.
+  if (deepseek2_ && batch.front().table->pool().layer_view(l).v == nullptr) {
+    return mla_latent_layer(l, batch, n_tok);
+  }
   // Q, K and V in one pass when their types allow (one activation
   // quantization, one thread dispatch).
   if (deepseek2_) {

@@ -79,6 +79,9 @@ class Forward {
 
  private:
   Status layer(int l, std::span<const StepSeq> batch, int64_t n_tok);
+  // deepseek2 layer over a latent KV layer (forward_deepseek2.cpp); called by
+  // layer() after the attention RMSNorm (h_ holds it).
+  Status mla_latent_layer(int l, std::span<const StepSeq> batch, int64_t n_tok);
   void ensure_workspace(int64_t n_tok);
 
   const Model& model_;

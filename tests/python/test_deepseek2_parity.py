@@ -7,7 +7,9 @@ as MHA; split attn_k_b / attn_v_b, which it runs through its latent cache with
 the absorbed formula), a dense leading layer then MoE layers (softmax and
 sigmoid gating, weight normalisation on and off, a scale, the exp_probs_b
 selection bias, one or two shared experts), YaRN scaling on and off. kvstack
-runs every variant with the latent expanded to per-head K/V in its paged cache.
+runs every variant with the latent expanded to per-head K/V in its paged
+cache (--kv-mla expanded) and with the latent cache (--kv-mla latent: one [d_c + d_R] row per layer and token, W_UK absorbed into
+the query, W_UV applied after the weighted sum).
 
 Logits are compared with f32 weights and an f32 KV cache in both engines:
 random weights make these models chaotic under f16/Q8_0 rounding (an MoE
@@ -83,15 +85,60 @@ def test_logits_and_greedy_match_llama_cpp(models, prompts, variant):
         # the same weights run through its other attention path (latent cache
         # with absorbed W_UK/W_UV for split files, MHA for kv_b files).
         alt = ref + np.maximum(np.abs(flash - ref), np.abs(other - ref))
-        got = kvstack_logits(ids, "-m", path, "--kv-dtype", "f32")
-        assert got.shape == ref.shape == (len(ids), N_VOCAB)
-        check_logits(f"{variant}/{name}", ids, ref, alt, got)
+        for mode in ("expanded", "latent"):
+            got = kvstack_logits(ids, "-m", path, "--kv-dtype", "f32", "--kv-mla", mode)
+            assert got.shape == ref.shape == (len(ids), N_VOCAB)
+            check_logits(f"{variant}/{name}/{mode}", ids, ref, alt, got)
     # Greedy decode (one token per step through the paged cache), f16 KV in both.
     ids, n = prompts["medium"], 24
     ref, gaps = llama_greedy(make_llama(path, False, f32_kv=False), ids, n)
-    proc = run_kvstack("run", "-m", path, "--tokens", ",".join(map(str, ids)), "-n", n,
-                       "--temp", 0, "--ignore-eos", "--json", "--threads", THREADS)
-    check_greedy(variant, ref, gaps, json.loads(proc.stdout)["tokens"], n, NEAR_TIE)
+    for mode in ("expanded", "latent"):
+        proc = run_kvstack("run", "-m", path, "--tokens", ",".join(map(str, ids)), "-n", n,
+                           "--temp", 0, "--ignore-eos", "--json", "--threads", THREADS,
+                           "--kv-mla", mode)
+        check_greedy(f"{variant}/{mode}", ref, gaps, json.loads(proc.stdout)["tokens"], n,
+                     NEAR_TIE)
+
+
+@pytest.mark.parametrize("variant", ["qlora-kvb", "q-split", "qlora-split-sigmoid"])
+def test_latent_cache_equals_expanded_for_every_block_size_and_split(models, prompts, variant):
+    """The absorbed latent path and the expanded per-head K/V path are two
+    formulas for one attention: with f32 caches their logits agree for every
+    block size and prefill split (chunks of 1, 7 and 160), to 5e-3 of the
+    largest logit. The paths round differently: the tied Q8_0 output matmul
+    quantizes the final hidden state, so a float-rounding difference that moves
+    one activation across a rounding step moves the logits by ~1e-2; and a
+    kv_b file's f16 attn_kv_b makes the expanded path round the latent to f16
+    before the up-projection (as ggml's f16 matmul does) while the latent path
+    keeps it f32. A wrong formula moves logits by units."""
+    path = models[variant][0]
+    ids = prompts["medium"]
+    base = kvstack_logits(ids, "-m", path, "--kv-dtype", "f32", "--kv-mla", "expanded")
+    for bs, chunk in ((1, 7), (4, 1), (16, 160), (64, 7)):
+        got = kvstack_logits(ids, "-m", path, "--kv-dtype", "f32", "--kv-mla", "latent",
+                             "--block-size", bs, "--prefill-chunk", chunk)
+        err = np.abs(got - base).max()
+        print(f"\n[{variant}] latent vs expanded, block {bs}, chunk {chunk}: max abs {err:.2e}")
+        assert err < 5e-3 * np.abs(base).max(), (bs, chunk, err)
+
+
+def test_latent_cache_bytes_per_token(models):
+    """Memory truth: the latent pool holds N (d_c + d_R) b bytes per token
+    (3 layers x (32 + 16) x 2 bytes for f16, no metadata), 1/8 of the
+    expanded pool's 2 x 3 x 4 heads x 48 x 2."""
+    import re
+    path = models["q-split"][0]
+    sizes = {}
+    for mode in ("expanded", "latent"):
+        err = run_kvstack("logits", "-m", path, "--tokens", "1,2,3", "--out", "/dev/null",
+                          "--kv-mla", mode, "--kv-cache-tokens", 1024).stderr
+        m = re.search(r"KV pool (\d+) blocks x (\d+) tokens \(f16, ([\d.]+) (KiB|MiB)\)", err)
+        assert m, err
+        tokens = int(m.group(1)) * int(m.group(2))
+        size = float(m.group(3)) * (1024 if m.group(4) == "KiB" else 1024 * 1024)
+        sizes[mode] = size / tokens
+    assert sizes["latent"] == 3 * (32 + 16) * 2
+    assert sizes["expanded"] == 2 * 3 * 4 * 48 * 2
 
 
 def test_load_line_names_mla_and_moe(models):
@@ -99,6 +146,9 @@ def test_load_line_names_mla_and_moe(models):
     proc = run_kvstack("logits", "-m", path, "--tokens", "1,2,3", "--out", "/dev/null",
                        "--threads", THREADS)
     assert "mla: expanded to per-head K/V" in proc.stderr, proc.stderr
+    proc = run_kvstack("logits", "-m", path, "--tokens", "1,2,3", "--out", "/dev/null",
+                       "--threads", THREADS, "--kv-mla", "latent")
+    assert "mla: latent cache, absorbed attention (scalar), 32+16 per token" in proc.stderr
     assert "moe: top-2 of 8 experts (sigmoid" in proc.stderr, proc.stderr
 
 
@@ -142,9 +192,26 @@ def test_inspect_shows_mla_and_moe(models):
     out = run_kvstack("inspect", "-m", models["q-split"][0]).stdout
     assert "architecture     deepseek2" in out
     assert "attn_k_b/attn_v_b, attn_q, yarn" in out
-    assert "MLA latent       32 + 16 elements" in out
+    assert "MLA latent       32 + 16 elements per layer and token (--kv-mla latent)" in out
     # the expanded cache: 4 heads x 48 dims (k 32 + 16, v 32 padded) per layer
     assert "2 x 3 layers x 4 kv heads x 48 dims" in out
     # query scale mscale^2 / sqrt(48), mscale = 1 + 0.1 * 0.707 * ln 4
     scale = float(out.split("query scale ")[1].split(",")[0])
     assert abs(scale - (1 + 0.1 * 0.707 * np.log(4)) ** 2 / np.sqrt(48)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,block", [("f16", 16), ("bf16", 4), ("f32", 1)])
+def test_plan_verify_matches_the_latent_cache(models, dtype, block):
+    """kvstack plan reads the file's real MLA dims (3 layers x (32 + 16)) and
+    --verify, which runs the engine's latent cache, matches payload, allocated
+    bytes and blocks exactly for uneven sequence lengths."""
+    out = run_kvstack("plan", "-m", models["qlora-kvb"][0], "--lengths", "100,700,33",
+                      "--block-size", block, "--kv-dtype", dtype, "--verify").stdout
+    b = {"f16": 2, "bf16": 2, "f32": 4}[dtype]
+    assert f"3 x mla layers                     {(32 + 16) * b} B/token/layer" in out, out
+    rows = {l.split()[0]: l.split()[1:] for l in out.splitlines()
+            if l.strip().split(" ")[0] in ("payload_bytes", "allocated_bytes", "block_count")}
+    assert len(rows) == 3, out
+    for name, (pred, meas, verdict) in rows.items():
+        assert pred == meas and verdict == "match", (name, pred, meas)
+    assert int(rows["payload_bytes"][0]) == (100 + 700 + 33) * 3 * (32 + 16) * b
