@@ -215,3 +215,17 @@ def test_plan_verify_matches_the_latent_cache(models, dtype, block):
     for name, (pred, meas, verdict) in rows.items():
         assert pred == meas and verdict == "match", (name, pred, meas)
     assert int(rows["payload_bytes"][0]) == (100 + 700 + 33) * 3 * (32 + 16) * b
+
+
+def test_latent_cache_beam_search_on_forks_matches_expanded(models, prompts):
+    """Beam search forks sequences copy-on-write: the latent cache's shared and
+    copied blocks give the expanded cache's beams (f32 caches)."""
+    outs = {}
+    for mode in ("expanded", "latent"):
+        outs[mode] = run_kvstack("run", "-m", models["qlora-split-sigmoid"][0], "--tokens",
+                                 ",".join(map(str, prompts["short"])), "-n", 12, "--beams", 3,
+                                 "--kv-mla", mode, "--kv-dtype", "f32", "--threads",
+                                 THREADS).stdout
+    beams = [l for l in outs["latent"].splitlines() if l.startswith("beam ")]
+    assert len(beams) == 3, outs["latent"]
+    assert beams == [l for l in outs["expanded"].splitlines() if l.startswith("beam ")]
