@@ -5,6 +5,7 @@
 
 #include "cli/args.h"
 #include "core/units.h"
+#include "engine/deepseek2.h"
 #include "model/config.h"
 #include "model/gguf.h"
 
@@ -79,6 +80,13 @@ int run_inspect(const std::vector<std::string>& argv) {
               c.ffn_act == ModelConfig::FfnAct::kGeluTanh ? "GeGLU (tanh GELU)" : "SwiGLU",
               c.post_norms ? "pre and post norms" : "pre norms",
               c.qk_norm ? ", q/k head norms" : "", c.attn_scale, c.embd_scale);
+  if (c.arch == "deepseek2") {
+    // The cache below is the expanded one kvstack runs; the latent it could
+    // hold instead is (kv_lora_rank + qk_rope) elements per layer and token.
+    std::printf("deepseek2        %s\n", deepseek2_kernel_summary(c).c_str());
+    std::printf("MLA latent       %d + %d elements per layer and token (--kv-mla latent)\n",
+                c.mla.kv_lora_rank, c.mla.qk_rope);
+  }
 
   // KV bytes per token: 2 (K and V) * layers * kv heads * head dim * bytes.
   std::printf("\nKV cache bytes per token (2 x %d layers x %d kv heads x %d dims x b):\n",

@@ -10,6 +10,7 @@
 #include "cli/text_input.h"
 #include "core/cpu_features.h"
 #include "core/units.h"
+#include "engine/deepseek2.h"
 #include "engine/model.h"
 #include "kv/rotation.h"
 #include "model/config.h"
@@ -34,6 +35,10 @@ std::vector<OptionSpec> engine_options() {
       {"kv-dtype-v", 0, "TYPE", "V's format when it differs from --kv-dtype"},
       {"kv-residual", 0, "R",
        "KIVI: newest tokens per sequence kept in f16, a multiple of the key group (default 128)"},
+      {"kv-mla", 0, "MODE",
+       "deepseek2 KV cache: expanded (per-head K/V, the default) or latent (one row of "
+       "kv_lora_rank + rope dims per layer and token, attention with absorbed up-projections; "
+       "f32/f16/bf16)"},
       {"kv-rotate", 0, "",
        "rotate queries, keys and values per head (normalized Walsh-Hadamard with fixed random "
        "signs) before K/V are stored, and each attention output back: spreads outlier channels "
@@ -142,6 +147,12 @@ Result<EngineConfig> engine_config_from(const Args& args) {
   auto residual = args.get_int("kv-residual", 128, 0, 1 << 20);
   if (!residual) return residual.error();
   c.kv_residual = static_cast<int>(*residual);
+  const std::string mla = args.get_or("kv-mla", "expanded");
+  if (mla != "expanded" && mla != "latent") {
+    return make_error(Errc::kInvalidArgument,
+                      "--kv-mla: '" + mla + "' is not one of expanded, latent");
+  }
+  c.kv_mla_latent = mla == "latent";
   if (args.flag("kv-rotate") && args.flag("no-kv-rotate")) {
     return make_error(Errc::kInvalidArgument, "give --kv-rotate or --no-kv-rotate, not both");
   }
@@ -231,16 +242,25 @@ Result<std::unique_ptr<Engine>> load_engine(const Args& args, bool quiet) {
     const Model& model = (*engine)->model();
     std::vector<GgmlType> types;
     for (const LayerWeights& l : model.layers()) {
-      for (const WeightView* wv : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) {
+      for (const WeightView* wv : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down,
+                                   &l.mla.wq_a, &l.mla.wq_b, &l.mla.wkv_a, &l.mla.wkv_b,
+                                   &l.moe.router, &l.moe.sh_gate, &l.moe.sh_up, &l.moe.sh_down}) {
         if (wv->data != nullptr) types.push_back(wv->type);
+      }
+      for (const auto* ex : {&l.moe.gate, &l.moe.up, &l.moe.down}) {
+        if (!ex->empty()) types.push_back(ex->front().type);
       }
     }
     types.push_back(model.output().type);
     const CpuFeatures& cf = cpu_features();
     const bool attn_avx2 =
         best_isa() >= Isa::kAvx2 && cf.fma && cf.f16c && model.config().head_dim % 8 == 0;
-    const std::string kernels = "matmul: " + matmul_kernel_summary(types) + "; attention " +
-                                (attn_avx2 ? "avx2" : "scalar");
+    std::string kernels = "matmul: " + matmul_kernel_summary(types) + "; attention " +
+                          (cfg->kv_mla_latent ? "mla-latent scalar"
+                           : attn_avx2        ? "avx2"
+                                              : "scalar");
+    if (model.config().arch == "deepseek2")
+      kernels += "; " + deepseek2_kernel_summary(model.config(), cfg->kv_mla_latent);
     std::fprintf(stderr,
                  "kvstack: loaded %s (%s weights) in %.0f ms; %d threads, kernels (%s); KV pool "
                  "%lld blocks x %d tokens (%s, %s)\n",

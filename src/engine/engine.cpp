@@ -65,6 +65,25 @@ Result<KvLayout> engine_kv_layout(const ModelConfig& c, const EngineConfig& conf
   // One standard layer per model layer, each with its own window: the pool
   // groups them (kv_groups.h).
   std::vector<KvLayerSpec> layers(static_cast<size_t>(c.n_layers));
+  if (config.kv_mla_latent) {
+    if (c.arch != "deepseek2") {
+      return make_error(Errc::kInvalidArgument, "--kv-mla latent: the model (" + c.arch +
+                                                    ") has no latent attention (deepseek2 only)");
+    }
+    if (kv_dtype_is_quantized(config.key_dtype()) || config.value_dtype() != config.key_dtype() ||
+        config.kv_rotation != KvRotation::kNone || config.kv_center) {
+      return make_error(Errc::kUnsupported,
+                        "--kv-mla latent: supports one float KV dtype (f32, f16, bf16) and no "
+                        "--kv-rotate / --kv-center");
+    }
+    for (int l = 0; l < c.n_layers; ++l) {
+      layers[static_cast<size_t>(l)] = KvLayerSpec{.kind = KvLayerKind::kMlaLatent,
+                                                   .latent_dim = c.mla.kv_lora_rank,
+                                                   .rope_dim = c.mla.qk_rope,
+                                                   .dtype = config.key_dtype()};
+    }
+    return KvLayout::create(std::move(layers), config.block_size);
+  }
   for (int l = 0; l < c.n_layers; ++l) {
     layers[static_cast<size_t>(l)] = KvLayerSpec{.kind = KvLayerKind::kStandard,
                                                  .n_kv_heads = c.n_kv_heads,

@@ -37,6 +37,9 @@ struct EngineConfig {
   // KIVI formats: newest tokens per sequence kept in f16 (--kv-residual R, a
   // multiple of the key group G, kivi_codec.h); ignored by other formats.
   int kv_residual = 128;
+  // deepseek2 (--kv-mla latent): cache one latent row [c ; k_R] per layer and
+  // token (KvLayerKind::kMlaLatent) instead of the expanded per-head K/V.
+  bool kv_mla_latent = false;
   KvDtype key_dtype() const { return kv_dtype_k.value_or(kv_dtype); }
   KvDtype value_dtype() const { return kv_dtype_v.value_or(kv_dtype); }
   KvRotation kv_rotation = KvRotation::kNone;  // --kv-rotate: Q/K/V rotation before K/V are stored

@@ -1,10 +1,12 @@
 #include "engine/forward.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
 #include "attention/attention_kivi.h"
 #include "attention/paged_attention.h"
+#include "engine/deepseek2.h"
 #include "engine/key_center.h"
 #include "kv/kv_codec.h"
 #include "ops/elementwise.h"
@@ -12,7 +14,13 @@
 namespace kvstack {
 
 Forward::Forward(const Model& model, ThreadPool& threads, KvRotation rotation)
-    : model_(model), threads_(threads), rotation_(rotation) {}
+    : model_(model), threads_(threads), rotation_(rotation) {
+  if (model.config().arch == "deepseek2") {
+    deepseek2_ = std::make_unique<Deepseek2Layers>(model, threads);
+  }
+}
+
+Forward::~Forward() = default;
 
 void Forward::ensure_workspace(int64_t n_tok) {
   if (n_tok <= capacity_) return;
@@ -23,7 +31,8 @@ void Forward::ensure_workspace(int64_t n_tok) {
   q_.resize(n * c.n_heads * c.head_dim);
   k_.resize(n * c.n_kv_heads * c.head_dim);
   v_.resize(n * c.n_kv_heads * c.head_dim);
-  attn_.resize(n * c.n_heads * c.head_dim);
+  // attn_ also takes the MoE output ([n_tok, n_embd]) of deepseek2 layers.
+  attn_.resize(n * std::max(c.n_heads * c.head_dim, c.n_embd));
   gate_.resize(n * c.n_ff);
   up_.resize(n * c.n_ff);
   pos_.resize(n);
@@ -121,9 +130,16 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
 
   // Attention block.
   rms_norm(x_.data(), w.attn_norm, n_tok, c.n_embd, c.norm_eps, h_.data());
+  // deepseek2 with a latent KV layer (--kv-mla latent): forward_deepseek2.cpp.
+  if (deepseek2_ && batch.front().table->pool().layer_view(l).v == nullptr) {
+    return mla_latent_layer(l, batch, n_tok);
+  }
   // Q, K and V in one pass when their types allow (one activation
   // quantization, one thread dispatch).
-  if (matmul_can_fuse(w.wq, w.wk) && matmul_can_fuse(w.wq, w.wv)) {
+  if (deepseek2_) {
+    // MLA: latent -> per-head K/V rows, RoPE (YaRN) on the decoupled parts.
+    deepseek2_->qkv(l, h_.data(), n_tok, pos_.data(), q_.data(), k_.data(), v_.data());
+  } else if (matmul_can_fuse(w.wq, w.wk) && matmul_can_fuse(w.wq, w.wv)) {
     const WeightView qkv[3] = {w.wq, w.wk, w.wv};
     float* const out[3] = {q_.data(), k_.data(), v_.data()};
     matmul_multi(qkv, h_.data(), n_tok, out, &threads_);
@@ -144,12 +160,14 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
     rms_norm(q_.data(), w.attn_q_norm, n_tok * c.n_heads, c.head_dim, c.norm_eps, q_.data());
     rms_norm(k_.data(), w.attn_k_norm, n_tok * c.n_kv_heads, c.head_dim, c.norm_eps, k_.data());
   }
-  const RopeParams rp{.style = c.rope_neox ? RopeStyle::kNeox : RopeStyle::kNormal,
-                      .n_rot = c.n_rot,
-                      .freq_base = c.rope_base(l),
-                      .freq_scale = c.rope_scale(l)};
-  rope(q_.data(), pos_.data(), n_tok, c.n_heads, c.head_dim, rp);
-  rope(k_.data(), pos_.data(), n_tok, c.n_kv_heads, c.head_dim, rp);
+  if (!deepseek2_) {
+    const RopeParams rp{.style = c.rope_neox ? RopeStyle::kNeox : RopeStyle::kNormal,
+                        .n_rot = c.n_rot,
+                        .freq_base = c.rope_base(l),
+                        .freq_scale = c.rope_scale(l)};
+    rope(q_.data(), pos_.data(), n_tok, c.n_heads, c.head_dim, rp);
+    rope(k_.data(), pos_.data(), n_tok, c.n_kv_heads, c.head_dim, rp);
+  }
   // --kv-center: every key of a head moves by the same mu, so each query's
   // scores shift by one constant (q.mu), which softmax removes.
   if (key_center_ != nullptr) {
@@ -224,6 +242,7 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   KV_CHECK(st.ok(), "paged_attention rejected arguments the forward pass built");
   // attn_ [n_tok, n_heads, head_dim] = sum_j p_j (R v_j) per head: back to R^T.
   kv_unrotate(rotation_, attn_.data(), n_tok * c.n_heads, c.head_dim);
+  if (deepseek2_) deepseek2_->compact_attention(attn_.data(), n_tok);  // [n_tok, H * v]
 
   matmul(w.wo, attn_.data(), n_tok, h_.data(), &threads_);
   if (w.attn_post_norm != nullptr) {
@@ -233,6 +252,12 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
 
   // Feed-forward block.
   rms_norm(x_.data(), w.ffn_norm, n_tok, c.n_embd, c.norm_eps, h_.data());
+  if (deepseek2_ && c.is_moe_layer(l)) {
+    // Routed + shared experts into attn_ (free here; sized for it).
+    deepseek2_->moe(l, h_.data(), n_tok, attn_.data());
+    add(x_.data(), attn_.data(), x_.data(), n_tok * c.n_embd);
+    return {};
+  }
   if (matmul_can_fuse(w.w_gate, w.w_up)) {
     const WeightView gate_up[2] = {w.w_gate, w.w_up};
     float* const out[2] = {gate_.data(), up_.data()};

@@ -14,6 +14,7 @@
 // for matmuls and attention.
 #pragma once
 
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -26,6 +27,7 @@
 namespace kvstack {
 
 struct KeyCenter;
+class Deepseek2Layers;
 
 enum class LogitsMode : uint8_t {
   kNone,  // intermediate prefill chunk: no logits
@@ -49,6 +51,7 @@ class Forward {
   // is applied to Q and K after RoPE and to V, so the cache holds rotated
   // keys and values; attention outputs are rotated back before o_proj.
   Forward(const Model& model, ThreadPool& threads, KvRotation rotation = KvRotation::kNone);
+  ~Forward();
 
   // Runs one step. On success `logits` holds the requested rows in batch
   // order ([n_rows, n_vocab]) and every table's length has advanced by its
@@ -76,12 +79,16 @@ class Forward {
 
  private:
   Status layer(int l, std::span<const StepSeq> batch, int64_t n_tok);
+  // deepseek2 layer over a latent KV layer (forward_deepseek2.cpp); called by
+  // layer() after the attention RMSNorm (h_ holds it).
+  Status mla_latent_layer(int l, std::span<const StepSeq> batch, int64_t n_tok);
   void ensure_workspace(int64_t n_tok);
 
   const Model& model_;
   ThreadPool& threads_;
   KvRotation rotation_;
   const KeyCenter* key_center_ = nullptr;
+  std::unique_ptr<Deepseek2Layers> deepseek2_;  // MLA + MoE math (arch deepseek2), else null
   int64_t rejected_entry_ = -1;
   // Workspace, grown on demand ([n_tok, ...] float32 each).
   int64_t capacity_ = 0;

@@ -96,6 +96,7 @@ Status Model::bind() {
     KV_BIND(output_, matrix("output.weight", c.n_embd, c.n_vocab));
   }
   layers_.resize(c.n_layers);
+  if (c.arch == "deepseek2") return bind_deepseek2();
   for (int i = 0; i < c.n_layers; ++i) {
     const std::string p = "blk." + std::to_string(i) + ".";
     LayerWeights& l = layers_[i];

@@ -14,6 +14,29 @@
 
 namespace kvstack {
 
+// deepseek2 attention (ModelConfig::Mla; H heads, nope/rope/v per-head dims).
+struct MlaWeights {
+  WeightView wq_a{};                 // [q_lora, n_embd] (q_lora_rank > 0; else LayerWeights::wq)
+  const float* q_a_norm = nullptr;   // [q_lora]
+  WeightView wq_b{};                 // [H * (nope + rope), q_lora]
+  WeightView wkv_a{};                // [kv_lora + rope, n_embd]: latent c_t, then the RoPE key
+  const float* kv_a_norm = nullptr;  // [kv_lora]
+  // [H * (nope + v), kv_lora]: per head nope rows of K, then v rows of V. The
+  // split layout (attn_k_b [H][kv_lora][nope], attn_v_b [H][v][kv_lora]) is
+  // rearranged into this at load (f32).
+  WeightView wkv_b{};
+};
+
+// deepseek2 MoE FFN (ModelConfig::Moe), layers >= n_dense_lead.
+struct MoeWeights {
+  WeightView router{};                // [n_expert, n_embd] (ffn_gate_inp)
+  const float* probs_bias = nullptr;  // [n_expert] exp_probs_b, selection only; may be null
+  std::vector<WeightView> gate, up;   // [n_expert] of [n_ff_exp, n_embd]
+  std::vector<WeightView> down;       // [n_expert] of [n_embd, n_ff_exp]
+  WeightView sh_gate{}, sh_up{};      // [n_ff_exp * n_shared, n_embd]; data null if none
+  WeightView sh_down{};               // [n_embd, n_ff_exp * n_shared]
+};
+
 struct LayerWeights {
   const float* attn_norm = nullptr;   // [n_embd]
   WeightView wq{}, wk{}, wv{}, wo{};  // q: [n_heads*head_dim, n_embd], k/v: [n_kv*hd, n_embd]
@@ -27,6 +50,10 @@ struct LayerWeights {
   const float* attn_k_norm = nullptr;     // [head_dim], shared by every k head
   const float* attn_post_norm = nullptr;  // [n_embd] post_attention_norm
   const float* ffn_post_norm = nullptr;   // [n_embd] post_ffw_norm
+  // deepseek2: wq (no q low-rank path), wo ([n_embd, H * v]), the norms and
+  // the dense FFN of the leading layers use the fields above.
+  MlaWeights mla;
+  MoeWeights moe;
 };
 
 class Model {
@@ -61,6 +88,10 @@ class Model {
  private:
   explicit Model(GgufFile file) : file_(std::move(file)) {}
   Status bind();
+  Status bind_deepseek2();  // model_deepseek2.cpp
+  Result<std::vector<WeightView>> experts(const std::string& name, int64_t n_in, int64_t n_out,
+                                          int64_t n_expert);
+  Result<WeightView> mla_kv_b(const std::string& prefix);
   Result<WeightView> matrix(const std::string& name, int64_t n_in, int64_t n_out);
   Result<const float*> vector_f32(const std::string& name, int64_t n, bool required = true);
 

@@ -8,6 +8,7 @@
 #include "core/proc_stats.h"
 #include "engine/engine.h"
 #include "kv/capacity.h"
+#include "model/gguf.h"
 
 namespace kvstack::capacity {
 
@@ -32,6 +33,13 @@ Result<VerifyReport> run_plan_verify(const VerifyRequest& request) {
     (side == &request.kv_dtype_k ? cfg.kv_dtype_k : cfg.kv_dtype_v) = *t;
   }
   cfg.kv_residual = static_cast<int>(request.kv_residual);
+  // The planner counts an MLA model's layers as latent rows (d_c + d_R per
+  // token): run the engine's latent cache for it (--kv-mla latent).
+  if (auto file = GgufFile::open(request.model_path); file.ok()) {
+    if (auto arch = file->get_string("general.architecture"); arch.ok()) {
+      cfg.kv_mla_latent = *arch == "deepseek2";
+    }
+  }
   // Pool: exactly the blocks the workload needs (plus nothing), so running
   // out would itself be a planner/engine disagreement.
   int64_t n_blocks = 0;

@@ -1,5 +1,6 @@
 #include "model/config.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "model/gguf.h"
@@ -84,6 +85,123 @@ Status apply_gemma3(const GgufFile& f, ModelConfig& c) {
   return {};
 }
 
+// deepseek2, as llama.cpp reads it (models/deepseek2.cpp load_arch_hparams
+// and graph; llama-context.cpp for the YaRN attention factor):
+//  * per-head sizes: with attention.key_length_mla / value_length_mla (the
+//    split attn_k_b / attn_v_b layout) those are qk_nope + qk_rope and v, and
+//    key_length / value_length describe the latent (kv_lora + rope, kv_lora);
+//    without them key_length = qk_nope + qk_rope and value_length = v;
+//    qk_rope = rope.dimension_count; RoPE pairs adjacent dims (llama style);
+//  * attention.q_lora_rank (0 or absent: attn_q), attention.kv_lora_rank;
+//  * MoE: leading_dense_block_count, expert_count, expert_used_count,
+//    expert_shared_count, expert_feed_forward_length, expert_weights_scale,
+//    expert_weights_norm, expert_gating_func (absent: softmax);
+//  * YaRN (rope.scaling.type "yarn"): freq_scale = 1/factor, ext_factor 1,
+//    beta_fast 32, beta_slow 1, n_ctx_orig = original_context_length; the
+//    rope magnitude is attn_factor * (1 + 0.1 ln(1/fs)) with llama.cpp's
+//    attn_factor = rope.scaling.attn_factor / (1 + 0.1 ln factor) (its
+//    mscale / mscale_all_dim ratio is 1 for deepseek2); the q.k scale is
+//    mscale^2 / sqrt(qk_nope + qk_rope) with mscale = attn_factor (1 + 0.1
+//    ln(1/fs)) (1 + 0.1 L ln(1/fs)), L = rope.scaling.yarn_log_multiplier / 0.1.
+#define DS_ASSIGN(dst, expr)    \
+  do {                          \
+    auto r_ = (expr);           \
+    if (!r_) return r_.error(); \
+    (dst) = *r_;                \
+  } while (0)
+Status apply_deepseek2(const GgufFile& f, ModelConfig& c, int value_length) {
+  const std::string a = "deepseek2.";
+  auto geti = [&](const std::string& key, int64_t def, int64_t lo, int64_t hi) {
+    return read_int(f, a + key, def, lo, hi);
+  };
+  ModelConfig::Mla& m = c.mla;
+  DS_ASSIGN(m.q_lora_rank, geti("attention.q_lora_rank", 0, 0, 1 << 20));
+  DS_ASSIGN(m.kv_lora_rank, geti("attention.kv_lora_rank", -1, 1, 1 << 20));
+  m.qk_rope = c.n_rot;
+  m.split_kv_b = f.find(a + "attention.key_length_mla") != nullptr;
+  if (m.split_kv_b) {
+    int k_mla = 0;
+    DS_ASSIGN(k_mla, geti("attention.key_length_mla", -1, 2, 4096));
+    DS_ASSIGN(m.v_head_dim, geti("attention.value_length_mla", -1, 1, 4096));
+    if (c.head_dim != m.kv_lora_rank + m.qk_rope || value_length != m.kv_lora_rank) {
+      return bad(f, "MLA key_length/value_length must be kv_lora_rank + rope dims / kv_lora_rank");
+    }
+    m.qk_nope = k_mla - m.qk_rope;
+  } else {
+    m.qk_nope = c.head_dim - m.qk_rope;
+    m.v_head_dim = value_length;
+  }
+  if (m.qk_nope < 1) return bad(f, "deepseek2: key length must exceed rope.dimension_count");
+  c.head_dim = std::max(m.qk_dim(), m.v_head_dim);
+  c.n_kv_heads = c.n_heads;  // the expanded cache is MHA
+  c.rope_neox = false;
+
+  ModelConfig::Moe& e = c.moe;
+  DS_ASSIGN(e.n_dense_lead, geti("leading_dense_block_count", 0, 0, c.n_layers));
+  if (e.n_dense_lead < c.n_layers) {
+    DS_ASSIGN(e.n_expert, geti("expert_count", -1, 1, 1 << 16));
+    DS_ASSIGN(e.n_expert_used, geti("expert_used_count", -1, 1, e.n_expert));
+    DS_ASSIGN(e.n_expert_shared, geti("expert_shared_count", -1, 0, 1 << 10));
+    DS_ASSIGN(e.n_ff_exp, geti("expert_feed_forward_length", -1, 1, 1 << 22));
+    int groups = 0;
+    DS_ASSIGN(groups, geti("expert_group_count", 0, 0, 1 << 16));
+    if (groups > 1) {
+      return make_error(Errc::kUnsupported,
+                        f.path() + ": expert groups (expert_group_count > 1) are not supported");
+    }
+    int gating = 0;
+    DS_ASSIGN(gating, geti("expert_gating_func", 0, 0, 16));
+    if (gating == 0) gating = 1;  // llama.cpp: absent means softmax (DeepSeek V2 files)
+    if (gating > 3) {
+      return make_error(Errc::kUnsupported, f.path() + ": expert_gating_func " +
+                                                std::to_string(gating) + " is not supported");
+    }
+    e.gating = static_cast<ModelConfig::MoeGating>(gating);
+    if (f.find(a + "expert_weights_norm") != nullptr) {
+      auto v = f.get_bool(a + "expert_weights_norm");
+      if (!v) return v.error();
+      e.weights_norm = *v;
+    }
+    DS_ASSIGN(e.weights_scale, read_float(f, a + "expert_weights_scale", 0.0));
+    if (e.weights_scale == 0.0f) e.weights_scale = 1.0f;  // llama.cpp: 0 or 1 = no scaling
+  }
+
+  // Attention factors (llama.cpp: cparams.yarn_attn_factor, graph kq_scale).
+  float rope_attn = 1.0f;
+  DS_ASSIGN(rope_attn, read_float(f, a + "rope.scaling.attn_factor", 1.0));
+  float log_mul = 0.0f;
+  DS_ASSIGN(log_mul, read_float(f, a + "rope.scaling.yarn_log_multiplier", 0.0));
+  log_mul /= 0.1f;  // the converter stores 0.1 * mscale_all_dim
+  const float fs = c.rope_freq_scale;
+  float attn_factor = 1.0f;
+  if (c.rope_scaling_type == "yarn") {
+    const float factor = 1.0f / fs;
+    const float get_mscale1 = factor <= 1.0f ? 1.0f : 0.1f * std::log(factor) + 1.0f;
+    // log_mul != 0: get_mscale(f, m) / get_mscale(f, m_all) with m = m_all: 1.
+    attn_factor = log_mul != 0.0f ? 1.0f : get_mscale1;
+    attn_factor *= 1.0f / (1.0f + 0.1f * std::log(factor));
+    c.yarn.enabled = true;
+    DS_ASSIGN(c.yarn.n_ctx_orig,
+              geti("rope.scaling.original_context_length", c.n_ctx_train, 1, 1 << 24));
+    auto corr_dim = [&](float n_rot_beta) {
+      return static_cast<float>(c.n_rot) *
+             std::log(static_cast<float>(c.yarn.n_ctx_orig) /
+                      (n_rot_beta * 2.0f * static_cast<float>(M_PI))) /
+             (2.0f * std::log(c.rope_freq_base));
+    };
+    c.yarn.corr_lo = std::max(0.0f, std::floor(corr_dim(32.0f)));
+    c.yarn.corr_hi = std::min(static_cast<float>(c.n_rot - 1), std::ceil(corr_dim(1.0f)));
+  }
+  attn_factor *= rope_attn;
+  const float ln_inv_fs = std::log(1.0f / fs);
+  c.yarn.rope_mscale = c.yarn.enabled ? attn_factor * (1.0f + 0.1f * ln_inv_fs) : attn_factor;
+  const float attn_factor_org = attn_factor * (1.0f + 0.1f * ln_inv_fs);
+  const float mscale = attn_factor_org * (1.0f + 0.1f * log_mul * ln_inv_fs);
+  c.attn_scale = mscale * mscale / std::sqrt(static_cast<float>(m.qk_dim()));
+  return {};
+}
+#undef DS_ASSIGN
+
 }  // namespace
 
 Result<ModelConfig> load_model_config(const GgufFile& f) {
@@ -91,10 +209,10 @@ Result<ModelConfig> load_model_config(const GgufFile& f) {
   auto arch = f.get_string("general.architecture");
   if (!arch) return arch.error();
   c.arch = *arch;
-  if (c.arch != "llama" && c.arch != "qwen2" && c.arch != "gemma3") {
+  if (c.arch != "llama" && c.arch != "qwen2" && c.arch != "gemma3" && c.arch != "deepseek2") {
     return make_error(Errc::kUnsupported,
                       f.path() + ": architecture '" + c.arch +
-                          "' is not supported (supported: llama, qwen2, gemma3)");
+                          "' is not supported (supported: llama, qwen2, gemma3, deepseek2)");
   }
   if (f.find("general.name") != nullptr) {
     auto n = f.get_string("general.name");
@@ -125,7 +243,7 @@ Result<ModelConfig> load_model_config(const GgufFile& f) {
     if (!r) return r.error();
     value_length = *r;
   }
-  if (value_length != c.head_dim) {
+  if (value_length != c.head_dim && c.arch != "deepseek2") {
     return make_error(Errc::kUnsupported,
                       f.path() + ": key_length != value_length is not supported");
   }
@@ -166,6 +284,11 @@ Result<ModelConfig> load_model_config(const GgufFile& f) {
     if (!factor) return factor.error();
     if (*factor <= 0) return bad(f, "rope.scaling.factor must be positive");
     c.rope_freq_scale = 1.0f / *factor;
+  } else if (c.rope_scaling_type == "yarn" && c.arch == "deepseek2") {
+    auto factor = read_float(f, a + "rope.scaling.factor", 1.0);
+    if (!factor) return factor.error();
+    if (*factor <= 0) return bad(f, "rope.scaling.factor must be positive");
+    c.rope_freq_scale = 1.0f / *factor;
   } else if (c.rope_scaling_type != "none") {
     return make_error(Errc::kUnsupported, f.path() + ": rope scaling type '" + c.rope_scaling_type +
                                               "' is not supported");
@@ -184,6 +307,10 @@ Result<ModelConfig> load_model_config(const GgufFile& f) {
   c.layer_rope_base.assign(n_layers, c.rope_freq_base);
   c.layer_rope_scale.assign(n_layers, c.rope_freq_scale);
   if (c.arch == "gemma3") KV_TRY_STATUS(apply_gemma3(f, c));
+  if (c.arch == "deepseek2") {
+    KV_TRY_STATUS(apply_deepseek2(f, c, value_length));
+    c.layer_rope_scale.assign(n_layers, c.rope_freq_scale);
+  }
   return c;
 }
 

@@ -2,7 +2,9 @@
 // metadata into one struct. Supported architectures: `llama` (SmolLM2,
 // Llama 2/3, Mistral-style), `qwen2` (QKV bias, NeoX RoPE) and `gemma3`
 // (hybrid window/full layers, per-layer RoPE base, pre/post norms, q/k head
-// norms, GeGLU, scaled embeddings; facts as llama.cpp's gemma3 loader).
+// norms, GeGLU, scaled embeddings; facts as llama.cpp's gemma3 loader) and
+// `deepseek2` (MLA attention with a decoupled RoPE key and YaRN, leading dense
+// layers then MoE layers; facts as llama.cpp's deepseek2 loader and graph).
 #pragma once
 
 #include <cstdint>
@@ -16,7 +18,7 @@ namespace kvstack {
 class GgufFile;
 
 struct ModelConfig {
-  std::string arch;  // "llama" | "qwen2" | "gemma3"
+  std::string arch;  // "llama" | "qwen2" | "gemma3" | "deepseek2"
   std::string name;  // general.name, may be empty
   int n_layers = 0;
   int n_embd = 0;      // hidden size
@@ -59,6 +61,49 @@ struct ModelConfig {
   float embd_scale = 1.0f;
   // Softmax scale of q.k: 1/sqrt(head_dim) (gemma3 27B: 1/sqrt(n_embd/n_heads)).
   float attn_scale = 0.0f;
+
+  // deepseek2: multi-head latent attention (MLA). The KV cache holds the
+  // latent expanded to per-head K and V: n_kv_heads = n_heads and head_dim =
+  // max(qk_nope + qk_rope, v_head_dim), each K/V row zero-padded to head_dim
+  // (q too, so q.k is unchanged and the padded V dims give zero outputs).
+  struct Mla {
+    int q_lora_rank = 0;      // 0: q = attn_q x; else attn_q_b(rmsnorm(attn_q_a x))
+    int kv_lora_rank = 0;     // d_c: latent size
+    int qk_nope = 0;          // per-head q/k dims without RoPE
+    int qk_rope = 0;          // d_R: per-head RoPE dims (= n_rot), the key's shared by all heads
+    int v_head_dim = 0;       // per-head V dims
+    bool split_kv_b = false;  // attn_k_b + attn_v_b (key_length_mla set) vs one attn_kv_b
+    int qk_dim() const { return qk_nope + qk_rope; }
+  };
+  Mla mla;  // all zero unless arch == "deepseek2"
+  // YaRN RoPE (deepseek2; rope_scaling_type "yarn"), as ggml's rope_yarn:
+  // theta = fs*theta_e*(1-r) + theta_e*r with ramp r(i) over the corr dims,
+  // cos/sin times rope_mscale.
+  struct Yarn {
+    bool enabled = false;
+    float corr_lo = 0, corr_hi = 0;  // ggml_rope_yarn_corr_dims(n_rot, n_ctx_orig, base, 32, 1)
+    float rope_mscale = 1.0f;        // magnitude factor of q_pe/k_pe
+    int n_ctx_orig = 0;              // rope.scaling.original_context_length
+  };
+  Yarn yarn;
+  // Mixture of experts (deepseek2 layers >= n_dense_lead), as llama.cpp's
+  // build_moe_ffn: probs = gating(router x); top-k of probs (+ probs_bias when
+  // the file has exp_probs_b); weights = probs of the chosen (softmax over them
+  // for kSoftmaxWeight), divided by their sum when weights_norm, times
+  // weights_scale; out = sum_k w_k SwiGLU_k(x) + shared experts' SwiGLU(x).
+  enum class MoeGating : uint8_t { kSoftmax = 1, kSigmoid = 2, kSoftmaxWeight = 3 };
+  struct Moe {
+    int n_dense_lead = 0;  // layers [0, n_dense_lead) have a dense FFN (n_ff)
+    int n_expert = 0;
+    int n_expert_used = 0;
+    int n_expert_shared = 0;
+    int n_ff_exp = 0;  // inner size of each expert (shared experts: n_ff_exp * n_expert_shared)
+    MoeGating gating = MoeGating::kSoftmax;
+    bool weights_norm = false;
+    float weights_scale = 1.0f;
+  };
+  Moe moe;
+  bool is_moe_layer(int layer) const { return moe.n_expert > 0 && layer >= moe.n_dense_lead; }
 
   int n_gqa() const { return n_heads / n_kv_heads; }
   int window(int layer) const { return layer_window[static_cast<size_t>(layer)]; }
