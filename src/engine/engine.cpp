@@ -140,6 +140,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
                                                   .default_namespace = config.default_namespace,
                                                   .partial_reuse = true,
                                                   .event_capacity = config.kv_event_capacity});
+  KV_TRY_STATUS(e->kv_->enable_tiers(config.kv_tiers));
   return e;
 }
 

@@ -37,6 +37,7 @@
 #include "kv/block_pool.h"
 #include "kv/block_table.h"
 #include "kv/cache_identity.h"
+#include "kv/kv_tiers.h"
 #include "kv/prefix_index.h"
 
 namespace kvstack {
@@ -234,12 +235,23 @@ class KvManager {
   // destructor turns it off before tearing the cache down.
   Status set_event_sink(KvEventSink sink, bool replay_existing = true);
 
+  // Storage tiers below the pool (kv_tiers.h): evicted blocks go to host
+  // memory and/or disk and prefix lookups continue there. Errors name the
+  // flag at fault; kInvalidArgument when the prefix cache is off. Call
+  // before the first sequence. The manager persists the tiers to disk
+  // (warm restart) when it is destroyed.
+  Status enable_tiers(const KvTierConfig& config);
+  KvTiers* tiers() const { return tiers_.get(); }
+  // Tier statistics (enabled = false when there are none).
+  KvTiersStats tier_stats() const;
+
  private:
   friend class Sequence;
   BlockPool& pool_;
   CacheIdentity identity_;
   KvManagerConfig config_;
   std::unique_ptr<PrefixIndex> index_;
+  std::unique_ptr<KvTiers> tiers_;     // destroyed before index_
   std::vector<std::string> ns_names_;  // [namespace id] display name
   std::vector<Sequence> pinned_;       // destroyed before index_ (declared after it)
 };

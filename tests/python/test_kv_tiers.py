@@ -1,0 +1,155 @@
+"""Storage tiers below the KV pool (issue 20) through `kvstack serve`:
+a prefix evicted from the pool to the host tier or the disk tier comes back
+from there and gives the same greedy output as the first (computed) run;
+a server stopped and started on the same --kv-disk answers the first
+repeated request with cached tokens from disk (warm restart); a corrupt
+data file, a foreign identity (another KV format on the same directory) and
+an unwritable disk each leave the request succeeding.
+
+Each server is small (a 320-token pool, so two ~210-token prompts cannot
+both stay resident) and starts on a free port; every test stops its own.
+"""
+import os
+import pathlib
+import random
+import re
+
+import pytest
+
+from conftest import MODEL
+from test_server import ServerProcess
+
+POOL = ["--kv-cache-tokens", "320", "--max-seqs", "1"]
+
+
+def words(n, seed):
+    rng = random.Random(seed)
+    vocab = ["river", "stone", "cloud", "lamp", "garden", "window", "copper", "engine", "violet",
+             "harbor", "meadow", "signal", "orbit", "candle", "forest", "marble"]
+    return " ".join(rng.choice(vocab) for _ in range(n))
+
+
+A = "Tell me a story. " + words(200, 1)
+B = "Write a poem. " + words(200, 2)
+
+
+def complete(s, prompt):
+    r = s.client().completions.create(model=pathlib.Path(MODEL).stem, prompt=prompt, max_tokens=12, temperature=0)
+    return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens
+
+
+def tier(st, name):
+    for t in st["tiers"].get("tiers", []):
+        if t["name"] == name:
+            return t
+    raise AssertionError(f"no {name} tier in {st['tiers']}")
+
+
+def stop(s):
+    assert s.stop() == 0, "".join(s.stderr_lines[-20:])
+
+
+@pytest.mark.parametrize("flags,name", [
+    (["--kv-host-mem", "64MiB"], "host"),
+    (["--kv-host-mem", "64MiB", "--kv-host-write-through"], "host"),
+    (["--kv-disk", "{dir}", "--kv-disk-size", "256MiB"], "disk"),
+])
+def test_evicted_prefix_comes_back_from_the_tier(tmp_path, flags, name):
+    flags = [f.replace("{dir}", str(tmp_path / "kv")) for f in flags]
+    s = ServerProcess(*POOL, *flags, admin_key="adm")
+    try:
+        first, cached0 = complete(s, A)
+        assert cached0 == 0
+        complete(s, B)  # evicts A's blocks from the 320-token pool
+        st = s.kv_stats()
+        assert st["pool"]["evictions"] > 0
+        again, cached = complete(s, A)
+        st = s.kv_stats()
+        t = tier(st, name)
+        print(name, flags, "cached", cached, "tier", t)
+        assert cached >= 64, st["tiers"]
+        assert t["hits"] > 0 and st["tiers"]["promoted"] >= t["hits"]
+        assert t["bytes_out"] == t["hits"] * st["pool"]["block_bytes"]
+        assert again == first  # bit-identical K/V: the same greedy tokens
+        # Observability: the same figures in /metrics.
+        m = s.get("/metrics").text
+        hits = re.search(r'^kvstack:kv_tier_hits_total\{[^}]*tier="%s"\} (\d+)' % name, m, re.M)
+        assert hits and int(hits[1]) == t["hits"]
+        assert re.search(r'kvstack:kv_tier_fetch_seconds_count\{[^}]*tier="%s"\} %d' %
+                         (name, t["hits"]), m)
+    finally:
+        stop(s)
+
+
+def test_warm_restart_and_faults(tmp_path):
+    d = tmp_path / "kv"
+    disk = ["--kv-disk", str(d), "--kv-disk-size", "256MiB"]
+    s = ServerProcess(*POOL, *disk, admin_key="adm")
+    try:
+        first, _ = complete(s, A)
+    finally:
+        stop(s)  # persists the cache to disk
+    assert (d / "index.kvs").exists() and (d / "blocks.kvs").stat().st_size > 0
+
+    # Warm restart: the first repeated request hits, from disk.
+    s = ServerProcess(*POOL, *disk, admin_key="adm")
+    try:
+        again, cached = complete(s, A)
+        t = tier(s.kv_stats(), "disk")
+        assert cached >= 128 and t["hits"] >= 8, t
+        assert again == first
+    finally:
+        stop(s)
+
+    # Corrupt data: every record's payload damaged -> checksum misses, the
+    # entries dropped, the request recomputed with the same output.
+    data = d / "blocks.kvs"
+    slot = None
+    with open(data, "r+b") as f:
+        size = data.stat().st_size
+        raw = bytearray(f.read())
+        # Records start with the magic; damage a byte 100 bytes into each payload.
+        offs = [m.start() for m in re.finditer(b"KVSBLK01", raw)]
+        assert offs
+        for o in offs:
+            raw[o + 4096 + 100] ^= 0xFF
+        f.seek(0)
+        f.write(raw)
+        assert size == len(raw)
+    s = ServerProcess(*POOL, *disk, admin_key="adm")
+    try:
+        again, cached = complete(s, A)
+        t = tier(s.kv_stats(), "disk")
+        assert cached == 0 and t["corrupt"] >= 1 and t["hits"] == 0, t
+        assert again == first
+    finally:
+        stop(s)
+
+    # Another KV format on the same directory: an identity mismatch, a miss.
+    s = ServerProcess(*POOL, *disk, "--kv-dtype", "bf16", admin_key="adm")
+    try:
+        _, cached = complete(s, A)
+        t = tier(s.kv_stats(), "disk")
+        assert cached == 0 and t["identity_mismatch"] > 0 and t["blocks"] == 0, t
+    finally:
+        stop(s)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_disk_full_skips_write_back(tmp_path):
+    d = tmp_path / "kv"
+    d.mkdir()
+    (d / "blocks.kvs").symlink_to("/dev/full")  # every data write fails with ENOSPC
+    s = ServerProcess(*POOL, "--kv-disk", str(d), "--kv-disk-size", "256MiB", admin_key="adm")
+    try:
+        first, _ = complete(s, A)
+        complete(s, B)
+        again, _ = complete(s, A)
+        st = s.kv_stats()
+        t = tier(st, "disk")
+        assert again == first
+        # A's write-back failed (counted, entries dropped), so A was recomputed;
+        # B's blocks, evicted by that, wait in the next batch.
+        assert t["write_failed"] > 0 and t["hits"] == 0 and t["stored"] == 0, t
+    finally:
+        stop(s)
