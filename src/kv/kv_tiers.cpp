@@ -32,7 +32,7 @@ Result<std::unique_ptr<KvTiers>> KvTiers::create(PrefixIndex& index, const Cache
     if (config.disk_bytes <= 0) {
       return make_error(Errc::kInvalidArgument, "--kv-disk needs --kv-disk-size SIZE (> 0)");
     }
-    auto d = DiskStore::open(id, config.disk_dir, config.disk_bytes);
+    auto d = DiskStore::open(id, config.disk_dir, config.disk_bytes, config.disk_direct_io);
     if (!d) return d.error();
     t->disk_ = std::move(*d);
   } else if (config.disk_bytes > 0) {

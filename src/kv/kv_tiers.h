@@ -56,6 +56,7 @@ struct KvTierConfig {
   bool write_through = false;  // --kv-host-write-through: copy blocks to host at publish
   std::string disk_dir;        // --kv-disk ("" = no disk tier)
   int64_t disk_bytes = 0;      // --kv-disk-size (REQUIRED > 0 with disk_dir)
+  bool disk_direct_io = true;  // O_DIRECT where the file system allows it (benchmarks turn it off)
   bool enabled() const { return host_bytes > 0 || !disk_dir.empty(); }
 };
 

@@ -265,7 +265,8 @@ DiskStore::Buffer DiskStore::new_buffer() const {
 }
 
 Result<std::unique_ptr<DiskStore>> DiskStore::open(const BlockRecordIdentity& id,
-                                                   const std::string& dir, int64_t capacity_bytes) {
+                                                   const std::string& dir, int64_t capacity_bytes,
+                                                   bool direct_io) {
   const int64_t header_region = round_up(block_record_header_bytes(id.block_size), 4096);
   const int64_t slot = header_region + round_up(id.payload_bytes, 4096);
   const int64_t n_slots = capacity_bytes / slot;
@@ -283,7 +284,7 @@ Result<std::unique_ptr<DiskStore>> DiskStore::open(const BlockRecordIdentity& id
   }
   std::unique_ptr<DiskStore> d(new DiskStore(id, dir, n_slots, slot));
   d->header_region_ = header_region;
-  KV_TRY_STATUS(d->open_files());
+  KV_TRY_STATUS(d->open_files(direct_io));
   d->load_index();
   return d;
 }
@@ -308,10 +309,10 @@ DiskStore::~DiskStore() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-Status DiskStore::open_files() {
-  fd_ = ::open(data_path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_DIRECT, 0644);
-  direct_ = fd_ >= 0;
-  if (fd_ < 0 && errno == EINVAL) {
+Status DiskStore::open_files(bool direct_io) {
+  fd_ = ::open(data_path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | (direct_io ? O_DIRECT : 0), 0644);
+  direct_ = direct_io && fd_ >= 0;
+  if (fd_ < 0 && direct_io && errno == EINVAL) {
     // The file system has no O_DIRECT (tmpfs): buffered I/O.
     fd_ = ::open(data_path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   }

@@ -187,8 +187,10 @@ class DiskStore {
   // kInvalidArgument when capacity_bytes holds no slot (names
   // --kv-disk-size); kIo naming the path when DIR or the file cannot be
   // created or opened.
+  // direct_io = false: buffered I/O even where O_DIRECT works.
   static Result<std::unique_ptr<DiskStore>> open(const BlockRecordIdentity& id,
-                                                 const std::string& dir, int64_t capacity_bytes);
+                                                 const std::string& dir, int64_t capacity_bytes,
+                                                 bool direct_io = true);
   ~DiskStore();  // flush()
   DiskStore(const DiskStore&) = delete;
   DiskStore& operator=(const DiskStore&) = delete;
@@ -217,7 +219,7 @@ class DiskStore {
 
  private:
   DiskStore(const BlockRecordIdentity& id, std::string dir, int64_t n_slots, int64_t slot_bytes);
-  Status open_files();
+  Status open_files(bool direct_io);
   void load_index();
   void write_index();
   void write_pending();

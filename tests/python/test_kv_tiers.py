@@ -162,3 +162,11 @@ def test_disk_full_skips_write_back(tmp_path):
         assert t["write_failed"] > 0 and t["hits"] == 0 and t["stored"] == 0, t
     finally:
         stop(s)
+
+
+def test_kv_tiers_bench_smoke(tmp_path):
+    from conftest import run_kvstack
+    out = run_kvstack("kv-tiers-bench", "--blocks", "16", "--repeat", "1", "--dir",
+                      tmp_path / "b").stdout
+    for line in ("memcpy", "host fetch", "disk write-back", "disk fetch"):
+        assert re.search(r"%s\s+\d+\.\d+ GB/s" % line, out), out
