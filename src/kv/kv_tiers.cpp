@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <utility>
 
 #include "kv/block_pool.h"
@@ -41,6 +42,7 @@ Result<std::unique_ptr<KvTiers>> KvTiers::create(PrefixIndex& index, const Cache
   if (config.write_through && !t->host_) {
     return make_error(Errc::kInvalidArgument, "--kv-host-write-through needs --kv-host-mem");
   }
+  t->measure_costs();
   KvTiers* self = t.get();
   index.set_tier_hooks({.on_evict = [self](int32_t b) { self->on_evict(b); },
                         .on_publish = [self](int32_t b) { self->on_publish(b); }});
@@ -118,6 +120,50 @@ void KvTiers::on_publish(int32_t block) {
   });
 }
 
+void KvTiers::measure_costs() {
+  // Host: copies of 1 and 4 blocks (beta from the difference, t0 from the
+  // single one). Disk: DiskStore::probe_read_seconds (a 4 KiB read for
+  // t0, a 4-slot read for beta).
+  const int64_t bb = id_.payload_bytes;
+  auto fit = [&](double t1, double t4) {
+    TierCost c;
+    const double dt = std::max(t4 - t1, 1e-9);
+    c.bytes_per_s = 3.0 * static_cast<double>(bb) / dt;
+    c.t0_s = std::max(0.0, t1 - static_cast<double>(bb) / c.bytes_per_s);
+    return c;
+  };
+  std::vector<uint8_t> src(static_cast<size_t>(4 * bb), 1);
+  std::vector<uint8_t> dst(static_cast<size_t>(4 * bb), 0);
+  if (host_) {
+    double best1 = 1e30, best4 = 1e30;
+    for (int rep = 0; rep < 3; ++rep) {
+      double t0 = now_seconds();
+      std::memcpy(dst.data(), src.data(), static_cast<size_t>(bb));
+      best1 = std::min(best1, now_seconds() - t0);
+      t0 = now_seconds();
+      std::memcpy(dst.data(), src.data(), static_cast<size_t>(4 * bb));
+      best4 = std::min(best4, now_seconds() - t0);
+    }
+    cost_.host = fit(best1, best4);
+  }
+  if (disk_) {
+    const auto [t_small, t_big] = disk_->probe_read_seconds();
+    if (t_big > 0) {
+      const double slot = static_cast<double>(disk_->stats().slot_bytes);
+      cost_.disk.t0_s = t_small;
+      // The transfer part of the big read (at least half of it: the two
+      // timings are noisy on a shared machine).
+      cost_.disk.bytes_per_s = 4 * slot / std::max(t_big - t_small, 0.5 * t_big);
+    }
+  }
+}
+
+void KvTiers::note_fetch(TierCost& c, int64_t bytes, double seconds) {
+  if (cost_frozen_ || c.bytes_per_s <= 0) return;
+  const double transfer = std::max(seconds - c.t0_s, 1e-9);
+  c.bytes_per_s = 0.8 * c.bytes_per_s + 0.2 * static_cast<double>(bytes) / transfer;
+}
+
 bool KvTiers::fetch(const TierKey& key, const Hash128& ns_digest, std::span<const int32_t> tokens,
                     int32_t dst) {
   uint8_t* out = index_.pool().block_data(BlockId{dst});
@@ -129,14 +175,18 @@ bool KvTiers::fetch(const TierKey& key, const Hash128& ns_digest, std::span<cons
           .ns_digest = ns_digest, .hash = key.hash, .parent_hash = {}, .group = key.group};
       if (check_block_record(id_, want, tokens, r.header) == BlockRecordCheck::kOk &&
           host_->fetch(key, out)) {
-        host_->add_fetch_latency(now_seconds() - t0);
+        const double dt = now_seconds() - t0;
+        host_->add_fetch_latency(dt);
+        note_fetch(cost_.host, id_.payload_bytes, dt);
         return true;
       }
       host_->erase(key);
     }
   }
   if (disk_ && disk_->fetch(key, ns_digest, tokens, out)) {
-    disk_->add_fetch_latency(now_seconds() - t0);
+    const double dt = now_seconds() - t0;
+    disk_->add_fetch_latency(dt);
+    note_fetch(cost_.disk, id_.payload_bytes, dt);
     return true;
   }
   return false;
@@ -231,6 +281,26 @@ int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, i
       }
       while (!blocks.empty()) blocks.pop_back();
     };
+    // Fetch or recompute (spec section 9): the estimated time to bring the
+    // tier blocks in against prefilling the tokens they add.
+    if (cost_.prefill_tokens_per_s > 0 && !todo.empty()) {
+      double t_fetch = 0;
+      for (const Promote& t : todo) {
+        const TierKey key{.hash = hashes[static_cast<size_t>(t.i)], .group = t.g};
+        const TierCost& c = in_host(key) ? cost_.host : cost_.disk;
+        t_fetch +=
+            c.t0_s +
+            (c.bytes_per_s > 0 ? static_cast<double>(id_.payload_bytes) / c.bytes_per_s : 0.0);
+      }
+      const double t_recompute = static_cast<double>((k - k0) * p) / cost_.prefill_tokens_per_s;
+      last_fetch_s_ = t_fetch;
+      last_recompute_s_ = t_recompute;
+      if (t_recompute < t_fetch) {
+        ++n_decide_recompute_;
+        drop_all();
+        return 0;
+      }
+    }
     bool failed = false;
     for (const Promote& t : todo) {
       auto r = pool.allocate(t.g);
@@ -262,6 +332,7 @@ int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, i
       m.group_first = std::move(group_first);
     }
     n_promoted_ += static_cast<int64_t>(todo.size());
+    ++n_decide_fetch_;
     const int64_t added = m.n_tokens() - before;
     n_hit_tokens_ += added;
     index_.count_tier_hit(ns, k - k0, added);
@@ -304,6 +375,11 @@ KvTiersStats KvTiers::stats() const {
   s.n_demoted = n_demoted_;
   s.n_dropped = n_dropped_;
   s.n_persisted = n_persisted_;
+  s.cost = cost_;
+  s.n_decide_fetch = n_decide_fetch_;
+  s.n_decide_recompute = n_decide_recompute_;
+  s.last_fetch_s = last_fetch_s_;
+  s.last_recompute_s = last_recompute_s_;
   return s;
 }
 
@@ -338,6 +414,20 @@ std::string kv_tiers_stats_json(const KvTiersStats& s) {
   field(out, "demoted", s.n_demoted);
   field(out, "dropped", s.n_dropped);
   field(out, "persisted", s.n_persisted);
+  field(out, "decide_fetch", s.n_decide_fetch);
+  field(out, "decide_recompute", s.n_decide_recompute);
+  {
+    char buf[320];
+    std::snprintf(buf, sizeof(buf),
+                  ", \"cost\": {\"host_t0_s\": %.3g, \"host_bytes_per_s\": %.4g, "
+                  "\"disk_t0_s\": %.3g, \"disk_bytes_per_s\": %.4g, "
+                  "\"prefill_tokens_per_s\": %.4g, \"last_fetch_s\": %.4g, "
+                  "\"last_recompute_s\": %.4g}",
+                  s.cost.host.t0_s, s.cost.host.bytes_per_s, s.cost.disk.t0_s,
+                  s.cost.disk.bytes_per_s, s.cost.prefill_tokens_per_s, s.last_fetch_s,
+                  s.last_recompute_s);
+    out += buf;
+  }
   out += ", \"tiers\": [";
   for (size_t i = 0; i < s.tiers.size(); ++i) {
     const TierStoreStats& t = s.tiers[i];
@@ -442,6 +532,21 @@ std::string kv_tiers_prometheus(const KvTiersStats& s, const std::string& labels
       "# TYPE kvstack:kv_tier_hit_tokens_total counter\n"
       "kvstack:kv_tier_hit_tokens_total{" +
       labels + "} " + std::to_string(s.n_hit_tokens) + "\n";
+  out +=
+      "# HELP kvstack:kv_tier_decisions_total Fetch-or-recompute decisions on tier block runs.\n"
+      "# TYPE kvstack:kv_tier_decisions_total counter\n";
+  out += "kvstack:kv_tier_decisions_total{" + labels + ",decision=\"fetch\"} " +
+         std::to_string(s.n_decide_fetch) + "\n";
+  out += "kvstack:kv_tier_decisions_total{" + labels + ",decision=\"recompute\"} " +
+         std::to_string(s.n_decide_recompute) + "\n";
+  out +=
+      "# HELP kvstack:kv_tier_bandwidth_bytes_per_second Measured fetch bandwidth per tier.\n"
+      "# TYPE kvstack:kv_tier_bandwidth_bytes_per_second gauge\n";
+  for (const TierStoreStats& t : s.tiers) {
+    const TierCost& c = t.name == "host" ? s.cost.host : s.cost.disk;
+    out += "kvstack:kv_tier_bandwidth_bytes_per_second{" + labels + ",tier=\"" + t.name + "\"} " +
+           std::to_string(c.bytes_per_s) + "\n";
+  }
   return out;
 }
 
@@ -451,7 +556,9 @@ std::string format_kv_tiers_stats(const KvTiersStats& s) {
                     "): promoted " + std::to_string(s.n_promoted) + " blocks, " +
                     std::to_string(s.n_hit_tokens) + " tokens served from tiers, " +
                     std::to_string(s.n_demoted) + " demoted host->disk, " +
-                    std::to_string(s.n_dropped) + " dropped\n";
+                    std::to_string(s.n_dropped) +
+                    " dropped; fetch-or-recompute: " + std::to_string(s.n_decide_fetch) +
+                    " fetched, " + std::to_string(s.n_decide_recompute) + " recomputed\n";
   for (const TierStoreStats& t : s.tiers) {
     char buf[512];
     std::snprintf(

@@ -60,6 +60,23 @@ struct KvTierConfig {
   bool enabled() const { return host_bytes > 0 || !disk_dir.empty(); }
 };
 
+// Fetch-or-recompute inputs (spec section 9): per tier, a fixed cost per
+// block t0 (seconds) and a bandwidth beta (bytes/s), measured at creation
+// with a probe and updated (moving average) by every fetch; and the
+// engine's prefill rate (tokens/s; 0 = unknown: always fetch). A run of n
+// blocks whose records come from tiers costs
+//   T_fetch = sum over its blocks (t0 + bytes / beta)   (that block's tier)
+// against T_recompute = n P / prefill rate; the faster one is taken.
+struct TierCost {
+  double t0_s = 0;
+  double bytes_per_s = 0;
+};
+struct KvTierCostModel {
+  TierCost host;
+  TierCost disk;
+  double prefill_tokens_per_s = 0;
+};
+
 struct KvTiersStats {
   bool enabled = false;
   bool write_through = false;
@@ -70,6 +87,11 @@ struct KvTiersStats {
   int64_t n_demoted = 0;              // host entries written down to disk on overflow
   int64_t n_dropped = 0;              // blocks evicted from the last tier (cache lost)
   int64_t n_persisted = 0;            // blocks written to disk at persist()
+  KvTierCostModel cost;               // current fetch-or-recompute inputs
+  int64_t n_decide_fetch = 0;         // block runs fetched (T_fetch <= T_recompute)
+  int64_t n_decide_recompute = 0;     // block runs recomputed instead (T_recompute < T_fetch)
+  double last_fetch_s = 0;            // the last decision's estimates
+  double last_recompute_s = 0;
 };
 
 // JSON object of the figures (keys are the field names without n_).
@@ -104,6 +126,15 @@ class KvTiers {
   void persist();
 
   KvTiersStats stats() const;
+  // The engine's measured prefill rate (tokens/s) for fetch-or-recompute.
+  void set_prefill_rate(double tokens_per_s) { cost_.prefill_tokens_per_s = tokens_per_s; }
+  // Replaces the measured bandwidths (tests; bandwidth sweeps). Fetches
+  // keep updating them unless frozen.
+  void set_cost_model(const KvTierCostModel& cost, bool frozen) {
+    cost_ = cost;
+    cost_frozen_ = frozen;
+  }
+  const KvTierCostModel& cost_model() const { return cost_; }
   // Stores' bookkeeping, and (write-back) no block both in the pool and on
   // the host. KV_CHECK on violation. O(pool blocks + entries).
   void check_invariants() const;
@@ -127,7 +158,17 @@ class KvTiers {
   bool fetch(const TierKey& key, const Hash128& ns_digest, std::span<const int32_t> tokens,
              int32_t dst);
 
+  // Start-up probes of the host copy and disk read path (t0, beta).
+  void measure_costs();
+  void note_fetch(TierCost& c, int64_t bytes, double seconds);
+
   PrefixIndex& index_;
+  KvTierCostModel cost_;
+  bool cost_frozen_ = false;
+  int64_t n_decide_fetch_ = 0;
+  int64_t n_decide_recompute_ = 0;
+  double last_fetch_s_ = 0;
+  double last_recompute_s_ = 0;
   KvTierConfig config_;
   BlockRecordIdentity id_;
   std::unique_ptr<HostStore> host_;

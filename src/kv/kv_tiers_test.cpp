@@ -514,6 +514,46 @@ TEST(KvTiers, DiskFullSkipsTheWriteBackAndCountsIt) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(KvTiers, FetchOrRecomputePicksTheFasterPath) {
+  const auto dir = temp_dir("decide");
+  Rig rig(
+      false, 16,
+      {.host_bytes = 0, .write_through = false, .disk_dir = dir.string(), .disk_bytes = 1 << 22});
+  // Measured at start-up by the probe.
+  EXPECT_GT(rig.tiers->cost_model().disk.bytes_per_s, 0);
+  const std::vector<int32_t> a = long_prompt(4 * kP + 1, 8);
+  rig.request(a).table.release();
+  ASSERT_EQ(rig.index->evict(100), 4);
+  rig.tiers->disk()->flush();
+  const double bb = static_cast<double>(rig.pool->block_bytes());
+  // A slow disk (1 KB/s) against a fast prefill: recomputing is faster.
+  rig.tiers->set_cost_model(
+      {.host = {}, .disk = {.t0_s = 0.001, .bytes_per_s = 1e3}, .prefill_tokens_per_s = 1e6},
+      /*frozen=*/true);
+  Rig::Outcome o = rig.request(a);
+  EXPECT_EQ(o.n_from_tiers, 0);
+  EXPECT_EQ(o.table.length(), static_cast<int64_t>(a.size()));
+  KvTiersStats st = rig.tiers->stats();
+  EXPECT_EQ(st.n_decide_recompute, 1);
+  EXPECT_EQ(st.n_decide_fetch, 0);
+  EXPECT_NEAR(st.last_fetch_s, 4 * (0.001 + bb / 1e3), 1e-9);
+  EXPECT_NEAR(st.last_recompute_s, 4.0 * kP / 1e6, 1e-12);
+  o.table.release();
+  ASSERT_EQ(rig.index->evict(100), 4);  // already on disk: nothing rewritten
+  // A fast disk against a slow prefill: fetching is faster.
+  rig.tiers->set_cost_model(
+      {.host = {}, .disk = {.t0_s = 1e-5, .bytes_per_s = 1e9}, .prefill_tokens_per_s = 100},
+      /*frozen=*/true);
+  o = rig.request(a);
+  EXPECT_EQ(o.n_from_tiers, 4 * kP);
+  EXPECT_TRUE(o.bytes_ok);
+  st = rig.tiers->stats();
+  EXPECT_EQ(st.n_decide_fetch, 1);
+  EXPECT_EQ(st.n_decide_recompute, 1);
+  rig.check();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(KvTiers, FlagErrorsNameTheFlag) {
   const KvLayout layout = make_layout(false);
   auto pool = BlockPool::create(layout, {.mem_bytes = 4 * layout.block_bytes()});

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -562,6 +563,51 @@ bool DiskStore::erase(const TierKey& key) {
   map_.erase(s);
   ++stats_.n_erased;
   return true;
+}
+
+std::pair<double, double> DiskStore::probe_read_seconds() {
+  const std::string path = dir_ + "/probe.kvs";
+  int fd =
+      ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | (direct_ ? O_DIRECT : 0), 0644);
+  if (fd < 0) return {0, 0};
+  Buffer b = new_buffer();
+  std::memset(b.get(), 0x5a, static_cast<size_t>(slot_bytes_));
+  bool ok = true;
+  for (int i = 0; i < 5 && ok; ++i) {
+    ok = ::pwrite(fd, b.get(), static_cast<size_t>(slot_bytes_), i * slot_bytes_) == slot_bytes_;
+  }
+  (void)::fdatasync(fd);
+  if (!direct_) (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  auto now = [] {
+    timespec ts{};
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+  };
+  // A 4 KiB read (the fixed cost) after one slot read (warm the path),
+  // then one read of 4 slots (the bandwidth).
+  double t_small = 0, t_big = 0;
+  Buffer big;
+  if (ok) {
+    void* p = nullptr;
+    ok = posix_memalign(&p, 4096, static_cast<size_t>(4 * slot_bytes_)) == 0;
+    big = Buffer(static_cast<uint8_t*>(p));
+  }
+  if (ok) {
+    ok = ::pread(fd, b.get(), static_cast<size_t>(slot_bytes_), 0) == slot_bytes_;
+    t_small = t_big = 1e30;
+    for (int rep = 0; rep < 3 && ok; ++rep) {  // best of 3: the machine is shared
+      double t = now();
+      ok = ::pread(fd, b.get(), 4096, slot_bytes_) == 4096;
+      t_small = std::min(t_small, now() - t);
+      t = now();
+      ok = ok && ::pread(fd, big.get(), static_cast<size_t>(4 * slot_bytes_), slot_bytes_) ==
+                     4 * slot_bytes_;
+      t_big = std::min(t_big, now() - t);
+    }
+  }
+  ::close(fd);
+  ::unlink(path.c_str());
+  return ok ? std::pair<double, double>{t_small, t_big} : std::pair<double, double>{0, 0};
 }
 
 TierStoreStats DiskStore::stats() const {

@@ -213,6 +213,10 @@ class DiskStore {
   void flush();
   TierStoreStats stats() const;
   void add_fetch_latency(double seconds) { record_fetch_latency(stats_, seconds); }
+  // Start-up probe on DIR/probe.kvs (written first, removed after), read
+  // the way fetch() reads: seconds of one 4 KiB read (the fixed cost) and
+  // of one read of 4 slots (bandwidth); {0, 0} when it fails.
+  std::pair<double, double> probe_read_seconds();
   int64_t n_pending() const { return static_cast<int64_t>(pending_.size()); }
   void check_invariants() const { map_.check_invariants(); }
   const std::string& data_path() const { return data_path_; }

@@ -80,10 +80,16 @@ def test_evicted_prefix_comes_back_from_the_tier(tmp_path, flags, name, model):
         assert t["hits"] > 0 and st["tiers"]["promoted"] >= t["hits"]
         assert t["bytes_out"] == t["hits"] * st["pool"]["block_bytes"]
         assert again == first  # bit-identical K/V: the same greedy tokens
+        # Fetch or recompute: bandwidth and prefill rate measured at start-up;
+        # fetching 360 KiB per 16 tokens beats recomputing them here.
+        cost = st["tiers"]["cost"]
+        assert cost["prefill_tokens_per_s"] > 0 and cost[name + "_bytes_per_s"] > 0, cost
+        assert st["tiers"]["decide_fetch"] >= 1 and cost["last_fetch_s"] < cost["last_recompute_s"]
         # Observability: the same figures in /metrics.
         m = s.get("/metrics").text
         hits = re.search(r'^kvstack:kv_tier_hits_total\{[^}]*tier="%s"\} (\d+)' % name, m, re.M)
         assert hits and int(hits[1]) == t["hits"]
+        assert re.search(r'kvstack:kv_tier_decisions_total\{[^}]*decision="fetch"\} [1-9]', m)
         assert re.search(r'kvstack:kv_tier_fetch_seconds_count\{[^}]*tier="%s"\} %d' %
                          (name, t["hits"]), m)
     finally:
