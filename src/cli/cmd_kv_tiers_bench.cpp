@@ -159,12 +159,9 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
   double memcpy_like = 0;
   {
     const int64_t slot = (bb + 64 + block_record_header_bytes(16) + 63) / 64 * 64;
-    auto b = make_bench(*layout, n,
-                        {.host_bytes = (n + 2) * slot,
-                         .write_through = false,
-                         .disk_dir = "",
-                         .disk_bytes = 0,
-                         .disk_direct_io = true});
+    KvTierConfig cfg;
+    cfg.host_bytes = (n + 2) * slot;
+    auto b = make_bench(*layout, n, cfg);
     if (!b) return fail("kv-tiers-bench", b.error().message);
     const auto t0 = Clock::now();
     b->index->evict(n);
@@ -193,12 +190,11 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
   std::filesystem::remove(dir + "/index.kvs");
   {
     const bool direct = !args->flag("buffered");
-    auto b = make_bench(*layout, n,
-                        {.host_bytes = 0,
-                         .write_through = false,
-                         .disk_dir = dir,
-                         .disk_bytes = (n + 2) * (bb + 8192),
-                         .disk_direct_io = direct});
+    KvTierConfig cfg;
+    cfg.disk_dir = dir;
+    cfg.disk_bytes = (n + 2) * (bb + 8192);
+    cfg.disk_direct_io = direct;
+    auto b = make_bench(*layout, n, cfg);
     if (!b) return fail("kv-tiers-bench", b.error().message);
     const auto t0 = Clock::now();
     b->index->evict(n);

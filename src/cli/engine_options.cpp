@@ -63,6 +63,11 @@ std::vector<OptionSpec> engine_options() {
        "disk tier: keep KV blocks evicted from the pool (or the host tier) in DIR, checksummed, "
        "with an index that survives a restart (needs --kv-disk-size)"},
       {"kv-disk-size", 0, "SIZE", "bytes the disk tier may use in --kv-disk DIR"},
+      {"kv-redis", 0, "URL",
+       "remote tier: share KV blocks with other instances of the same model through a Redis "
+       "server, redis://HOST:PORT[/DB] (published blocks are stored; Redis's maxmemory policy "
+       "evicts)"},
+      {"kv-redis-timeout", 0, "MS", "bound on each Redis connect and command (default 200)"},
       {"public-prefix", 0, "FILE",
        "pre-compute and pin the KV of this text (e.g. a system prompt) for every namespace; "
        "repeatable",
@@ -202,9 +207,14 @@ Result<EngineConfig> engine_config_from(const Args& args) {
     return make_error(Errc::kInvalidArgument, "--kv-disk needs a directory");
   }
   c.kv_tiers.disk_bytes = static_cast<int64_t>(*disk_size);
+  c.kv_tiers.redis_url = args.get_or("kv-redis", "");
+  auto redis_timeout = args.get_int("kv-redis-timeout", 200, 1, 60000);
+  if (!redis_timeout) return redis_timeout.error();
+  c.kv_tiers.redis_timeout_ms = static_cast<int>(*redis_timeout);
   if (!c.prefix_cache && c.kv_tiers.enabled()) {
     return make_error(Errc::kInvalidArgument,
-                      "--kv-host-mem / --kv-disk need the prefix cache (drop --no-prefix-cache)");
+                      "--kv-host-mem / --kv-disk / --kv-redis need the prefix cache (drop "
+                      "--no-prefix-cache)");
   }
   // Weights digests persist per user (the one place the cache dir is read).
   if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0') {

@@ -39,6 +39,11 @@ Result<std::unique_ptr<KvTiers>> KvTiers::create(PrefixIndex& index, const Cache
   } else if (config.disk_bytes > 0) {
     return make_error(Errc::kInvalidArgument, "--kv-disk-size needs --kv-disk DIR");
   }
+  if (!config.redis_url.empty()) {
+    auto r = RedisStore::open(id, config.redis_url, config.redis_timeout_ms);
+    if (!r) return r.error();
+    t->redis_ = std::move(*r);
+  }
   if (config.write_through && !t->host_) {
     return make_error(Errc::kInvalidArgument, "--kv-host-write-through needs --kv-host-mem");
   }
@@ -103,10 +108,13 @@ void KvTiers::on_evict(int32_t block) {
 }
 
 void KvTiers::on_publish(int32_t block) {
-  if (!host_) return;
   const CachedBlockInfo info = index_.cached_block_info(block);
   if (info.has_extra) return;
   const TierKey key{.hash = info.hash, .group = info.group};
+  // The shared store gets every published block (other instances may want
+  // it now, not when this one evicts it).
+  if (redis_ && !redis_->contains(key, info.ns_digest)) redis_->put(key, pool_record(block));
+  if (!host_) return;
   if (!config_.write_through) {
     // Write-back: the pool holds the block again; its host copy goes.
     host_->erase(key);
@@ -156,6 +164,13 @@ void KvTiers::measure_costs() {
       cost_.disk.bytes_per_s = 4 * slot / std::max(t_big - t_small, 0.5 * t_big);
     }
   }
+  if (redis_) {
+    const auto [t_ping, t_get] = redis_->probe_seconds();
+    if (t_get > 0) {
+      cost_.redis.t0_s = t_ping;
+      cost_.redis.bytes_per_s = static_cast<double>(bb) / std::max(t_get - t_ping, 0.5 * t_get);
+    }
+  }
 }
 
 void KvTiers::note_fetch(TierCost& c, int64_t bytes, double seconds) {
@@ -189,6 +204,12 @@ bool KvTiers::fetch(const TierKey& key, const Hash128& ns_digest, std::span<cons
     note_fetch(cost_.disk, id_.payload_bytes, dt);
     return true;
   }
+  if (redis_ && redis_->fetch(key, ns_digest, tokens, out)) {
+    const double dt = now_seconds() - t0;
+    redis_->add_fetch_latency(dt);
+    note_fetch(cost_.redis, id_.payload_bytes, dt);
+    return true;
+  }
   return false;
 }
 
@@ -219,7 +240,7 @@ int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, i
     for (int64_t i = j; i < n_max; ++i) {
       const Hash128 parent = i == 0 ? Hash128{} : hashes[static_cast<size_t>(i - 1)];
       const Hash128 h = index_.chain_hash(parent, ns, block_tokens(i));
-      if (!tier_has({.hash = h, .group = 0})) break;
+      if (!tier_has({.hash = h, .group = 0}, ns_digest)) break;
       hashes.push_back(h);
     }
     auto pool_companion = [&](int64_t i, int g) {
@@ -227,7 +248,7 @@ int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, i
     };
     auto available = [&](int64_t i, int g) {
       return pool_companion(i, g) != kNullBlock ||
-             tier_has({.hash = hashes[static_cast<size_t>(i)], .group = g});
+             tier_has({.hash = hashes[static_cast<size_t>(i)], .group = g}, ns_digest);
     };
     auto k = static_cast<int64_t>(hashes.size());
     for (; k > 0; --k) {
@@ -287,7 +308,7 @@ int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, i
       double t_fetch = 0;
       for (const Promote& t : todo) {
         const TierKey key{.hash = hashes[static_cast<size_t>(t.i)], .group = t.g};
-        const TierCost& c = in_host(key) ? cost_.host : cost_.disk;
+        const TierCost& c = in_host(key) ? cost_.host : in_disk(key) ? cost_.disk : cost_.redis;
         t_fetch +=
             c.t0_s +
             (c.bytes_per_s > 0 ? static_cast<double>(id_.payload_bytes) / c.bytes_per_s : 0.0);
@@ -369,6 +390,7 @@ KvTiersStats KvTiers::stats() const {
   s.write_through = config_.write_through;
   if (host_) s.tiers.push_back(host_->stats());
   if (disk_) s.tiers.push_back(disk_->stats());
+  if (redis_) s.tiers.push_back(redis_->stats());
   s.n_promoted = n_promoted_;
   s.n_promote_failed = n_promote_failed_;
   s.n_hit_tokens = n_hit_tokens_;
@@ -417,15 +439,16 @@ std::string kv_tiers_stats_json(const KvTiersStats& s) {
   field(out, "decide_fetch", s.n_decide_fetch);
   field(out, "decide_recompute", s.n_decide_recompute);
   {
-    char buf[320];
+    char buf[512];
     std::snprintf(buf, sizeof(buf),
                   ", \"cost\": {\"host_t0_s\": %.3g, \"host_bytes_per_s\": %.4g, "
                   "\"disk_t0_s\": %.3g, \"disk_bytes_per_s\": %.4g, "
+                  "\"redis_t0_s\": %.3g, \"redis_bytes_per_s\": %.4g, "
                   "\"prefill_tokens_per_s\": %.4g, \"last_fetch_s\": %.4g, "
                   "\"last_recompute_s\": %.4g}",
                   s.cost.host.t0_s, s.cost.host.bytes_per_s, s.cost.disk.t0_s,
-                  s.cost.disk.bytes_per_s, s.cost.prefill_tokens_per_s, s.last_fetch_s,
-                  s.last_recompute_s);
+                  s.cost.disk.bytes_per_s, s.cost.redis.t0_s, s.cost.redis.bytes_per_s,
+                  s.cost.prefill_tokens_per_s, s.last_fetch_s, s.last_recompute_s);
     out += buf;
   }
   out += ", \"tiers\": [";
@@ -446,6 +469,7 @@ std::string kv_tiers_stats_json(const KvTiersStats& s) {
     field(o, "corrupt", t.n_corrupt);
     field(o, "identity_mismatch", t.n_identity_mismatch);
     field(o, "write_failed", t.n_write_failed);
+    field(o, "errors", t.n_errors);
     char buf[64];
     std::snprintf(buf, sizeof(buf), ", \"fetch_seconds\": %.6f", t.fetch_seconds);
     o += buf;
@@ -501,6 +525,9 @@ std::string kv_tiers_prometheus(const KvTiersStats& s, const std::string& labels
   metric("kvstack:kv_tier_write_failed_total", "counter",
          "Writes that failed (disk full or I/O error); the block was not stored.",
          [](const TierStoreStats& t) { return t.n_write_failed; });
+  metric("kvstack:kv_tier_errors_total", "counter",
+         "Remote tier commands that failed or timed out (each a miss or a skipped store).",
+         [](const TierStoreStats& t) { return t.n_errors; });
   const char* h = "kvstack:kv_tier_fetch_seconds";
   out += std::string("# HELP ") + h +
          " Latency of one block fetch from this tier into the pool.\n# TYPE " + h + " histogram\n";
@@ -543,7 +570,9 @@ std::string kv_tiers_prometheus(const KvTiersStats& s, const std::string& labels
       "# HELP kvstack:kv_tier_bandwidth_bytes_per_second Measured fetch bandwidth per tier.\n"
       "# TYPE kvstack:kv_tier_bandwidth_bytes_per_second gauge\n";
   for (const TierStoreStats& t : s.tiers) {
-    const TierCost& c = t.name == "host" ? s.cost.host : s.cost.disk;
+    const TierCost& c = t.name == "host"   ? s.cost.host
+                        : t.name == "disk" ? s.cost.disk
+                                           : s.cost.redis;
     out += "kvstack:kv_tier_bandwidth_bytes_per_second{" + labels + ",tier=\"" + t.name + "\"} " +
            std::to_string(c.bytes_per_s) + "\n";
   }

@@ -12,6 +12,7 @@
 //   publish --copy--> host (write-through, --kv-host-write-through)
 //   host / disk --hit--> pool (promotion; the record is checked first)
 //   pool + host --shutdown (persist)--> disk, index written (warm restart)
+//   publish --copy--> Redis (--kv-redis: shared by instances of one model)
 // Write-back keeps a block in at most one of pool and host: publishing (or
 // promoting) a block erases its host copy. Write-through keeps the host
 // copy while the block is in the pool, so an eviction costs nothing. The
@@ -47,6 +48,7 @@
 #include "kv/block_record.h"
 #include "kv/cache_identity.h"
 #include "kv/prefix_index.h"
+#include "kv/redis_store.h"
 #include "kv/tier_store.h"
 
 namespace kvstack {
@@ -57,7 +59,9 @@ struct KvTierConfig {
   std::string disk_dir;        // --kv-disk ("" = no disk tier)
   int64_t disk_bytes = 0;      // --kv-disk-size (REQUIRED > 0 with disk_dir)
   bool disk_direct_io = true;  // O_DIRECT where the file system allows it (benchmarks turn it off)
-  bool enabled() const { return host_bytes > 0 || !disk_dir.empty(); }
+  std::string redis_url;       // --kv-redis redis://HOST:PORT[/DB] ("" = no remote tier)
+  int redis_timeout_ms = 200;  // bound on every Redis connect and command
+  bool enabled() const { return host_bytes > 0 || !disk_dir.empty() || !redis_url.empty(); }
 };
 
 // Fetch-or-recompute inputs (spec section 9): per tier, a fixed cost per
@@ -74,13 +78,14 @@ struct TierCost {
 struct KvTierCostModel {
   TierCost host;
   TierCost disk;
+  TierCost redis;
   double prefill_tokens_per_s = 0;
 };
 
 struct KvTiersStats {
   bool enabled = false;
   bool write_through = false;
-  std::vector<TierStoreStats> tiers;  // host then disk, those configured
+  std::vector<TierStoreStats> tiers;  // host, disk, redis: those configured
   int64_t n_promoted = 0;             // blocks copied from a tier into the pool
   int64_t n_promote_failed = 0;       // promotions given up (pool full)
   int64_t n_hit_tokens = 0;           // prefix tokens served from tiers
@@ -152,7 +157,9 @@ class KvTiers {
   // Header + payload view of a published pool block (header built in hdr_).
   TierRecord pool_record(int32_t block);
   void to_disk(const TierKey& key, const TierRecord& rec);
-  bool tier_has(const TierKey& key) const { return in_host(key) || in_disk(key); }
+  bool tier_has(const TierKey& key, const Hash128& ns_digest) {
+    return in_host(key) || in_disk(key) || (redis_ && redis_->contains(key, ns_digest));
+  }
   // Copies key's payload into pool block dst (host, then disk). False when
   // neither has a valid record.
   bool fetch(const TierKey& key, const Hash128& ns_digest, std::span<const int32_t> tokens,
@@ -173,6 +180,7 @@ class KvTiers {
   BlockRecordIdentity id_;
   std::unique_ptr<HostStore> host_;
   std::unique_ptr<DiskStore> disk_;
+  std::unique_ptr<RedisStore> redis_;
   std::vector<uint8_t> hdr_;  // scratch header
   int64_t n_promoted_ = 0;
   int64_t n_promote_failed_ = 0;

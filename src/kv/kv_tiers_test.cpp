@@ -54,6 +54,18 @@ CacheIdentity make_identity(const KvLayout& layout, uint64_t weights = 1) {
   return id;
 }
 
+KvTierConfig host_cfg(int64_t bytes) {
+  KvTierConfig c;
+  c.host_bytes = bytes;
+  return c;
+}
+KvTierConfig disk_cfg(const std::string& dir, int64_t bytes) {
+  KvTierConfig c;
+  c.disk_dir = dir;
+  c.disk_bytes = bytes;
+  return c;
+}
+
 // The bytes a block must hold: a function of its whole token prefix and group
 // (what a forward pass would compute), so any copy can be checked exactly.
 void fill_expected(std::span<const int32_t> prefix, int group, uint8_t* out, int64_t n) {
@@ -349,8 +361,7 @@ std::vector<int32_t> long_prompt(int n, int seed) {
 }
 
 TEST(KvTiers, HostPromotionIsBitIdenticalAndCancelKeepsTheEntry) {
-  Rig rig(false, 8,
-          {.host_bytes = 1 << 20, .write_through = false, .disk_dir = "", .disk_bytes = 0});
+  Rig rig(false, 8, host_cfg(1 << 20));
   const std::vector<int32_t> a = long_prompt(4 * kP + 1, 1);
   rig.request(a).table.release();
   EXPECT_EQ(rig.index->evict(100), 4);
@@ -377,7 +388,7 @@ TEST(KvTiers, HostPromotionIsBitIdenticalAndCancelKeepsTheEntry) {
 
 TEST(KvTiers, WarmRestartFromDisk) {
   const auto dir = temp_dir("warm");
-  const KvTierConfig cfg{.disk_dir = dir.string(), .disk_bytes = 1 << 22};
+  const KvTierConfig cfg = disk_cfg(dir.string(), 1 << 22);
   const std::vector<int32_t> a = long_prompt(5 * kP + 2, 2);
   {
     Rig rig(true, 16, cfg);
@@ -398,7 +409,7 @@ TEST(KvTiers, WarmRestartFromDisk) {
 // Writes the chain of `a` to disk in a first "process"; returns the dir.
 std::filesystem::path disk_with(const std::string& name, const std::vector<int32_t>& a) {
   const auto dir = temp_dir(name);
-  Rig rig(false, 16, {.disk_dir = dir.string(), .disk_bytes = 1 << 22});
+  Rig rig(false, 16, disk_cfg(dir.string(), 1 << 22));
   rig.request(a).table.release();
   rig.tiers->persist();
   return dir;
@@ -407,7 +418,7 @@ std::filesystem::path disk_with(const std::string& name, const std::vector<int32
 TEST(KvTiers, CorruptPayloadIsACheckedMissAndTheEntryIsDropped) {
   const std::vector<int32_t> a = long_prompt(4 * kP + 1, 3);
   const auto dir = disk_with("corrupt", a);
-  Rig rig(false, 16, {.disk_dir = dir.string(), .disk_bytes = 1 << 22});
+  Rig rig(false, 16, disk_cfg(dir.string(), 1 << 22));
   // Flip one payload byte in every slot but the first block's: find the
   // slot of block 1 through the store (slot order = write order).
   const int64_t slot_bytes = rig.tiers->disk()->stats().slot_bytes;
@@ -445,7 +456,7 @@ TEST(KvTiers, TruncatedFileIsAMiss) {
   const std::vector<int32_t> a = long_prompt(4 * kP + 1, 4);
   const auto dir = disk_with("truncated", a);
   std::filesystem::resize_file(dir / "blocks.kvs", 4096);  // mid-record of slot 0
-  Rig rig(false, 16, {.disk_dir = dir.string(), .disk_bytes = 1 << 22});
+  Rig rig(false, 16, disk_cfg(dir.string(), 1 << 22));
   EXPECT_EQ(rig.tiers->disk()->stats().n_blocks, 4);  // the index still lists them
   Rig::Outcome o = rig.request(a);
   EXPECT_EQ(o.n_from_tiers, 0);
@@ -460,7 +471,7 @@ TEST(KvTiers, AnotherModelOrFormatIsAnIdentityMismatch) {
   const auto dir = disk_with("identity", a);
   {
     // Other weights, same layout: the index is refused as a whole.
-    Rig rig(false, 16, {.disk_dir = dir.string(), .disk_bytes = 1 << 22}, /*weights=*/2);
+    Rig rig(false, 16, disk_cfg(dir.string(), 1 << 22), /*weights=*/2);
     EXPECT_EQ(rig.tiers->disk()->stats().n_identity_mismatch, 4);
     EXPECT_EQ(rig.tiers->disk()->stats().n_blocks, 0);
     Rig::Outcome o = rig.request(a);
@@ -470,7 +481,7 @@ TEST(KvTiers, AnotherModelOrFormatIsAnIdentityMismatch) {
   }
   {
     // Another KV layout (hybrid groups, other block bytes) on the same dir.
-    Rig rig(true, 16, {.disk_dir = dir.string(), .disk_bytes = 1 << 22});
+    Rig rig(true, 16, disk_cfg(dir.string(), 1 << 22));
     EXPECT_GT(rig.tiers->disk()->stats().n_identity_mismatch, 0);
     EXPECT_EQ(rig.tiers->disk()->stats().n_blocks, 0);
     EXPECT_EQ(rig.request(a).n_adopted, 0);
@@ -498,7 +509,7 @@ TEST(KvTiers, DiskFullSkipsTheWriteBackAndCountsIt) {
   std::filesystem::create_directories(dir);
   // Every write of the data file fails with ENOSPC.
   std::filesystem::create_symlink("/dev/full", dir / "blocks.kvs");
-  Rig rig(false, 6, {.disk_dir = dir.string(), .disk_bytes = 1 << 22});
+  Rig rig(false, 6, disk_cfg(dir.string(), 1 << 22));
   const std::vector<int32_t> a = long_prompt(4 * kP + 1, 6);
   const std::vector<int32_t> b = long_prompt(4 * kP + 1, 7);
   rig.request(a).table.release();
@@ -516,9 +527,7 @@ TEST(KvTiers, DiskFullSkipsTheWriteBackAndCountsIt) {
 
 TEST(KvTiers, FetchOrRecomputePicksTheFasterPath) {
   const auto dir = temp_dir("decide");
-  Rig rig(
-      false, 16,
-      {.host_bytes = 0, .write_through = false, .disk_dir = dir.string(), .disk_bytes = 1 << 22});
+  Rig rig(false, 16, disk_cfg(dir.string(), 1 << 22));
   // Measured at start-up by the probe.
   EXPECT_GT(rig.tiers->cost_model().disk.bytes_per_s, 0);
   const std::vector<int32_t> a = long_prompt(4 * kP + 1, 8);
@@ -527,9 +536,11 @@ TEST(KvTiers, FetchOrRecomputePicksTheFasterPath) {
   rig.tiers->disk()->flush();
   const double bb = static_cast<double>(rig.pool->block_bytes());
   // A slow disk (1 KB/s) against a fast prefill: recomputing is faster.
-  rig.tiers->set_cost_model(
-      {.host = {}, .disk = {.t0_s = 0.001, .bytes_per_s = 1e3}, .prefill_tokens_per_s = 1e6},
-      /*frozen=*/true);
+  rig.tiers->set_cost_model({.host = {},
+                             .disk = {.t0_s = 0.001, .bytes_per_s = 1e3},
+                             .redis = {},
+                             .prefill_tokens_per_s = 1e6},
+                            /*frozen=*/true);
   Rig::Outcome o = rig.request(a);
   EXPECT_EQ(o.n_from_tiers, 0);
   EXPECT_EQ(o.table.length(), static_cast<int64_t>(a.size()));
@@ -541,9 +552,11 @@ TEST(KvTiers, FetchOrRecomputePicksTheFasterPath) {
   o.table.release();
   ASSERT_EQ(rig.index->evict(100), 4);  // already on disk: nothing rewritten
   // A fast disk against a slow prefill: fetching is faster.
-  rig.tiers->set_cost_model(
-      {.host = {}, .disk = {.t0_s = 1e-5, .bytes_per_s = 1e9}, .prefill_tokens_per_s = 100},
-      /*frozen=*/true);
+  rig.tiers->set_cost_model({.host = {},
+                             .disk = {.t0_s = 1e-5, .bytes_per_s = 1e9},
+                             .redis = {},
+                             .prefill_tokens_per_s = 100},
+                            /*frozen=*/true);
   o = rig.request(a);
   EXPECT_EQ(o.n_from_tiers, 4 * kP);
   EXPECT_TRUE(o.bytes_ok);
@@ -560,14 +573,13 @@ TEST(KvTiers, FlagErrorsNameTheFlag) {
   ASSERT_TRUE(pool.ok());
   PrefixIndex index(**pool);
   const CacheIdentity id = make_identity(layout);
-  auto tiny = KvTiers::create(
-      index, id, {.host_bytes = 100, .write_through = false, .disk_dir = "", .disk_bytes = 0});
+  auto tiny = KvTiers::create(index, id, host_cfg(100));
   ASSERT_FALSE(tiny.ok());
   EXPECT_NE(tiny.error().message.find("--kv-host-mem"), std::string::npos);
-  auto no_size = KvTiers::create(index, id, {.disk_dir = "/tmp/x"});
+  auto no_size = KvTiers::create(index, id, disk_cfg("/tmp/x", 0));
   ASSERT_FALSE(no_size.ok());
   EXPECT_NE(no_size.error().message.find("--kv-disk-size"), std::string::npos);
-  auto bad_dir = KvTiers::create(index, id, {.disk_dir = "/proc/none/x", .disk_bytes = 1 << 20});
+  auto bad_dir = KvTiers::create(index, id, disk_cfg("/proc/none/x", 1 << 20));
   ASSERT_FALSE(bad_dir.ok());
   EXPECT_NE(bad_dir.error().message.find("/proc/none/x"), std::string::npos);
 }

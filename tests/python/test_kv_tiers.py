@@ -176,3 +176,85 @@ def test_kv_tiers_bench_smoke(tmp_path):
                       tmp_path / "b").stdout
     for line in ("memcpy", "host fetch", "disk write-back", "disk fetch"):
         assert re.search(r"%s\s+\d+\.\d+ GB/s" % line, out), out
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A private redis-server on a free port (no persistence), stopped at the end."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server not installed (scripts/setup.sh test deps)")
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--maxmemory", "512mb",
+                             "--maxmemory-policy", "allkeys-lru", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield proc, f"redis://127.0.0.1:{port}"
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(10)
+
+
+def complete_salt(s, prompt, salt):
+    r = s.client().completions.create(model=pathlib.Path(MODEL).stem, prompt=prompt,
+                                      max_tokens=12, temperature=0,
+                                      extra_body={"cache_salt": salt})
+    return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens
+
+
+def test_two_servers_share_prefixes_through_redis(redis_server):
+    _, url = redis_server
+    s1 = ServerProcess(*POOL, "--kv-redis", url, admin_key="adm")
+    s2 = ServerProcess(*POOL, "--kv-redis", url, admin_key="adm")
+    try:
+        first, _ = complete(s1, A)
+        assert tier(s1.kv_stats(), "redis")["stored"] >= 8
+        # The second process gets the first one's prefix from Redis...
+        again, cached = complete(s2, A)
+        t = tier(s2.kv_stats(), "redis")
+        assert cached >= 128 and t["hits"] >= 8, t
+        assert again == first
+        # ...but never another namespace's: a salted request misses.
+        salted, cached = complete_salt(s2, B, "tenant-x")
+        _, cached_other = complete_salt(s1, B, "tenant-y")
+        assert cached_other == 0
+        _, cached_same = complete_salt(s1, B, "tenant-x")
+        assert cached_same >= 128  # same salt: shared
+    finally:
+        stop(s1)
+        stop(s2)
+
+
+def test_redis_down_is_a_bounded_miss(redis_server):
+    import time
+    proc, url = redis_server
+    s = ServerProcess(*POOL, "--kv-redis", url, "--kv-redis-timeout", "100", admin_key="adm")
+    try:
+        first, _ = complete(s, A)
+        proc.terminate()
+        proc.wait(10)
+        complete(s, B)  # evicts A from the pool
+        t0 = time.monotonic()
+        again, cached = complete(s, A)
+        took = time.monotonic() - t0
+        t = tier(s.kv_stats(), "redis")
+        # Whatever the pool kept is reused; the rest is recomputed.
+        assert again == first
+        assert t["errors"] > 0 and t["hits"] == 0, t
+        print(f"request with Redis down: {took:.2f} s")
+        assert took < 5  # bounded: one 100 ms timeout, then reconnects at most once a second
+    finally:
+        stop(s)
