@@ -217,7 +217,7 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
                 total / best / 1e9, best / static_cast<double>(n) * 1e6,
                 ds.direct_io ? "O_DIRECT" : "buffered, cold page cache");
     std::printf("  disk file         %s (%lld bytes)\n", b->tiers->disk()->data_path().c_str(),
-                static_cast<long long>(n * ds.slot_bytes));
+                static_cast<long long>(n) * static_cast<long long>(ds.slot_bytes));
     b->index->release_namespace(b->ns);
     b->tiers.reset();
     b->index.reset();

@@ -190,8 +190,8 @@ struct Rig {
 };
 
 std::filesystem::path temp_dir(const std::string& name) {
-  const auto d = std::filesystem::temp_directory_path() /
-                 ("kvstack-tiers-" + name + "-" + std::to_string(::getpid()));
+  auto d = std::filesystem::temp_directory_path() /
+           ("kvstack-tiers-" + name + "-" + std::to_string(::getpid()));
   std::filesystem::remove_all(d);
   return d;
 }
@@ -408,7 +408,7 @@ TEST(KvTiers, WarmRestartFromDisk) {
 
 // Writes the chain of `a` to disk in a first "process"; returns the dir.
 std::filesystem::path disk_with(const std::string& name, const std::vector<int32_t>& a) {
-  const auto dir = temp_dir(name);
+  auto dir = temp_dir(name);
   Rig rig(false, 16, disk_cfg(dir.string(), 1 << 22));
   rig.request(a).table.release();
   rig.tiers->persist();
