@@ -193,7 +193,8 @@ def redis_server(tmp_path):
         port = sk.getsockname()[1]
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--maxmemory", "512mb",
-                             "--maxmemory-policy", "allkeys-lru", "--dir", str(tmp_path)],
+                             "--maxmemory-policy", "allkeys-lru", "--dir", str(tmp_path),
+                             "--enable-debug-command", "local"],  # DEBUG SLEEP: a slow server
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -256,5 +257,60 @@ def test_redis_down_is_a_bounded_miss(redis_server):
         assert t["errors"] > 0 and t["hits"] == 0, t
         print(f"request with Redis down: {took:.2f} s")
         assert took < 5  # bounded: one 100 ms timeout, then reconnects at most once a second
+    finally:
+        stop(s)
+
+
+def redis_cli(url, *args):
+    import subprocess
+    port = url.rsplit(":", 1)[1]
+    return subprocess.run(["redis-cli", "-p", port, *args], capture_output=True, text=True,
+                          timeout=30, check=True).stdout
+
+
+def test_redis_foreign_corrupt_and_slow_values_are_misses(redis_server):
+    import shutil
+    import threading
+    import time
+    if shutil.which("redis-cli") is None:
+        pytest.skip("redis-cli not installed")
+    _, url = redis_server
+    s1 = ServerProcess(*POOL, "--kv-redis", url, admin_key="adm")
+    try:
+        first, _ = complete(s1, A)
+    finally:
+        stop(s1)
+    keys = redis_cli(url, "--scan", "--pattern", "kvstack:blk:*").split()
+    assert len(keys) >= 8
+    # Another KV format on the same Redis: its keys differ, nothing is shared.
+    s = ServerProcess(*POOL, "--kv-redis", url, "--kv-dtype", "bf16", admin_key="adm")
+    try:
+        _, cached = complete(s, A)
+        assert cached == 0 and tier(s.kv_stats(), "redis")["hits"] == 0
+    finally:
+        stop(s)
+    # A slow server: a command that outlasts the timeout is a miss, bounded.
+    s = ServerProcess(*POOL, "--kv-redis", url, "--kv-redis-timeout", "100", admin_key="adm")
+    try:
+        sleeper = threading.Thread(target=redis_cli, args=(url, "DEBUG", "SLEEP", "1.5"))
+        sleeper.start()
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        again, cached = complete(s, A)
+        took = time.monotonic() - t0
+        sleeper.join()
+        t = tier(s.kv_stats(), "redis")
+        assert again == first and t["errors"] > 0 and t["hits"] == 0, t
+        assert took < 1.4, took  # did not wait for the sleeping server
+    finally:
+        stop(s)
+    # Corrupt values (same identity, damaged bytes): checksum misses, deleted.
+    for k in redis_cli(url, "--scan", "--pattern", "kvstack:blk:*").split():
+        redis_cli(url, "SETRANGE", k, "5000", "garbage")
+    s = ServerProcess(*POOL, "--kv-redis", url, admin_key="adm")
+    try:
+        again, cached = complete(s, A)
+        t = tier(s.kv_stats(), "redis")
+        assert again == first and cached == 0 and t["corrupt"] >= 1 and t["hits"] == 0, t
     finally:
         stop(s)
