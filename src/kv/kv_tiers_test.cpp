@@ -567,6 +567,19 @@ TEST(KvTiers, FetchOrRecomputePicksTheFasterPath) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(KvTiers, OneProcessPerDiskDirectory) {
+  const auto dir = temp_dir("lock");
+  BlockRecordIdentity id = block_record_identity(make_identity(make_layout(false)), kP, 4096);
+  auto a = DiskStore::open(id, dir.string(), 1 << 20);
+  ASSERT_TRUE(a.ok());
+  auto b = DiskStore::open(id, dir.string(), 1 << 20);
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.error().message.find("in use by another kvstack process"), std::string::npos);
+  a->reset();
+  EXPECT_TRUE(DiskStore::open(id, dir.string(), 1 << 20).ok());
+  std::filesystem::remove_all(dir);
+}
+
 TEST(KvTiers, FlagErrorsNameTheFlag) {
   const KvLayout layout = make_layout(false);
   auto pool = BlockPool::create(layout, {.mem_bytes = 4 * layout.block_bytes()});

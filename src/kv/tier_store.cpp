@@ -1,6 +1,7 @@
 #include "kv/tier_store.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -284,6 +285,14 @@ Result<std::unique_ptr<DiskStore>> DiskStore::open(const BlockRecordIdentity& id
                                      (ec ? ": " + ec.message() : ""));
   }
   std::unique_ptr<DiskStore> d(new DiskStore(id, dir, n_slots, slot));
+  // One process per directory: two would overwrite each other's slots and
+  // index (records would still self-check, but the cache would thrash).
+  d->lock_fd_ = ::open((dir + "/lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (d->lock_fd_ < 0 || ::flock(d->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    return make_error(Errc::kIo, "--kv-disk: '" + dir +
+                                     "' is in use by another kvstack process (or its lock file "
+                                     "cannot be opened)");
+  }
   d->header_region_ = header_region;
   KV_TRY_STATUS(d->open_files(direct_io));
   d->load_index();
@@ -306,8 +315,9 @@ DiskStore::DiskStore(const BlockRecordIdentity& id, std::string dir, int64_t n_s
 }
 
 DiskStore::~DiskStore() {
-  flush();
+  if (fd_ >= 0) flush();
   if (fd_ >= 0) ::close(fd_);
+  if (lock_fd_ >= 0) ::close(lock_fd_);
 }
 
 Status DiskStore::open_files(bool direct_io) {

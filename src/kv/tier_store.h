@@ -187,7 +187,7 @@ class DiskStore {
   // (n_identity_mismatch), a corrupt index is ignored (n_corrupt += 1).
   // kInvalidArgument when capacity_bytes holds no slot (names
   // --kv-disk-size); kIo naming the path when DIR or the file cannot be
-  // created or opened.
+  // created or opened, or another process holds DIR (DIR/lock, flock).
   // direct_io = false: buffered I/O even where O_DIRECT works.
   static Result<std::unique_ptr<DiskStore>> open(const BlockRecordIdentity& id,
                                                  const std::string& dir, int64_t capacity_bytes,
@@ -240,6 +240,7 @@ class DiskStore {
   int64_t header_region_ = 4096;
   int64_t slot_bytes_ = 0;
   int fd_ = -1;
+  int lock_fd_ = -1;  // DIR/lock, held (flock) for the store's lifetime
   bool direct_ = false;
   SlotMap map_;
   std::vector<Hash128> ns_of_;                   // [n_slots] namespace digest of each entry
