@@ -22,6 +22,8 @@
 #include <random>
 
 #include "cli/args.h"
+#include "cli/engine_options.h"
+#include "engine/engine.h"
 #include "kv/block_pool.h"
 #include "kv/block_table.h"
 #include "kv/cache_identity.h"
@@ -101,8 +103,91 @@ void drop_page_cache(const std::string& path) {
   ::close(fd);
 }
 
+// --sweep: is the fetch-or-recompute choice the faster one? For prefix
+// lengths L and host-tier bandwidths throttled to beta, it measures the real
+// recompute time (prefill of L tokens) and the real fetch time (promotion of
+// the L / P blocks), asks the engine's cost model which it would pick, and
+// counts the picks that were the faster path.
+int run_sweep(const Args& args) {
+  auto engine = load_engine(args);
+  if (!engine) return fail("kv-tiers-bench", engine.error().message);
+  Engine& e = **engine;
+  KvTiers* tiers = e.kv().tiers();
+  if (tiers == nullptr || tiers->host() == nullptr) {
+    return fail("kv-tiers-bench", "--sweep needs --kv-host-mem SIZE");
+  }
+  const double rate = tiers->cost_model().prefill_tokens_per_s;
+  const int p = e.pool().block_size();
+  const int n_vocab = e.model().config().n_vocab;
+  std::mt19937 rng(11);
+  int n_cases = 0, n_right = 0;
+  std::printf("fetch-or-recompute sweep (prefill rate %.0f tokens/s measured at start-up)\n", rate);
+  std::printf(
+      "| beta (throttle) | L | recompute | fetch | model picks | faster |\n"
+      "|---|---|---|---|---|---|\n");
+  for (double beta : {0.0, 1e9, 1e8, 3e7, 1e7, 3e6}) {
+    tiers->set_throttle(beta);
+    for (int64_t L : {32, 64, 128, 256}) {
+      std::vector<int32_t> tokens(static_cast<size_t>(L + 1));
+      for (auto& t : tokens) t = 1000 + static_cast<int32_t>(rng() % (n_vocab - 1000));
+      const std::span<const int32_t> prefix(tokens.data(), static_cast<size_t>(L));
+      // Recompute: a cold prefill of the L tokens (publishes them).
+      Sequence seq = e.new_sequence();
+      auto t0 = Clock::now();
+      if (!e.prefill(seq, prefix, LogitsMode::kNone, nullptr).ok()) {
+        return fail("kv-tiers-bench", "prefill failed (pool too small?)");
+      }
+      const double t_recompute = secs(t0, Clock::now());
+      seq.release();
+      e.kv().index()->evict(e.pool().n_cached());  // everything to the host tier
+      // The model's pick (a fetch it picks also updates its bandwidth).
+      int64_t got = 0;
+      for (int warm = 0; warm < 3; ++warm) {
+        // Let the moving average see this bandwidth (it keeps updating).
+        tiers->set_prefill_rate(0);
+        {
+          PrefixMatch m = e.kv().index()->match(seq.ns(), tokens, L, false);
+          (void)tiers->extend_match(seq.ns(), tokens, L, m);
+        }
+        tiers->set_prefill_rate(rate);
+      }
+      const int64_t decided_before = tiers->stats().n_decide_fetch;
+      {
+        PrefixMatch m = e.kv().index()->match(seq.ns(), tokens, L, false);
+        (void)tiers->extend_match(seq.ns(), tokens, L, m);
+      }
+      const bool picks_fetch = tiers->stats().n_decide_fetch > decided_before;
+      // Fetch, forced and timed.
+      tiers->set_prefill_rate(0);
+      Sequence again = e.new_sequence();
+      t0 = Clock::now();
+      got = again.adopt_cached_prefix(tokens);
+      const double t_fetch = secs(t0, Clock::now());
+      tiers->set_prefill_rate(rate);
+      again.release();
+      e.kv().index()->evict(e.pool().n_cached());
+      if (got != L - L % p) return fail("kv-tiers-bench", "sweep: the prefix did not come back");
+      const bool fetch_faster = t_fetch <= t_recompute;
+      ++n_cases;
+      n_right += picks_fetch == fetch_faster;
+      char b[32];
+      std::snprintf(b, sizeof(b), beta > 0 ? "%.0f MB/s" : "unthrottled", beta / 1e6);
+      std::printf("| %s | %lld | %.1f ms | %.1f ms | %s | %s |\n", b, static_cast<long long>(L),
+                  t_recompute * 1e3, t_fetch * 1e3, picks_fetch ? "fetch" : "recompute",
+                  fetch_faster ? "fetch" : "recompute");
+    }
+  }
+  std::printf("model picked the faster path in %d of %d cases (%.0f%%)\n", n_right, n_cases,
+              100.0 * n_right / std::max(1, n_cases));
+  return 0;
+}
+
 int run_kv_tiers_bench(const std::vector<std::string>& argv) {
-  std::vector<OptionSpec> specs = {
+  std::vector<OptionSpec> specs = engine_options();
+  const std::vector<OptionSpec> own = {
+      {"sweep", 0, "",
+       "fetch-or-recompute sweep over prefix lengths and throttled host bandwidths (loads the "
+       "model; needs --kv-host-mem)"},
       {"blocks", 0, "N", "blocks in the chain (default 512: 180 MiB)"},
       {"repeat", 0, "N", "runs per measurement, best kept (default 5)"},
       {"dir", 0, "DIR", "disk tier directory (default: a new one under /tmp, removed after)"},
@@ -111,6 +196,7 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
       {"redis", 0, "URL", "also measure the Redis tier at redis://HOST:PORT (its keys are left)"},
       help_option(),
   };
+  specs.insert(specs.end(), own.begin(), own.end());
   auto args = Args::parse(argv, specs);
   if (!args) return fail("kv-tiers-bench", args.error().message);
   if (args->flag("help")) {
@@ -121,6 +207,7 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
                stdout);
     return 0;
   }
+  if (args->flag("sweep")) return run_sweep(*args);
   auto n_blocks_r = args->get_int("blocks", 512, 1, 1 << 20);
   auto repeat_r = args->get_int("repeat", 5, 1, 1000);
   if (!n_blocks_r) return fail("kv-tiers-bench", n_blocks_r.error().message);

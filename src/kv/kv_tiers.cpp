@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "kv/block_pool.h"
@@ -181,8 +182,14 @@ void KvTiers::note_fetch(TierCost& c, int64_t bytes, double seconds) {
 
 bool KvTiers::fetch(const TierKey& key, const Hash128& ns_digest, std::span<const int32_t> tokens,
                     int32_t dst) {
-  uint8_t* out = index_.pool().block_data(BlockId{dst});
   const double t0 = now_seconds();
+  uint8_t* out = index_.pool().block_data(BlockId{dst});
+  auto throttle = [&] {
+    if (throttle_bytes_per_s_ <= 0) return;
+    const double until = t0 + static_cast<double>(id_.payload_bytes) / throttle_bytes_per_s_;
+    const double left = until - now_seconds();
+    if (left > 0) std::this_thread::sleep_for(std::chrono::duration<double>(left));
+  };
   if (host_) {
     const TierRecord r = host_->peek(key);
     if (r.header != nullptr) {
@@ -190,6 +197,7 @@ bool KvTiers::fetch(const TierKey& key, const Hash128& ns_digest, std::span<cons
           .ns_digest = ns_digest, .hash = key.hash, .parent_hash = {}, .group = key.group};
       if (check_block_record(id_, want, tokens, r.header) == BlockRecordCheck::kOk &&
           host_->fetch(key, out)) {
+        throttle();
         const double dt = now_seconds() - t0;
         host_->add_fetch_latency(dt);
         note_fetch(cost_.host, id_.payload_bytes, dt);
@@ -199,12 +207,14 @@ bool KvTiers::fetch(const TierKey& key, const Hash128& ns_digest, std::span<cons
     }
   }
   if (disk_ && disk_->fetch(key, ns_digest, tokens, out)) {
+    throttle();
     const double dt = now_seconds() - t0;
     disk_->add_fetch_latency(dt);
     note_fetch(cost_.disk, id_.payload_bytes, dt);
     return true;
   }
   if (redis_ && redis_->fetch(key, ns_digest, tokens, out)) {
+    throttle();
     const double dt = now_seconds() - t0;
     redis_->add_fetch_latency(dt);
     note_fetch(cost_.redis, id_.payload_bytes, dt);

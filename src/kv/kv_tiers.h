@@ -140,6 +140,9 @@ class KvTiers {
     cost_frozen_ = frozen;
   }
   const KvTierCostModel& cost_model() const { return cost_; }
+  // Benchmarks: every fetch takes at least bytes / bytes_per_s (0 = off),
+  // emulating a slower tier (kv-tiers-bench --sweep).
+  void set_throttle(double bytes_per_s) { throttle_bytes_per_s_ = bytes_per_s; }
   // Stores' bookkeeping, and (write-back) no block both in the pool and on
   // the host. KV_CHECK on violation. O(pool blocks + entries).
   void check_invariants() const;
@@ -172,6 +175,7 @@ class KvTiers {
   PrefixIndex& index_;
   KvTierCostModel cost_;
   bool cost_frozen_ = false;
+  double throttle_bytes_per_s_ = 0;
   int64_t n_decide_fetch_ = 0;
   int64_t n_decide_recompute_ = 0;
   double last_fetch_s_ = 0;
