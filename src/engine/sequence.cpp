@@ -40,18 +40,20 @@ void NamespaceUse::reset() {
 Sequence::Sequence(KvManager& kv, NamespaceId ns, BlockTable table)
     : kv_(&kv), ns_(ns), ns_use_(kv.index(), ns), table_(std::move(table)) {}
 
-int64_t Sequence::adopt_cached_prefix(std::span<const int32_t> prompt) {
+int64_t Sequence::adopt_cached_prefix(std::span<const int32_t> prompt, bool count_stats) {
   KV_CHECK(table_.length() == 0 && table_.n_blocks() == 0,
            "adopt_cached_prefix: the sequence is not empty");
   PrefixIndex* index = kv_->index();
   if (index == nullptr || ns_ == kNoNamespace || prompt.size() < 2) return 0;
   const auto max_tokens = static_cast<int64_t>(prompt.size()) - 1;
-  PrefixMatch m = index->match(ns_, prompt, max_tokens, kv_->config().partial_reuse);
+  PrefixMatch m =
+      index->match(ns_, prompt, max_tokens, kv_->config().partial_reuse, {}, count_stats);
   // Blocks [0, n_nodes) are published nodes; a tier hit appends promoted,
   // unpublished blocks that publish() below turns into nodes.
   const auto n_nodes = static_cast<int64_t>(m.blocks.size());
   int64_t n_tier = 0;
-  if (kv_->tiers() != nullptr) n_tier = kv_->tiers()->extend_match(ns_, prompt, max_tokens, m);
+  if (kv_->tiers() != nullptr)
+    n_tier = kv_->tiers()->extend_match(ns_, prompt, max_tokens, m, count_stats);
   const int64_t n_full = static_cast<int64_t>(m.blocks.size());
   if (table_.n_groups() > 1) {
     // Hybrid: nodes into the primary group; each other group takes its
@@ -248,6 +250,24 @@ Status KvManager::enable_tiers(const KvTierConfig& config) {
   if (!t) return t.error();
   tiers_ = std::move(*t);
   return Status{};
+}
+
+int64_t KvManager::prefetch(std::string_view cache_salt, std::span<const int32_t> prompt) {
+  if (!tiers_ || prompt.size() < 2) return 0;
+  // Room for the whole prompt in every group among free and cached blocks.
+  // Prefetching may evict other cached blocks (to the tiers, LRU first);
+  // it never takes blocks from running sequences, and what it promotes is
+  // cached again (available to admission) once this lookup ends.
+  const int64_t need = pool_.groups().blocks_for_sequence(static_cast<int64_t>(prompt.size()), 0);
+  if (pool_.n_available() < need) return 0;
+  const int64_t before = tiers_->stats().n_promoted;
+  Sequence s = new_sequence(namespace_for(cache_salt));
+  // Promotes and publishes (cached on release); not a query of the stats.
+  (void)s.adopt_cached_prefix(prompt, /*count_stats=*/false);
+  s.release();
+  const int64_t n = tiers_->stats().n_promoted - before;
+  tiers_->count_prefetch(n);
+  return n;
 }
 
 KvTiersStats KvManager::tier_stats() const {

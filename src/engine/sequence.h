@@ -161,7 +161,8 @@ class Sequence {
   // so its logits exist): full blocks by reference, then a partial block by
   // copy. Returns the tokens adopted; the caller forwards
   // prompt[returned ..]. REQUIRES length() == 0.
-  int64_t adopt_cached_prefix(std::span<const int32_t> prompt);
+  // count_stats = false: not counted as a prefix-cache query (prefetch).
+  int64_t adopt_cached_prefix(std::span<const int32_t> prompt, bool count_stats = true);
 
   // Records tokens the last forward committed on table() (in order) and
   // publishes the newly completed full blocks.
@@ -242,6 +243,13 @@ class KvManager {
   // (warm restart) when it is destroyed.
   Status enable_tiers(const KvTierConfig& config);
   KvTiers* tiers() const { return tiers_.get(); }
+  // Prefetch (spec section 9): promotes the tier-held part of `prompt`'s
+  // cached prefix in the namespace of `cache_salt` into the pool, as cached
+  // blocks, so that the request's later lookup hits the pool. May evict
+  // other cached blocks (LRU, to the tiers), never blocks in use; skipped
+  // when free + cached blocks cannot hold the prompt. Not counted as a
+  // prefix-cache query. Returns the blocks promoted.
+  int64_t prefetch(std::string_view cache_salt, std::span<const int32_t> prompt);
   // Tier statistics (enabled = false when there are none).
   KvTiersStats tier_stats() const;
 

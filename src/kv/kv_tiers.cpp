@@ -224,7 +224,7 @@ bool KvTiers::fetch(const TierKey& key, const Hash128& ns_digest, std::span<cons
 }
 
 int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
-                              PrefixMatch& m) {
+                              PrefixMatch& m, bool count_stats) {
   BlockPool& pool = index_.pool();
   const int64_t p = pool.block_size();
   const int n_groups = pool.n_groups();
@@ -366,7 +366,7 @@ int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, i
     ++n_decide_fetch_;
     const int64_t added = m.n_tokens() - before;
     n_hit_tokens_ += added;
-    index_.count_tier_hit(ns, k - k0, added);
+    if (count_stats) index_.count_tier_hit(ns, k - k0, added);
     return added;
   }
   return 0;
@@ -407,6 +407,7 @@ KvTiersStats KvTiers::stats() const {
   s.n_demoted = n_demoted_;
   s.n_dropped = n_dropped_;
   s.n_persisted = n_persisted_;
+  s.n_prefetched = n_prefetched_;
   s.cost = cost_;
   s.n_decide_fetch = n_decide_fetch_;
   s.n_decide_recompute = n_decide_recompute_;
@@ -446,6 +447,7 @@ std::string kv_tiers_stats_json(const KvTiersStats& s) {
   field(out, "demoted", s.n_demoted);
   field(out, "dropped", s.n_dropped);
   field(out, "persisted", s.n_persisted);
+  field(out, "prefetched", s.n_prefetched);
   field(out, "decide_fetch", s.n_decide_fetch);
   field(out, "decide_recompute", s.n_decide_recompute);
   {

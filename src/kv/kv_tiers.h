@@ -92,6 +92,7 @@ struct KvTiersStats {
   int64_t n_demoted = 0;              // host entries written down to disk on overflow
   int64_t n_dropped = 0;              // blocks evicted from the last tier (cache lost)
   int64_t n_persisted = 0;            // blocks written to disk at persist()
+  int64_t n_prefetched = 0;           // blocks promoted ahead of admission (queued requests)
   KvTierCostModel cost;               // current fetch-or-recompute inputs
   int64_t n_decide_fetch = 0;         // block runs fetched (T_fetch <= T_recompute)
   int64_t n_decide_recompute = 0;     // block runs recomputed instead (T_recompute < T_fetch)
@@ -123,8 +124,10 @@ class KvTiers {
   // with blocks held by the tiers; returns the tokens added (0: unchanged).
   // First writes the disk tier's queued write-backs (one batch per lookup).
   // A partial-block candidate is given up when full blocks replace it.
+  // count_stats = false: not a query (prefetch); the index's hit counters
+  // are left alone.
   int64_t extend_match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
-                       PrefixMatch& m);
+                       PrefixMatch& m, bool count_stats = true);
 
   // Writes every published pool block and every host entry not yet on disk
   // to disk, then the disk index (warm restart). No-op without a disk tier.
@@ -132,6 +135,7 @@ class KvTiers {
 
   KvTiersStats stats() const;
   // The engine's measured prefill rate (tokens/s) for fetch-or-recompute.
+  void count_prefetch(int64_t n_blocks) { n_prefetched_ += n_blocks; }
   void set_prefill_rate(double tokens_per_s) { cost_.prefill_tokens_per_s = tokens_per_s; }
   // Replaces the measured bandwidths (tests; bandwidth sweeps). Fetches
   // keep updating them unless frozen.
@@ -192,6 +196,7 @@ class KvTiers {
   int64_t n_demoted_ = 0;
   int64_t n_dropped_ = 0;
   int64_t n_persisted_ = 0;
+  int64_t n_prefetched_ = 0;
 };
 
 }  // namespace kvstack

@@ -214,7 +214,8 @@ int32_t PrefixIndex::find_child(int32_t parent, NamespaceId ns, const int32_t* t
 }
 
 PrefixMatch PrefixIndex::match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
-                               bool find_partial, std::span<const BlockExtraKeys> extra) {
+                               bool find_partial, std::span<const BlockExtraKeys> extra,
+                               bool count_stats) {
   KV_CHECK(ns_live(ns), "match: unknown namespace");
   PrefixMatch m;
   m.block_size = block_size_;
@@ -277,10 +278,13 @@ PrefixMatch PrefixIndex::match(NamespaceId ns, std::span<const int32_t> tokens, 
     if (b != kNullBlock && n_common > 0) {
       m.partial = pool_.ref_block(BlockId{b});
       m.n_partial_tokens = n_common;
-      ++n_partial_hits_;
-      n_partial_tokens_ += n_common;
+      if (count_stats) {
+        ++n_partial_hits_;
+        n_partial_tokens_ += n_common;
+      }
     }
   }
+  if (!count_stats) return m;
   NamespaceStats& st = roots_[ns].stats;
   ++st.n_queries;
   st.n_query_tokens += max_tokens;

@@ -233,8 +233,10 @@ class PrefixIndex {
   // when find_partial. `extra` gives per-block extra keys (block j uses
   // extra[j] when j < extra.size()). References are taken on every returned
   // block. Counts one query in the stats.
+  // count_stats = false: a lookup that is not a query (tier prefetch).
   PrefixMatch match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
-                    bool find_partial = true, std::span<const BlockExtraKeys> extra = {});
+                    bool find_partial = true, std::span<const BlockExtraKeys> extra = {},
+                    bool count_stats = true);
 
   // Publishes the full committed blocks [n_published, table.length() / P) of
   // `table`, whose committed token ids are tokens[0, table.length()), as

@@ -314,3 +314,30 @@ def test_redis_foreign_corrupt_and_slow_values_are_misses(redis_server):
         assert again == first and cached == 0 and t["corrupt"] >= 1 and t["hits"] == 0, t
     finally:
         stop(s)
+
+
+def test_queued_request_is_prefetched_from_the_host_tier():
+    import threading
+    s = ServerProcess(*POOL, "--kv-host-mem", "64MiB", admin_key="adm")
+    try:
+        first, _ = complete(s, A)
+        complete(s, B)  # A goes to the host tier
+        # One sequence at a time: a long request runs while A waits in the
+        # queue, so A's blocks are promoted before it is admitted.
+        long_req = threading.Thread(target=lambda: s.client().completions.create(
+            model=pathlib.Path(MODEL).stem, prompt="Count:", max_tokens=96, temperature=0,
+            extra_body={"ignore_eos": True}))
+        long_req.start()
+        deadline = __import__("time").monotonic() + 30
+        while s.kv_stats()["scheduler"]["running"] == 0:
+            assert __import__("time").monotonic() < deadline
+        before = s.kv_stats()["tiers"]
+        again, cached = complete(s, A)
+        long_req.join()
+        after = s.kv_stats()["tiers"]
+        assert again == first and cached >= 128
+        assert after["prefetched"] > before["prefetched"], after
+        # The prefetch did the promotion; admission then hit the pool.
+        assert after["promoted"] - before["promoted"] == after["prefetched"] - before["prefetched"]
+    finally:
+        stop(s)
