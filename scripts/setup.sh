@@ -12,9 +12,9 @@ cd "$(dirname "$0")/.."
 # What building and serving needs (libgtest-dev: CMake's configure step
 # looks for GoogleTest even when only the server is built).
 APT_PACKAGES=(cmake g++ make libgtest-dev libgmock-dev libxxhash-dev
-  libcpp-httplib-dev nlohmann-json3-dev libssl-dev python3-pip unzip pkg-config)
+  libcpp-httplib-dev nlohmann-json3-dev libssl-dev python3-pip unzip pkg-config libhiredis-dev)
 # What only the tests, fuzzers, benchmarks and lint need.
-APT_TEST_PACKAGES=(libbenchmark-dev clang clang-format clang-tidy libclang-rt-14-dev python3-venv)
+APT_TEST_PACKAGES=(libbenchmark-dev clang clang-format clang-tidy libclang-rt-14-dev python3-venv redis-server liburing-dev)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 

@@ -143,8 +143,10 @@ int run_chat(const std::vector<std::string>& argv) {
                  res->stats.ttft_s * 1e3, res->stats.decode_tok_s(),
                  static_cast<long long>(conv.length()));
   }
-  if (args->flag("kv-stats"))
+  if (args->flag("kv-stats")) {
     std::fputs(format_prefix_stats(e.kv().prefix_stats()).c_str(), stderr);
+    std::fputs(format_kv_tiers_stats(e.kv().tier_stats()).c_str(), stderr);
+  }
   return 0;
 }
 

@@ -62,7 +62,9 @@ int run_run(const std::vector<std::string>& argv) {
   }
   const bool kv_stats = args->flag("kv-stats");
   auto print_kv_stats = [&] {
-    if (kv_stats) std::fputs(format_prefix_stats(e.kv().prefix_stats()).c_str(), stderr);
+    if (!kv_stats) return;
+    std::fputs(format_prefix_stats(e.kv().prefix_stats()).c_str(), stderr);
+    std::fputs(format_kv_tiers_stats(e.kv().tier_stats()).c_str(), stderr);
   };
 
   Result<std::vector<int32_t>> tokens = std::vector<int32_t>{};
@@ -159,7 +161,10 @@ int run_run(const std::vector<std::string>& argv) {
         st.ttft_s * 1e3, st.prefill_tok_s(), st.decode_tok_s(),
         static_cast<long long>(kv.payload_bytes), static_cast<long long>(kv.allocated_bytes),
         static_cast<long long>(st.n_cached),
-        kv_stats ? (", \"kv_stats\": " + prefix_stats_json(e.kv().prefix_stats())).c_str() : "");
+        kv_stats ? (", \"kv_stats\": " + prefix_stats_json(e.kv().prefix_stats()) +
+                    ", \"kv_tiers\": " + kv_tiers_stats_json(e.kv().tier_stats()))
+                       .c_str()
+                 : "");
   } else {
     std::printf("\n");
     std::fprintf(stderr,

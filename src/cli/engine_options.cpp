@@ -69,6 +69,20 @@ std::vector<OptionSpec> engine_options() {
        "keeps 2B - B/X, the last B/X, linear in between; beta 20); "
        "serve: the default for requests without \"kv_retention\""},
       {"no-prefix-cache", 0, "", "do not share KV between requests (no prefix cache)"},
+      {"kv-host-mem", 0, "SIZE",
+       "host-memory tier: keep up to SIZE bytes of KV blocks evicted from the pool (e.g. 2GiB) "
+       "and bring them back on a prefix hit"},
+      {"kv-host-write-through", 0, "",
+       "copy blocks to the host tier when published, not when evicted (needs --kv-host-mem)"},
+      {"kv-disk", 0, "DIR",
+       "disk tier: keep KV blocks evicted from the pool (or the host tier) in DIR, checksummed, "
+       "with an index that survives a restart (needs --kv-disk-size)"},
+      {"kv-disk-size", 0, "SIZE", "bytes the disk tier may use in --kv-disk DIR"},
+      {"kv-redis", 0, "URL",
+       "remote tier: share KV blocks with other instances of the same model through a Redis "
+       "server, redis://HOST:PORT[/DB] (published blocks are stored; Redis's maxmemory policy "
+       "evicts)"},
+      {"kv-redis-timeout", 0, "MS", "bound on each Redis connect and command (default 200)"},
       {"public-prefix", 0, "FILE",
        "pre-compute and pin the KV of this text (e.g. a system prompt) for every namespace; "
        "repeatable",
@@ -205,6 +219,29 @@ Result<EngineConfig> engine_config_from(const Args& args) {
     return make_error(Errc::kInvalidArgument,
                       "--public-prefix needs the prefix cache (drop --no-prefix-cache)");
   }
+  auto host_mem = args.get_bytes("kv-host-mem", 0);
+  if (!host_mem) return host_mem.error();
+  if (args.has("kv-host-mem") && *host_mem == 0) {
+    return make_error(Errc::kInvalidArgument, "--kv-host-mem must be greater than 0");
+  }
+  c.kv_tiers.host_bytes = static_cast<int64_t>(*host_mem);
+  c.kv_tiers.write_through = args.flag("kv-host-write-through");
+  auto disk_size = args.get_bytes("kv-disk-size", 0);
+  if (!disk_size) return disk_size.error();
+  c.kv_tiers.disk_dir = args.get_or("kv-disk", "");
+  if (args.has("kv-disk") && c.kv_tiers.disk_dir.empty()) {
+    return make_error(Errc::kInvalidArgument, "--kv-disk needs a directory");
+  }
+  c.kv_tiers.disk_bytes = static_cast<int64_t>(*disk_size);
+  c.kv_tiers.redis_url = args.get_or("kv-redis", "");
+  auto redis_timeout = args.get_int("kv-redis-timeout", 200, 1, 60000);
+  if (!redis_timeout) return redis_timeout.error();
+  c.kv_tiers.redis_timeout_ms = static_cast<int>(*redis_timeout);
+  if (!c.prefix_cache && c.kv_tiers.enabled()) {
+    return make_error(Errc::kInvalidArgument,
+                      "--kv-host-mem / --kv-disk / --kv-redis need the prefix cache (drop "
+                      "--no-prefix-cache)");
+  }
   // Weights digests persist per user (the one place the cache dir is read).
   if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0') {
     c.digest_cache_dir = std::string(xdg) + "/kvstack";
@@ -289,6 +326,21 @@ Result<std::unique_ptr<Engine>> load_engine(const Args& args, bool quiet) {
           args.flag("kv-center") || args.has("kv-center-text")
               ? ""
               : "; the default for int8/int4 keys, --no-kv-center turns it off");
+    }
+    if (const KvTiers* t = (*engine)->kv().tiers(); t != nullptr) {
+      for (const TierStoreStats& ts : t->stats().tiers) {
+        std::fprintf(stderr, "kvstack: KV %s tier %lld blocks (%s)%s%s\n", ts.name.c_str(),
+                     static_cast<long long>(ts.n_slots),
+                     format_bytes(static_cast<double>(ts.capacity_bytes)).c_str(),
+                     ts.name == "disk" ? (", " + cfg->kv_tiers.disk_dir + ", " +
+                                          std::to_string(ts.n_blocks) + " blocks cached")
+                                             .c_str()
+                                       : "",
+                     ts.n_identity_mismatch > 0 ? (", " + std::to_string(ts.n_identity_mismatch) +
+                                                   " entries of another model/format dropped")
+                                                      .c_str()
+                                                : "");
+      }
     }
     if (!cfg->prefix_cache) {
       std::fprintf(stderr, "kvstack: prefix cache off\n");

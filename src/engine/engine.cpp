@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "core/check.h"
 
@@ -166,6 +167,26 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
                                                   .default_namespace = config.default_namespace,
                                                   .partial_reuse = true,
                                                   .event_capacity = config.kv_event_capacity});
+  KV_TRY_STATUS(e->kv_->enable_tiers(config.kv_tiers));
+  if (KvTiers* tiers = e->kv_->tiers(); tiers != nullptr) {
+    // Fetch-or-recompute needs the prefill rate: a short calibration
+    // prefill on a private table (nothing is published; ~0.1-0.3 s).
+    constexpr int64_t kCalibrationTokens = 64;
+    std::vector<int32_t> tokens(kCalibrationTokens);
+    for (int64_t i = 0; i < kCalibrationTokens; ++i) {
+      tokens[static_cast<size_t>(i)] = static_cast<int32_t>((1000 + 7 * i) % c.n_vocab);
+    }
+    BlockTable table(*e->pool_);
+    // A first short run pages the weights in; the second is timed.
+    const std::span<const int32_t> warm(tokens.data(), 16);
+    bool ok = e->prefill(table, warm, LogitsMode::kNone, nullptr).ok();
+    table.release();
+    const auto t0 = std::chrono::steady_clock::now();
+    if (ok && e->prefill(table, tokens, LogitsMode::kNone, nullptr).ok()) {
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      tiers->set_prefill_rate(static_cast<double>(kCalibrationTokens) / std::max(s, 1e-9));
+    }
+  }
   return e;
 }
 

@@ -63,6 +63,8 @@ struct EngineConfig {
   std::string default_namespace = "default";  // namespace of requests without a cache salt
   std::string digest_cache_dir;   // where weights digests persist ("" = this process only)
   int64_t kv_event_capacity = 0;  // pending KV events kept (0 = off)
+  // Storage tiers below the pool (--kv-host-mem, --kv-disk, kv_tiers.h).
+  KvTierConfig kv_tiers;
 };
 
 // End (exclusive) of the prefill entry that starts at absolute position

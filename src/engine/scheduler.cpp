@@ -189,11 +189,18 @@ Result<std::shared_ptr<RequestHandle>> Scheduler::submit(SeqRequest req) {
 }
 
 void Scheduler::take_submissions() {
-  std::lock_guard<std::mutex> lock(mu_);
-  while (!incoming_.empty()) {
-    waiting_.push_back(std::move(incoming_.front()));
-    incoming_.pop_front();
+  std::vector<std::shared_ptr<Request>> fresh;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (!incoming_.empty()) {
+      if (engine_.kv().tiers() != nullptr) fresh.push_back(incoming_.front());
+      waiting_.push_back(std::move(incoming_.front()));
+      incoming_.pop_front();
+    }
   }
+  // Storage tiers: bring a new request's cached prefix up into the pool now,
+  // while it waits for admission (free blocks only; kv_tiers.h).
+  for (const auto& r : fresh) engine_.kv().prefetch(r->req.cache_salt, r->req.prompt);
 }
 
 void Scheduler::fail_request(Request& r, const Status& st) {

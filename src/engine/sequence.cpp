@@ -40,13 +40,20 @@ void NamespaceUse::reset() {
 Sequence::Sequence(KvManager& kv, NamespaceId ns, BlockTable table)
     : kv_(&kv), ns_(ns), ns_use_(kv.index(), ns), table_(std::move(table)) {}
 
-int64_t Sequence::adopt_cached_prefix(std::span<const int32_t> prompt) {
+int64_t Sequence::adopt_cached_prefix(std::span<const int32_t> prompt, bool count_stats) {
   KV_CHECK(table_.length() == 0 && table_.n_blocks() == 0,
            "adopt_cached_prefix: the sequence is not empty");
   PrefixIndex* index = kv_->index();
   if (index == nullptr || ns_ == kNoNamespace || prompt.size() < 2) return 0;
   const auto max_tokens = static_cast<int64_t>(prompt.size()) - 1;
-  PrefixMatch m = index->match(ns_, prompt, max_tokens, kv_->config().partial_reuse);
+  PrefixMatch m =
+      index->match(ns_, prompt, max_tokens, kv_->config().partial_reuse, {}, count_stats);
+  // Blocks [0, n_nodes) are published nodes; a tier hit appends promoted,
+  // unpublished blocks that publish() below turns into nodes.
+  const auto n_nodes = static_cast<int64_t>(m.blocks.size());
+  int64_t n_tier = 0;
+  if (kv_->tiers() != nullptr)
+    n_tier = kv_->tiers()->extend_match(ns_, prompt, max_tokens, m, count_stats);
   const int64_t n_full = static_cast<int64_t>(m.blocks.size());
   if (table_.n_groups() > 1) {
     // Hybrid: nodes into the primary group; each other group takes its
@@ -58,15 +65,17 @@ int64_t Sequence::adopt_cached_prefix(std::span<const int32_t> prompt) {
                                          std::move(m.group_blocks[static_cast<size_t>(g - 1)]));
     }
     m.group_blocks.clear();
-    n_published_ = n_full;
-    n_checkpointed_ = n_full;
+    n_published_ = std::min(n_nodes, n_full);
+    // After a tier hit, promoted checkpoints may belong to pool nodes too.
+    n_checkpointed_ = n_tier > 0 ? 0 : n_full;
     const int64_t adopted = n_full * table_.pool().block_size();
     tokens_.assign(prompt.begin(), prompt.begin() + adopted);
+    if (n_tier > 0) publish();
     return adopted;
   }
   table_.adopt_prefix(std::move(m.blocks));
   m.blocks.clear();
-  n_published_ = n_full;
+  n_published_ = std::min(n_nodes, n_full);
   int64_t adopted = n_full * table_.pool().block_size();
   if (m.partial.valid() && m.n_partial_tokens > 0) {
     const int64_t n = m.n_partial_tokens;
@@ -74,6 +83,7 @@ int64_t Sequence::adopt_cached_prefix(std::span<const int32_t> prompt) {
     if (table_.adopt_partial_copy(std::move(m.partial), n).ok()) adopted += n;
   }
   tokens_.assign(prompt.begin(), prompt.begin() + adopted);
+  if (n_tier > 0) publish();
   return adopted;
 }
 
@@ -93,11 +103,13 @@ void Sequence::publish() {
     return;
   }
   const int64_t n_full = table_.shareable_length() / table_.pool().block_size();
-  if (n_published_ >= n_full) return;
+  if (n_published_ >= n_full && n_checkpointed_ >= n_published_) return;
   // Stops for good at the first block another sequence already published
   // (its duplicate stays private to this sequence).
-  n_published_ = index->publish(ns_, table_, tokens_, n_published_);
-  if (n_published_ < n_full) publish_stopped_ = true;
+  if (n_published_ < n_full) {
+    n_published_ = index->publish(ns_, table_, tokens_, n_published_);
+    if (n_published_ < n_full) publish_stopped_ = true;
+  }
   // Hybrid: the other groups' blocks of the newly published nodes become
   // their checkpoints (companions), so that dropping them from a window
   // table leaves them cached for the next turn of the conversation.
@@ -150,6 +162,10 @@ KvManager::KvManager(BlockPool& pool, CacheIdentity identity, KvManagerConfig co
 }
 
 KvManager::~KvManager() {
+  // Everything cached goes to disk (a warm restart finds it), then the
+  // tiers detach before the index evicts on teardown.
+  if (tiers_) tiers_->persist();
+  tiers_.reset();
   // Teardown evicts every cached block; a sink's owner may already be gone.
   if (index_) index_->set_event_sink({});
   pinned_.clear();
@@ -228,6 +244,40 @@ KvPrefixStats KvManager::prefix_stats() const {
     s.namespaces.push_back({.ns = ns, .name = name, .counts = counts});
   }
   return s;
+}
+
+Status KvManager::enable_tiers(const KvTierConfig& config) {
+  if (!config.enabled()) return Status{};
+  if (!index_) {
+    return make_error(Errc::kInvalidArgument,
+                      "--kv-host-mem / --kv-disk need the prefix cache (drop --no-prefix-cache)");
+  }
+  auto t = KvTiers::create(*index_, identity_, config);
+  if (!t) return t.error();
+  tiers_ = std::move(*t);
+  return Status{};
+}
+
+int64_t KvManager::prefetch(std::string_view cache_salt, std::span<const int32_t> prompt) {
+  if (!tiers_ || prompt.size() < 2) return 0;
+  // Room for the whole prompt in every group among free and cached blocks.
+  // Prefetching may evict other cached blocks (to the tiers, LRU first);
+  // it never takes blocks from running sequences, and what it promotes is
+  // cached again (available to admission) once this lookup ends.
+  const int64_t need = pool_.groups().blocks_for_sequence(static_cast<int64_t>(prompt.size()), 0);
+  if (pool_.n_available() < need) return 0;
+  const int64_t before = tiers_->stats().n_promoted;
+  Sequence s = new_sequence(namespace_for(cache_salt));
+  // Promotes and publishes (cached on release); not a query of the stats.
+  (void)s.adopt_cached_prefix(prompt, /*count_stats=*/false);
+  s.release();
+  const int64_t n = tiers_->stats().n_promoted - before;
+  tiers_->count_prefetch(n);
+  return n;
+}
+
+KvTiersStats KvManager::tier_stats() const {
+  return tiers_ ? tiers_->stats() : KvTiersStats{};
 }
 
 Status KvManager::set_event_sink(KvEventSink sink, bool replay_existing) {

@@ -37,6 +37,7 @@
 #include "kv/block_pool.h"
 #include "kv/block_table.h"
 #include "kv/cache_identity.h"
+#include "kv/kv_tiers.h"
 #include "kv/prefix_index.h"
 
 namespace kvstack {
@@ -163,7 +164,8 @@ class Sequence {
   // so its logits exist): full blocks by reference, then a partial block by
   // copy. Returns the tokens adopted; the caller forwards
   // prompt[returned ..]. REQUIRES length() == 0.
-  int64_t adopt_cached_prefix(std::span<const int32_t> prompt);
+  // count_stats = false: not counted as a prefix-cache query (prefetch).
+  int64_t adopt_cached_prefix(std::span<const int32_t> prompt, bool count_stats = true);
 
   // Records tokens the last forward committed on table() (in order) and
   // publishes the newly completed full blocks.
@@ -237,12 +239,30 @@ class KvManager {
   // destructor turns it off before tearing the cache down.
   Status set_event_sink(KvEventSink sink, bool replay_existing = true);
 
+  // Storage tiers below the pool (kv_tiers.h): evicted blocks go to host
+  // memory and/or disk and prefix lookups continue there. Errors name the
+  // flag at fault; kInvalidArgument when the prefix cache is off. Call
+  // before the first sequence. The manager persists the tiers to disk
+  // (warm restart) when it is destroyed.
+  Status enable_tiers(const KvTierConfig& config);
+  KvTiers* tiers() const { return tiers_.get(); }
+  // Prefetch (spec section 9): promotes the tier-held part of `prompt`'s
+  // cached prefix in the namespace of `cache_salt` into the pool, as cached
+  // blocks, so that the request's later lookup hits the pool. May evict
+  // other cached blocks (LRU, to the tiers), never blocks in use; skipped
+  // when free + cached blocks cannot hold the prompt. Not counted as a
+  // prefix-cache query. Returns the blocks promoted.
+  int64_t prefetch(std::string_view cache_salt, std::span<const int32_t> prompt);
+  // Tier statistics (enabled = false when there are none).
+  KvTiersStats tier_stats() const;
+
  private:
   friend class Sequence;
   BlockPool& pool_;
   CacheIdentity identity_;
   KvManagerConfig config_;
   std::unique_ptr<PrefixIndex> index_;
+  std::unique_ptr<KvTiers> tiers_;     // destroyed before index_
   std::vector<std::string> ns_names_;  // [namespace id] display name
   std::vector<Sequence> pinned_;       // destroyed before index_ (declared after it)
 };

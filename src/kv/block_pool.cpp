@@ -131,14 +131,15 @@ uint8_t* BlockPool::block_data(BlockId id) const {
   return base_ + static_cast<int64_t>(id.value) * block_bytes();
 }
 
-Result<BlockRef> BlockPool::allocate() {
+Result<BlockRef> BlockPool::allocate(int group) {
+  KV_CHECK(group >= 0 && group < n_groups(), "allocate: no such KV group");
   if (n_available() == 0) {
     ++n_out_of_blocks_;
     return make_error(Errc::kOutOfBlocks, "KV pool exhausted: need 1 block, 0 available of " +
                                               std::to_string(n_blocks()));
   }
   std::vector<int32_t> got;
-  take_free(1, got, 0);
+  take_free(1, got, group);
   ++loose_refs_[got[0]];
   debug_check();
   return BlockRef(this, BlockId{got[0]});

@@ -208,10 +208,10 @@ class BlockPool {
   int block_group(BlockId id) const { return group_of_[id.value]; }
   int32_t ref_count(BlockId id) const { return ref_count_[id.value]; }
 
-  // Allocates one block with ref 1 held by the returned handle, evicting one
-  // cached block when none is free; kOutOfBlocks (and no side effect) when
-  // none is available.
-  Result<BlockRef> allocate();
+  // Allocates one block of group `group` with ref 1 held by the returned
+  // handle, evicting one cached block when none is free; kOutOfBlocks (and
+  // no side effect) when none is available. REQUIRES 0 <= group < n_groups.
+  Result<BlockRef> allocate(int group = 0);
 
   // A new reference to a block that is in use (ref > 0) or cached (ref 0,
   // revived to kUsed and taken off the eviction list). REQUIRES: not kFree.

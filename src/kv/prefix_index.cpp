@@ -214,7 +214,8 @@ int32_t PrefixIndex::find_child(int32_t parent, NamespaceId ns, const int32_t* t
 }
 
 PrefixMatch PrefixIndex::match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
-                               bool find_partial, std::span<const BlockExtraKeys> extra) {
+                               bool find_partial, std::span<const BlockExtraKeys> extra,
+                               bool count_stats) {
   KV_CHECK(ns_live(ns), "match: unknown namespace");
   PrefixMatch m;
   m.block_size = block_size_;
@@ -277,10 +278,13 @@ PrefixMatch PrefixIndex::match(NamespaceId ns, std::span<const int32_t> tokens, 
     if (b != kNullBlock && n_common > 0) {
       m.partial = pool_.ref_block(BlockId{b});
       m.n_partial_tokens = n_common;
-      ++n_partial_hits_;
-      n_partial_tokens_ += n_common;
+      if (count_stats) {
+        ++n_partial_hits_;
+        n_partial_tokens_ += n_common;
+      }
     }
   }
+  if (!count_stats) return m;
   NamespaceStats& st = roots_[ns].stats;
   ++st.n_queries;
   st.n_query_tokens += max_tokens;
@@ -374,6 +378,7 @@ int64_t PrefixIndex::publish(NamespaceId ns, const BlockTable& table,
           .parent_hash = parent_hash,
           .n_tokens = static_cast<int32_t>(p),
           .ns = ns});
+    if (tier_hooks_.on_publish) tier_hooks_.on_publish(b);
   }
   return j;
 }
@@ -389,6 +394,7 @@ bool PrefixIndex::attach_companion(int32_t node, int g, int32_t block) {
   if (slot != kNullBlock) return false;
   slot = block;
   owner_[block] = node;
+  if (tier_hooks_.on_publish) tier_hooks_.on_publish(block);
   return true;
 }
 
@@ -397,6 +403,9 @@ void PrefixIndex::drop_companions(int32_t node) {
     int32_t& slot = companions_[static_cast<size_t>(node) * n_companions_ + g];
     const int32_t c = slot;
     if (c == kNullBlock) continue;
+    if (pool_.state(BlockId{c}) == BlockState::kCached && tier_hooks_.on_evict) {
+      tier_hooks_.on_evict(c);
+    }
     slot = kNullBlock;
     owner_[c] = kNullBlock;
     if (pool_.state(BlockId{c}) == BlockState::kCached) {
@@ -527,6 +536,7 @@ int64_t PrefixIndex::evict(int64_t n) {
     lru_remove(b);
     if (owner_[b] != kNullBlock) {
       // A cached checkpoint: only its node's slot empties.
+      if (tier_hooks_.on_evict) tier_hooks_.on_evict(b);
       companions_[static_cast<size_t>(owner_[b]) * n_companions_ +
                   (pool_.block_group(BlockId{b}) - 1)] = kNullBlock;
       owner_[b] = kNullBlock;
@@ -540,12 +550,57 @@ int64_t PrefixIndex::evict(int64_t n) {
       continue;
     }
     const int64_t freed_before = n_companion_frees_;
+    if (tier_hooks_.on_evict) tier_hooks_.on_evict(b);
     remove_node(b);
     pool_.reclaim(b);
     ++n_evictions_;
     done += 1 + (n_companion_frees_ - freed_before);
   }
   return done;
+}
+
+std::vector<int32_t> PrefixIndex::chain(NamespaceId ns, std::span<const int32_t> tokens,
+                                        int64_t max_tokens) {
+  KV_CHECK(ns_live(ns), "chain: unknown namespace");
+  std::vector<int32_t> out;
+  max_tokens = std::clamp<int64_t>(max_tokens, 0, static_cast<int64_t>(tokens.size()));
+  const int64_t p = block_size_;
+  const bool try_public = public_ns_ != kNoNamespace && public_ns_ != ns;
+  bool path_public = true;
+  int32_t cur = kNullBlock;
+  const int64_t saved_collisions = n_collisions_;
+  for (int64_t j = 0; j < max_tokens / p; ++j) {
+    const int32_t* t = tokens.data() + j * p;
+    int32_t b = find_child(cur, ns, t, {});
+    if (b == kNullBlock && try_public && path_public) b = find_child(cur, public_ns_, t, {});
+    if (b == kNullBlock) break;
+    if (path_public && nodes_[b].ns != public_ns_) path_public = false;
+    out.push_back(b);
+    cur = b;
+  }
+  n_collisions_ = saved_collisions;  // match() counts them
+  return out;
+}
+
+CachedBlockInfo PrefixIndex::cached_block_info(int32_t block) const {
+  KV_CHECK(is_published(block), "cached_block_info: not a published block");
+  const int32_t node = nodes_[block].published ? block : owner_[block];
+  const Node& n = nodes_[node];
+  CachedBlockInfo info;
+  info.hash = n.hash;
+  info.parent_hash = n.parent == kNullBlock ? Hash128{} : nodes_[n.parent].hash;
+  info.ns = n.ns;
+  info.ns_digest = roots_[n.ns].digest;
+  info.group = node == block ? 0 : pool_.block_group(BlockId{block});
+  info.tokens = block_tokens(node);
+  info.has_extra = n.has_extra;
+  return info;
+}
+
+void PrefixIndex::count_tier_hit(NamespaceId ns, int64_t n_blocks, int64_t n_tokens) {
+  KV_CHECK(ns_live(ns), "count_tier_hit: unknown namespace");
+  roots_[ns].stats.n_hit_blocks += n_blocks;
+  roots_[ns].stats.n_hit_tokens += n_tokens;
 }
 
 void PrefixIndex::emit(KvEvent e) {

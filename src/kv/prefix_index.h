@@ -139,6 +139,29 @@ struct KvEvent {
 // it (publish, evict): it must not call back into the pool or the index.
 using KvEventSink = std::function<void(const KvEvent&)>;
 
+// What the storage tiers (kv_tiers.h) need to name a published block (a
+// node or a companion) outside the pool: its identity, not its location.
+struct CachedBlockInfo {
+  Hash128 hash;         // the node's chained hash (a companion: its node's)
+  Hash128 parent_hash;  // zero at the top of a prefix
+  Hash128 ns_digest;    // the namespace's root digest
+  NamespaceId ns = kNoNamespace;
+  int group = 0;                    // 0 for a node, g >= 1 for its group-g companion
+  std::span<const int32_t> tokens;  // [P] the node's token ids
+  bool has_extra = false;           // extra keys (tiers do not carry such blocks)
+};
+
+// Hooks of a tier manager, called synchronously inside the pool operation
+// (they must not call back into the pool or the index):
+//   on_evict(block)   a cached published block (node or companion) is about
+//                     to be freed by eviction; still described by
+//                     cached_block_info and its bytes still in the pool.
+//   on_publish(block) a block just became a node or a companion.
+struct PrefixIndexTierHooks {
+  std::function<void(int32_t)> on_evict;
+  std::function<void(int32_t)> on_publish;
+};
+
 struct PrefixIndexConfig {
   // Bits of the child-table lookup hash that are kept (64 = all). Tests set
   // fewer to force lookup-hash collisions through the verification path.
@@ -210,8 +233,10 @@ class PrefixIndex {
   // when find_partial. `extra` gives per-block extra keys (block j uses
   // extra[j] when j < extra.size()). References are taken on every returned
   // block. Counts one query in the stats.
+  // count_stats = false: a lookup that is not a query (tier prefetch).
   PrefixMatch match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
-                    bool find_partial = true, std::span<const BlockExtraKeys> extra = {});
+                    bool find_partial = true, std::span<const BlockExtraKeys> extra = {},
+                    bool count_stats = true);
 
   // Publishes the full committed blocks [n_published, table.length() / P) of
   // `table`, whose committed token ids are tokens[0, table.length()), as
@@ -249,6 +274,28 @@ class PrefixIndex {
   std::span<const int32_t> block_tokens(int32_t block) const;
 
   PrefixIndexStats stats() const;
+
+  // ---- storage tiers (kv_tiers.h) ----
+  // The root digest of a live namespace.
+  const Hash128& namespace_digest(NamespaceId ns) const { return roots_[ns].digest; }
+  // The chained hash a block of these P tokens (no extra keys) gets under a
+  // parent of hash parent_hash (zero: top level) in namespace ns: the hash
+  // publish() gives it. REQUIRES tokens.size() >= P, ns live.
+  Hash128 chain_hash(const Hash128& parent_hash, NamespaceId ns,
+                     std::span<const int32_t> tokens) const {
+    return child_key(parent_hash, ns, tokens.data(), {});
+  }
+  // The published nodes matching full blocks of tokens[0, max_tokens) in ns
+  // (and public blocks, as match() finds them), taking no references and
+  // counting nothing: what match() would return before the hybrid rule.
+  std::vector<int32_t> chain(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens);
+  // Identity of a published block. REQUIRES is_published(block).
+  CachedBlockInfo cached_block_info(int32_t block) const;
+  // Adds to the last query of ns blocks and tokens a tier supplied (n_tokens
+  // may be negative when a partial-block candidate was given up for them).
+  void count_tier_hit(NamespaceId ns, int64_t n_blocks, int64_t n_tokens);
+  // Installs (or, with empty functions, removes) the tier hooks.
+  void set_tier_hooks(PrefixIndexTierHooks hooks) { tier_hooks_ = std::move(hooks); }
 
   // Events since the last drain, oldest first (capacity bounded: the oldest
   // are dropped and counted when more than `max_events` are pending).
@@ -370,6 +417,7 @@ class PrefixIndex {
   int64_t max_events_ = 0;  // 0 = events off
   int64_t n_events_dropped_ = 0;
   KvEventSink sink_;
+  PrefixIndexTierHooks tier_hooks_;
 };
 
 }  // namespace kvstack

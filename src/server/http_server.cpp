@@ -420,14 +420,19 @@ void HttpServer::routes() {
       return;
     }
     BlockPoolStats pool;
-    (void)s->inspect([&](Engine& e) { pool = e.pool().stats(); });
+    KvTiersStats tiers;
+    (void)s->inspect([&](Engine& e) {
+      pool = e.pool().stats();
+      tiers = e.kv().tier_stats();
+    });
     const GuardStats guard = http_->stats();
     Histogram tpot;
     {
       std::lock_guard<std::mutex> lock(tpot_mu_);
       tpot = tpot_;
     }
-    res.set_content(prometheus_text(s->metrics(), pool, config_.model_id, &guard, &tpot),
+    res.set_content(prometheus_text(s->metrics(), pool, config_.model_id, &guard, &tpot) +
+                        kv_tiers_prometheus(tiers, "model_name=\"" + config_.model_id + "\""),
                     "text/plain; version=0.0.4");
   });
 
@@ -485,6 +490,9 @@ void HttpServer::routes() {
       int64_t n_refs = 0;
       for (int32_t b = 0; b < p.n_blocks_total; ++b) n_refs += e.pool().ref_count(BlockId{b});
       out["pool"]["references"] = n_refs;
+      // Storage tiers below the pool (kv_tiers.h): occupancy, hits, bytes
+      // moved, fetch latencies; aggregate over namespaces, like the pool.
+      out["tiers"] = json::parse(kv_tiers_stats_json(e.kv().tier_stats()));
       json pc = {{"enabled", e.kv().index() != nullptr}};
       if (e.kv().index() == nullptr) {
         out["prefix_cache"] = pc;

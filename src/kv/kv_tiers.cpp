@@ -1,0 +1,623 @@
+#include "kv/kv_tiers.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include "kv/block_pool.h"
+
+namespace kvstack {
+
+namespace {
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<KvTiers>> KvTiers::create(PrefixIndex& index, const CacheIdentity& identity,
+                                                 const KvTierConfig& config) {
+  BlockPool& pool = index.pool();
+  const BlockRecordIdentity id =
+      block_record_identity(identity, pool.block_size(), pool.block_bytes());
+  std::unique_ptr<KvTiers> t(new KvTiers(index, config, id));
+  if (config.host_bytes > 0) {
+    auto h = HostStore::create(id, config.host_bytes);
+    if (!h) return h.error();
+    t->host_ = std::move(*h);
+  }
+  if (!config.disk_dir.empty()) {
+    if (config.disk_bytes <= 0) {
+      return make_error(Errc::kInvalidArgument, "--kv-disk needs --kv-disk-size SIZE (> 0)");
+    }
+    auto d = DiskStore::open(id, config.disk_dir, config.disk_bytes, config.disk_direct_io);
+    if (!d) return d.error();
+    t->disk_ = std::move(*d);
+  } else if (config.disk_bytes > 0) {
+    return make_error(Errc::kInvalidArgument, "--kv-disk-size needs --kv-disk DIR");
+  }
+  if (!config.redis_url.empty()) {
+    auto r = RedisStore::open(id, config.redis_url, config.redis_timeout_ms);
+    if (!r) return r.error();
+    t->redis_ = std::move(*r);
+  }
+  if (config.write_through && !t->host_) {
+    return make_error(Errc::kInvalidArgument, "--kv-host-write-through needs --kv-host-mem");
+  }
+  t->measure_costs();
+  KvTiers* self = t.get();
+  index.set_tier_hooks({.on_evict = [self](int32_t b) { self->on_evict(b); },
+                        .on_publish = [self](int32_t b) { self->on_publish(b); }});
+  return t;
+}
+
+KvTiers::KvTiers(PrefixIndex& index, KvTierConfig config, BlockRecordIdentity id)
+    : index_(index),
+      config_(std::move(config)),
+      id_(id),
+      hdr_(static_cast<size_t>(block_record_header_bytes(id.block_size))) {}
+
+KvTiers::~KvTiers() {
+  index_.set_tier_hooks({});
+}
+
+TierRecord KvTiers::pool_record(int32_t block) {
+  const CachedBlockInfo info = index_.cached_block_info(block);
+  const uint8_t* payload = index_.pool().block_data(BlockId{block});
+  write_block_record_header(
+      id_,
+      {.ns_digest = info.ns_digest,
+       .hash = info.hash,
+       .parent_hash = info.parent_hash,
+       .group = info.group},
+      info.tokens, std::span<const uint8_t>(payload, static_cast<size_t>(id_.payload_bytes)),
+      hdr_.data());
+  return {.header = hdr_.data(), .payload = payload};
+}
+
+void KvTiers::to_disk(const TierKey& key, const TierRecord& rec) {
+  if (!disk_) {
+    ++n_dropped_;
+    return;
+  }
+  if (disk_->contains(key)) return;
+  disk_->put(key, rec);
+}
+
+void KvTiers::on_evict(int32_t block) {
+  const CachedBlockInfo info = index_.cached_block_info(block);
+  if (info.has_extra) return;
+  const TierKey key{.hash = info.hash, .group = info.group};
+  if (host_) {
+    if (host_->contains(key)) {
+      // Write-through: the copy is already there.
+      host_->put(key, {}, [](const TierKey&, const TierRecord&) {});
+      return;
+    }
+    const TierRecord rec = pool_record(block);
+    host_->put(key, rec, [&](const TierKey& k, const TierRecord& r) {
+      if (disk_ && !disk_->contains(k)) ++n_demoted_;
+      to_disk(k, r);
+    });
+    return;
+  }
+  if (disk_ && !disk_->contains(key)) disk_->put(key, pool_record(block));
+}
+
+void KvTiers::on_publish(int32_t block) {
+  const CachedBlockInfo info = index_.cached_block_info(block);
+  if (info.has_extra) return;
+  const TierKey key{.hash = info.hash, .group = info.group};
+  // The shared store gets every published block (other instances may want
+  // it now, not when this one evicts it).
+  if (redis_ && !redis_->contains(key, info.ns_digest)) redis_->put(key, pool_record(block));
+  if (!host_) return;
+  if (!config_.write_through) {
+    // Write-back: the pool holds the block again; its host copy goes.
+    host_->erase(key);
+    return;
+  }
+  if (host_->contains(key)) return;
+  const TierRecord rec = pool_record(block);
+  host_->put(key, rec, [&](const TierKey& k, const TierRecord& r) {
+    if (disk_ && !disk_->contains(k)) ++n_demoted_;
+    to_disk(k, r);
+  });
+}
+
+void KvTiers::measure_costs() {
+  // Host: copies of 1 and 4 blocks (beta from the difference, t0 from the
+  // single one). Disk: DiskStore::probe_read_seconds (a 4 KiB read for
+  // t0, a 4-slot read for beta).
+  const int64_t bb = id_.payload_bytes;
+  auto fit = [&](double t1, double t4) {
+    TierCost c;
+    const double dt = std::max(t4 - t1, 1e-9);
+    c.bytes_per_s = 3.0 * static_cast<double>(bb) / dt;
+    c.t0_s = std::max(0.0, t1 - static_cast<double>(bb) / c.bytes_per_s);
+    return c;
+  };
+  std::vector<uint8_t> src(static_cast<size_t>(4 * bb), 1);
+  std::vector<uint8_t> dst(static_cast<size_t>(4 * bb), 0);
+  if (host_) {
+    double best1 = 1e30, best4 = 1e30;
+    for (int rep = 0; rep < 3; ++rep) {
+      double t0 = now_seconds();
+      std::memcpy(dst.data(), src.data(), static_cast<size_t>(bb));
+      best1 = std::min(best1, now_seconds() - t0);
+      t0 = now_seconds();
+      std::memcpy(dst.data(), src.data(), static_cast<size_t>(4 * bb));
+      best4 = std::min(best4, now_seconds() - t0);
+    }
+    cost_.host = fit(best1, best4);
+  }
+  if (disk_) {
+    const auto [t_small, t_big] = disk_->probe_read_seconds();
+    if (t_big > 0) {
+      const double slot = static_cast<double>(disk_->stats().slot_bytes);
+      cost_.disk.t0_s = t_small;
+      // The transfer part of the big read (at least half of it: the two
+      // timings are noisy on a shared machine).
+      cost_.disk.bytes_per_s = 4 * slot / std::max(t_big - t_small, 0.5 * t_big);
+    }
+  }
+  if (redis_) {
+    const auto [t_ping, t_get] = redis_->probe_seconds();
+    if (t_get > 0) {
+      cost_.redis.t0_s = t_ping;
+      cost_.redis.bytes_per_s = static_cast<double>(bb) / std::max(t_get - t_ping, 0.5 * t_get);
+    }
+  }
+}
+
+void KvTiers::note_fetch(TierCost& c, int64_t bytes, double seconds) {
+  if (cost_frozen_ || c.bytes_per_s <= 0) return;
+  const double transfer = std::max(seconds - c.t0_s, 1e-9);
+  c.bytes_per_s = 0.8 * c.bytes_per_s + 0.2 * static_cast<double>(bytes) / transfer;
+}
+
+bool KvTiers::fetch(const TierKey& key, const Hash128& ns_digest, std::span<const int32_t> tokens,
+                    int32_t dst) {
+  const double t0 = now_seconds();
+  uint8_t* out = index_.pool().block_data(BlockId{dst});
+  auto throttle = [&] {
+    if (throttle_bytes_per_s_ <= 0) return;
+    const double until = t0 + static_cast<double>(id_.payload_bytes) / throttle_bytes_per_s_;
+    const double left = until - now_seconds();
+    if (left > 0) std::this_thread::sleep_for(std::chrono::duration<double>(left));
+  };
+  if (host_) {
+    const TierRecord r = host_->peek(key);
+    if (r.header != nullptr) {
+      const BlockRecordKey want{
+          .ns_digest = ns_digest, .hash = key.hash, .parent_hash = {}, .group = key.group};
+      if (check_block_record(id_, want, tokens, r.header) == BlockRecordCheck::kOk &&
+          host_->fetch(key, out)) {
+        throttle();
+        const double dt = now_seconds() - t0;
+        host_->add_fetch_latency(dt);
+        note_fetch(cost_.host, id_.payload_bytes, dt);
+        return true;
+      }
+      host_->erase(key);
+    }
+  }
+  if (disk_ && disk_->fetch(key, ns_digest, tokens, out)) {
+    throttle();
+    const double dt = now_seconds() - t0;
+    disk_->add_fetch_latency(dt);
+    note_fetch(cost_.disk, id_.payload_bytes, dt);
+    return true;
+  }
+  if (redis_ && redis_->fetch(key, ns_digest, tokens, out)) {
+    throttle();
+    const double dt = now_seconds() - t0;
+    redis_->add_fetch_latency(dt);
+    note_fetch(cost_.redis, id_.payload_bytes, dt);
+    return true;
+  }
+  return false;
+}
+
+int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
+                              PrefixMatch& m, bool count_stats) {
+  BlockPool& pool = index_.pool();
+  const int64_t p = pool.block_size();
+  const int n_groups = pool.n_groups();
+  max_tokens = std::clamp<int64_t>(max_tokens, 0, static_cast<int64_t>(tokens.size()));
+  const int64_t n_max = max_tokens / p;
+  const auto k0 = static_cast<int64_t>(m.blocks.size());
+  // Write-backs queued since the last lookup go out as one batch first.
+  if (disk_) disk_->write_batch();
+  if (k0 >= n_max || ns == kNoNamespace) return 0;
+  const Hash128 ns_digest = index_.namespace_digest(ns);
+  auto first_of = [&](int g, int64_t k) -> int64_t {
+    const KvGroup& gr = pool.group(g);
+    return gr.drops_blocks ? std::max<int64_t>(0, k * p - gr.window + 1) / p : 0;
+  };
+  auto block_tokens = [&](int64_t i) { return tokens.subspan(static_cast<size_t>(i * p), p); };
+  // Each failed read drops its entry, so a retry sees a smaller plan.
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    const std::vector<int32_t> nodes = index_.chain(ns, tokens, max_tokens);
+    const auto j = static_cast<int64_t>(nodes.size());
+    std::vector<Hash128> hashes;
+    hashes.reserve(static_cast<size_t>(n_max));
+    for (int32_t b : nodes) hashes.push_back(index_.block_hash(b));
+    for (int64_t i = j; i < n_max; ++i) {
+      const Hash128 parent = i == 0 ? Hash128{} : hashes[static_cast<size_t>(i - 1)];
+      const Hash128 h = index_.chain_hash(parent, ns, block_tokens(i));
+      if (!tier_has({.hash = h, .group = 0}, ns_digest)) break;
+      hashes.push_back(h);
+    }
+    auto pool_companion = [&](int64_t i, int g) {
+      return i < j ? index_.companion(nodes[static_cast<size_t>(i)], g) : kNullBlock;
+    };
+    auto available = [&](int64_t i, int g) {
+      return pool_companion(i, g) != kNullBlock ||
+             tier_has({.hash = hashes[static_cast<size_t>(i)], .group = g}, ns_digest);
+    };
+    auto k = static_cast<int64_t>(hashes.size());
+    for (; k > 0; --k) {
+      bool ok = true;
+      for (int g = 1; g < n_groups && ok; ++g) {
+        for (int64_t b = first_of(g, k); b < k && ok; ++b) ok = available(b, g);
+      }
+      if (ok) break;
+    }
+    if (k <= k0) return 0;
+    // Every pool block first (references keep them from eviction while the
+    // promoted blocks are allocated), then the tier blocks.
+    std::vector<BlockRef> blocks;
+    std::vector<std::vector<BlockRef>> group_blocks(static_cast<size_t>(n_groups - 1));
+    std::vector<int64_t> group_first(static_cast<size_t>(n_groups - 1), 0);
+    struct Promote {
+      int64_t i;
+      int g;
+      BlockRef* slot;
+    };
+    blocks.resize(static_cast<size_t>(k - k0));
+    std::vector<Promote> todo;
+    for (int64_t i = k0; i < k; ++i) {
+      BlockRef& r = blocks[static_cast<size_t>(i - k0)];
+      if (i < j) {
+        r = pool.ref_block(BlockId{nodes[static_cast<size_t>(i)]});
+      } else {
+        todo.push_back({i, 0, &r});
+      }
+    }
+    for (int g = 1; g < n_groups; ++g) {
+      const int64_t first = first_of(g, k);
+      auto& gb = group_blocks[static_cast<size_t>(g - 1)];
+      group_first[static_cast<size_t>(g - 1)] = first;
+      gb.resize(static_cast<size_t>(k - first));
+      for (int64_t i = first; i < k; ++i) {
+        const int32_t c = pool_companion(i, g);
+        BlockRef& r = gb[static_cast<size_t>(i - first)];
+        if (c != kNullBlock) {
+          r = pool.ref_block(BlockId{c});
+        } else {
+          todo.push_back({i, g, &r});
+        }
+      }
+    }
+    // Releases what this attempt took, deepest first (the chain rule:
+    // children before parents).
+    auto drop_all = [&] {
+      for (auto& gb : group_blocks) {
+        while (!gb.empty()) gb.pop_back();
+      }
+      while (!blocks.empty()) blocks.pop_back();
+    };
+    // Fetch or recompute (spec section 9): the estimated time to bring the
+    // tier blocks in against prefilling the tokens they add.
+    if (cost_.prefill_tokens_per_s > 0 && !todo.empty()) {
+      double t_fetch = 0;
+      for (const Promote& t : todo) {
+        const TierKey key{.hash = hashes[static_cast<size_t>(t.i)], .group = t.g};
+        const TierCost& c = in_host(key) ? cost_.host : in_disk(key) ? cost_.disk : cost_.redis;
+        t_fetch +=
+            c.t0_s +
+            (c.bytes_per_s > 0 ? static_cast<double>(id_.payload_bytes) / c.bytes_per_s : 0.0);
+      }
+      const double t_recompute = static_cast<double>((k - k0) * p) / cost_.prefill_tokens_per_s;
+      last_fetch_s_ = t_fetch;
+      last_recompute_s_ = t_recompute;
+      if (t_recompute < t_fetch) {
+        ++n_decide_recompute_;
+        drop_all();
+        return 0;
+      }
+    }
+    bool failed = false;
+    for (const Promote& t : todo) {
+      auto r = pool.allocate(t.g);
+      if (!r) {
+        ++n_promote_failed_;
+        drop_all();
+        return 0;  // pool full: keep the pool-only match
+      }
+      const TierKey key{.hash = hashes[static_cast<size_t>(t.i)], .group = t.g};
+      if (!fetch(key, ns_digest, block_tokens(t.i), r->id().value)) {
+        failed = true;  // entry dropped (corrupt, foreign or evicted meanwhile)
+        break;
+      }
+      *t.slot = std::move(*r);
+    }
+    if (failed) {
+      drop_all();
+      continue;
+    }
+    const int64_t before = m.n_tokens();
+    m.partial.reset();
+    m.n_partial_tokens = 0;
+    for (BlockRef& r : blocks) m.blocks.push_back(std::move(r));
+    if (n_groups > 1) {
+      for (auto& gb : m.group_blocks) {
+        while (!gb.empty()) gb.pop_back();
+      }
+      m.group_blocks = std::move(group_blocks);
+      m.group_first = std::move(group_first);
+    }
+    n_promoted_ += static_cast<int64_t>(todo.size());
+    ++n_decide_fetch_;
+    const int64_t added = m.n_tokens() - before;
+    n_hit_tokens_ += added;
+    if (count_stats) index_.count_tier_hit(ns, k - k0, added);
+    return added;
+  }
+  return 0;
+}
+
+void KvTiers::persist() {
+  if (!disk_) return;
+  const BlockPool& pool = index_.pool();
+  for (int32_t b = 0; b < pool.n_blocks(); ++b) {
+    if (pool.state(BlockId{b}) == BlockState::kFree || !index_.is_published(b)) continue;
+    const CachedBlockInfo info = index_.cached_block_info(b);
+    if (info.has_extra) continue;
+    const TierKey key{.hash = info.hash, .group = info.group};
+    if (disk_->contains(key)) continue;
+    disk_->put(key, pool_record(b));
+    ++n_persisted_;
+  }
+  if (host_) {
+    for (const TierKey& k : host_->keys()) {
+      if (disk_->contains(k)) continue;
+      disk_->put(k, host_->peek(k));
+      ++n_persisted_;
+    }
+  }
+  disk_->flush();
+}
+
+KvTiersStats KvTiers::stats() const {
+  KvTiersStats s;
+  s.enabled = true;
+  s.write_through = config_.write_through;
+  if (host_) s.tiers.push_back(host_->stats());
+  if (disk_) s.tiers.push_back(disk_->stats());
+  if (redis_) s.tiers.push_back(redis_->stats());
+  s.n_promoted = n_promoted_;
+  s.n_promote_failed = n_promote_failed_;
+  s.n_hit_tokens = n_hit_tokens_;
+  s.n_demoted = n_demoted_;
+  s.n_dropped = n_dropped_;
+  s.n_persisted = n_persisted_;
+  s.n_prefetched = n_prefetched_;
+  s.cost = cost_;
+  s.n_decide_fetch = n_decide_fetch_;
+  s.n_decide_recompute = n_decide_recompute_;
+  s.last_fetch_s = last_fetch_s_;
+  s.last_recompute_s = last_recompute_s_;
+  return s;
+}
+
+void KvTiers::check_invariants() const {
+  if (host_) host_->check_invariants();
+  if (disk_) disk_->check_invariants();
+  if (!host_ || config_.write_through) return;
+  const BlockPool& pool = index_.pool();
+  for (int32_t b = 0; b < pool.n_blocks(); ++b) {
+    if (pool.state(BlockId{b}) == BlockState::kFree || !index_.is_published(b)) continue;
+    const CachedBlockInfo info = index_.cached_block_info(b);
+    KV_CHECK(!host_->contains({.hash = info.hash, .group = info.group}),
+             "KvTiers: a block is both in the pool and on the host (write-back)");
+  }
+}
+
+// ------------------------------------------------------------------ output
+
+std::string kv_tiers_stats_json(const KvTiersStats& s) {
+  std::string out = "{\"enabled\": ";
+  out += s.enabled ? "true" : "false";
+  out += ", \"write_through\": ";
+  out += s.write_through ? "true" : "false";
+  auto field = [&](std::string& o, const char* k, int64_t v) {
+    o += ", \"";
+    o += k;
+    o += "\": " + std::to_string(v);
+  };
+  field(out, "promoted", s.n_promoted);
+  field(out, "promote_failed", s.n_promote_failed);
+  field(out, "hit_tokens", s.n_hit_tokens);
+  field(out, "demoted", s.n_demoted);
+  field(out, "dropped", s.n_dropped);
+  field(out, "persisted", s.n_persisted);
+  field(out, "prefetched", s.n_prefetched);
+  field(out, "decide_fetch", s.n_decide_fetch);
+  field(out, "decide_recompute", s.n_decide_recompute);
+  {
+    char buf[512];
+    std::snprintf(buf, sizeof(buf),
+                  ", \"cost\": {\"host_t0_s\": %.3g, \"host_bytes_per_s\": %.4g, "
+                  "\"disk_t0_s\": %.3g, \"disk_bytes_per_s\": %.4g, "
+                  "\"redis_t0_s\": %.3g, \"redis_bytes_per_s\": %.4g, "
+                  "\"prefill_tokens_per_s\": %.4g, \"last_fetch_s\": %.4g, "
+                  "\"last_recompute_s\": %.4g}",
+                  s.cost.host.t0_s, s.cost.host.bytes_per_s, s.cost.disk.t0_s,
+                  s.cost.disk.bytes_per_s, s.cost.redis.t0_s, s.cost.redis.bytes_per_s,
+                  s.cost.prefill_tokens_per_s, s.last_fetch_s, s.last_recompute_s);
+    out += buf;
+  }
+  out += ", \"tiers\": [";
+  for (size_t i = 0; i < s.tiers.size(); ++i) {
+    const TierStoreStats& t = s.tiers[i];
+    std::string o = "{\"name\": \"" + t.name + "\"";
+    field(o, "capacity_bytes", t.capacity_bytes);
+    field(o, "slot_bytes", t.slot_bytes);
+    field(o, "slots", t.n_slots);
+    field(o, "blocks", t.n_blocks);
+    field(o, "used_bytes", t.n_blocks * t.slot_bytes);
+    field(o, "stored", t.n_stored);
+    field(o, "bytes_in", t.bytes_in);
+    field(o, "hits", t.n_hits);
+    field(o, "bytes_out", t.bytes_out);
+    field(o, "evicted", t.n_evicted);
+    field(o, "erased", t.n_erased);
+    field(o, "corrupt", t.n_corrupt);
+    field(o, "identity_mismatch", t.n_identity_mismatch);
+    field(o, "write_failed", t.n_write_failed);
+    field(o, "errors", t.n_errors);
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), ", \"fetch_seconds\": %.6f", t.fetch_seconds);
+    o += buf;
+    o += ", \"direct_io\": ";
+    o += t.direct_io ? "true" : "false";
+    o += ", \"fetch_hist_us\": [";
+    for (size_t b = 0; b < t.fetch_hist.size(); ++b) {
+      const double le = kTierFetchBucketsUs[b];
+      std::snprintf(buf, sizeof(buf), "%s{\"le\": %s, \"count\": %lld}", b ? ", " : "",
+                    b + 1 == t.fetch_hist.size() ? "null" : std::to_string(le).c_str(),
+                    static_cast<long long>(t.fetch_hist[b]));
+      o += buf;
+    }
+    o += "]}";
+    out += (i ? ", " : "") + o;
+  }
+  out += "]}";
+  return out;
+}
+
+std::string kv_tiers_prometheus(const KvTiersStats& s, const std::string& labels) {
+  std::string out;
+  if (!s.enabled) return out;
+  auto metric = [&](const char* name, const char* type, const char* help, auto field) {
+    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+    for (const TierStoreStats& t : s.tiers) {
+      out += std::string(name) + "{" + labels + ",tier=\"" + t.name + "\"} " +
+             std::to_string(field(t)) + "\n";
+    }
+  };
+  metric("kvstack:kv_tier_blocks", "gauge", "KV blocks held by this storage tier.",
+         [](const TierStoreStats& t) { return t.n_blocks; });
+  metric("kvstack:kv_tier_capacity_bytes", "gauge", "Bytes this tier may hold.",
+         [](const TierStoreStats& t) { return t.capacity_bytes; });
+  metric("kvstack:kv_tier_used_bytes", "gauge", "Bytes of this tier's slots in use.",
+         [](const TierStoreStats& t) { return t.n_blocks * t.slot_bytes; });
+  metric("kvstack:kv_tier_hits_total", "counter", "Blocks fetched from this tier into the pool.",
+         [](const TierStoreStats& t) { return t.n_hits; });
+  metric("kvstack:kv_tier_stored_total", "counter", "Blocks written into this tier.",
+         [](const TierStoreStats& t) { return t.n_stored; });
+  metric("kvstack:kv_tier_bytes_in_total", "counter", "Bytes written into this tier.",
+         [](const TierStoreStats& t) { return t.bytes_in; });
+  metric("kvstack:kv_tier_bytes_out_total", "counter", "Bytes fetched from this tier.",
+         [](const TierStoreStats& t) { return t.bytes_out; });
+  metric("kvstack:kv_tier_evicted_total", "counter", "Entries pushed out of this tier for room.",
+         [](const TierStoreStats& t) { return t.n_evicted; });
+  metric("kvstack:kv_tier_corrupt_total", "counter",
+         "Reads refused by a checksum or a short read (entry dropped).",
+         [](const TierStoreStats& t) { return t.n_corrupt; });
+  metric("kvstack:kv_tier_identity_mismatch_total", "counter",
+         "Entries of another model, KV format or layout dropped.",
+         [](const TierStoreStats& t) { return t.n_identity_mismatch; });
+  metric("kvstack:kv_tier_write_failed_total", "counter",
+         "Writes that failed (disk full or I/O error); the block was not stored.",
+         [](const TierStoreStats& t) { return t.n_write_failed; });
+  metric("kvstack:kv_tier_errors_total", "counter",
+         "Remote tier commands that failed or timed out (each a miss or a skipped store).",
+         [](const TierStoreStats& t) { return t.n_errors; });
+  const char* h = "kvstack:kv_tier_fetch_seconds";
+  out += std::string("# HELP ") + h +
+         " Latency of one block fetch from this tier into the pool.\n# TYPE " + h + " histogram\n";
+  for (const TierStoreStats& t : s.tiers) {
+    int64_t cum = 0;
+    for (size_t b = 0; b < t.fetch_hist.size(); ++b) {
+      cum += t.fetch_hist[b];
+      char le[32];
+      if (b + 1 == t.fetch_hist.size()) {
+        std::snprintf(le, sizeof(le), "+Inf");
+      } else {
+        std::snprintf(le, sizeof(le), "%g", kTierFetchBucketsUs[b] * 1e-6);
+      }
+      out += std::string(h) + "_bucket{" + labels + ",tier=\"" + t.name + "\",le=\"" + le + "\"} " +
+             std::to_string(cum) + "\n";
+    }
+    out += std::string(h) + "_sum{" + labels + ",tier=\"" + t.name + "\"} " +
+           std::to_string(t.fetch_seconds) + "\n";
+    out += std::string(h) + "_count{" + labels + ",tier=\"" + t.name + "\"} " +
+           std::to_string(cum) + "\n";
+  }
+  out +=
+      "# HELP kvstack:kv_tier_promoted_total Blocks promoted from a tier into the pool.\n"
+      "# TYPE kvstack:kv_tier_promoted_total counter\n"
+      "kvstack:kv_tier_promoted_total{" +
+      labels + "} " + std::to_string(s.n_promoted) + "\n";
+  out +=
+      "# HELP kvstack:kv_tier_hit_tokens_total Prefix tokens served from storage tiers.\n"
+      "# TYPE kvstack:kv_tier_hit_tokens_total counter\n"
+      "kvstack:kv_tier_hit_tokens_total{" +
+      labels + "} " + std::to_string(s.n_hit_tokens) + "\n";
+  out +=
+      "# HELP kvstack:kv_tier_decisions_total Fetch-or-recompute decisions on tier block runs.\n"
+      "# TYPE kvstack:kv_tier_decisions_total counter\n";
+  out += "kvstack:kv_tier_decisions_total{" + labels + ",decision=\"fetch\"} " +
+         std::to_string(s.n_decide_fetch) + "\n";
+  out += "kvstack:kv_tier_decisions_total{" + labels + ",decision=\"recompute\"} " +
+         std::to_string(s.n_decide_recompute) + "\n";
+  out +=
+      "# HELP kvstack:kv_tier_bandwidth_bytes_per_second Measured fetch bandwidth per tier.\n"
+      "# TYPE kvstack:kv_tier_bandwidth_bytes_per_second gauge\n";
+  for (const TierStoreStats& t : s.tiers) {
+    const TierCost& c = t.name == "host"   ? s.cost.host
+                        : t.name == "disk" ? s.cost.disk
+                                           : s.cost.redis;
+    out += "kvstack:kv_tier_bandwidth_bytes_per_second{" + labels + ",tier=\"" + t.name + "\"} " +
+           std::to_string(c.bytes_per_s) + "\n";
+  }
+  return out;
+}
+
+std::string format_kv_tiers_stats(const KvTiersStats& s) {
+  if (!s.enabled) return "";
+  std::string out = "kv tiers (" + std::string(s.write_through ? "write-through" : "write-back") +
+                    "): promoted " + std::to_string(s.n_promoted) + " blocks, " +
+                    std::to_string(s.n_hit_tokens) + " tokens served from tiers, " +
+                    std::to_string(s.n_demoted) + " demoted host->disk, " +
+                    std::to_string(s.n_dropped) +
+                    " dropped; fetch-or-recompute: " + std::to_string(s.n_decide_fetch) +
+                    " fetched, " + std::to_string(s.n_decide_recompute) + " recomputed\n";
+  for (const TierStoreStats& t : s.tiers) {
+    char buf[512];
+    std::snprintf(
+        buf, sizeof(buf),
+        "  %-4s %lld/%lld blocks (%.1f MiB of %.1f MiB), stored %lld, hits %lld "
+        "(%.1f MiB, %.3f ms total), evicted %lld, corrupt %lld, identity mismatch "
+        "%lld, write failed %lld%s\n",
+        t.name.c_str(), static_cast<long long>(t.n_blocks), static_cast<long long>(t.n_slots),
+        static_cast<double>(t.n_blocks * t.slot_bytes) / (1 << 20),
+        static_cast<double>(t.capacity_bytes) / (1 << 20), static_cast<long long>(t.n_stored),
+        static_cast<long long>(t.n_hits), static_cast<double>(t.bytes_out) / (1 << 20),
+        t.fetch_seconds * 1e3, static_cast<long long>(t.n_evicted),
+        static_cast<long long>(t.n_corrupt), static_cast<long long>(t.n_identity_mismatch),
+        static_cast<long long>(t.n_write_failed),
+        t.name == "disk" ? (t.direct_io ? ", O_DIRECT" : ", buffered") : "");
+    out += buf;
+  }
+  return out;
+}
+
+}  // namespace kvstack
