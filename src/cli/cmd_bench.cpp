@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
+#include <string>
 
 #include "cli/args.h"
 #include "cli/bench_stats.h"
@@ -34,13 +36,18 @@ struct BatchBenchShape {
   int64_t n_reps;
   uint32_t seed;
   bool json;
+  // Prefill chunk lengths (tokens) measured in mixed steps: N decodes plus
+  // one chunk of a new prompt per step.
+  std::vector<int64_t> mix_chunks;
 };
 
 // Decodes `tables` (private copies of `base`, released afterwards) together
-// for shape.n_steps steps from their cached context; returns the seconds of
-// each step.
+// for n_steps steps from their cached context; returns the seconds of each
+// step. chunk > 0: every step also prefills the next `chunk` tokens of
+// `prompt` (a new sequence, chunked prefill beside the decodes).
 Result<std::vector<double>> decode_steps(Engine& engine, const std::vector<BlockTable>& base,
-                                         int64_t n_steps) {
+                                         int64_t n_steps, int64_t chunk = 0,
+                                         std::span<const int32_t> prompt = {}) {
   std::vector<BlockTable> tables;
   tables.reserve(base.size());
   for (const BlockTable& b : base) {
@@ -53,9 +60,17 @@ Result<std::vector<double>> decode_steps(Engine& engine, const std::vector<Block
   std::vector<StepSeq> batch(base.size());
   std::vector<float> logits;
   std::vector<double> step_s;
+  BlockTable fresh = engine.new_table();
   for (int64_t g = 0; g < n_steps; ++g) {
+    batch.resize(tables.size());
     for (size_t i = 0; i < tables.size(); ++i) {
       batch[i] = StepSeq{.table = &tables[i], .tokens = std::span<const int32_t>(&next[i], 1)};
+    }
+    if (chunk > 0) {
+      batch.push_back(
+          {.table = &fresh,
+           .tokens = prompt.subspan(static_cast<size_t>(g * chunk), static_cast<size_t>(chunk)),
+           .logits = LogitsMode::kNone});
     }
     const auto t0 = Clock::now();
     const Status st = engine.forward().step(batch, &logits);
@@ -72,12 +87,18 @@ Result<std::vector<double>> decode_steps(Engine& engine, const std::vector<Block
 // prompts, prefilled once), then per repetition n_steps decode steps of all N
 // together and n_steps of sequence 0 alone, both from copies of the same
 // cached context (so every repetition decodes at the same context), in
-// alternating order. Step times are medians over every measured step.
+// alternating order; with mix_chunks, also the N decodes beside a prefill
+// chunk of each length (the steps a serving scheduler builds while new
+// requests prefill). Step times are medians over every measured step.
 int run_batch_bench(EngineConfig cfg, const BatchBenchShape& shape) {
-  // The prefilled contexts plus one private copy of each being decoded.
+  // The prefilled contexts plus one private copy of each being decoded, and
+  // the prompt prefilled beside them.
   const int64_t per_seq = shape.n_context + shape.n_steps + 2 * cfg.block_size;
+  int64_t max_chunk = 0;
+  for (int64_t c : shape.mix_chunks) max_chunk = std::max(max_chunk, c);
+  const int64_t n_mix_prompt = max_chunk * shape.n_steps;
   if (cfg.kv_cache_mem == 0 && cfg.kv_cache_tokens == 0) {
-    cfg.kv_cache_tokens = 2 * shape.n_seqs * per_seq;
+    cfg.kv_cache_tokens = 2 * shape.n_seqs * per_seq + n_mix_prompt + cfg.block_size;
   }
   auto created = Engine::create(cfg);
   if (!created) return fail("bench", created.error().message);
@@ -86,6 +107,12 @@ int run_batch_bench(EngineConfig cfg, const BatchBenchShape& shape) {
   if (shape.n_context + shape.n_steps > mc.n_ctx_train) {
     return fail("bench", "context + gen = " + std::to_string(shape.n_context + shape.n_steps) +
                              " exceeds the model's context length " +
+                             std::to_string(mc.n_ctx_train));
+  }
+  if (n_mix_prompt > mc.n_ctx_train) {
+    return fail("bench", "--mix-prefill " + std::to_string(max_chunk) + " x gen " +
+                             std::to_string(shape.n_steps) + " = " + std::to_string(n_mix_prompt) +
+                             " prompt tokens exceeds the model's context length " +
                              std::to_string(mc.n_ctx_train));
   }
   std::mt19937 rng(shape.seed);
@@ -107,9 +134,12 @@ int run_batch_bench(EngineConfig cfg, const BatchBenchShape& shape) {
   }
   const double prefill_tok_s =
       static_cast<double>(shape.n_seqs * shape.n_context) / seconds_since(t_fill);
+  std::vector<int32_t> mix_prompt(static_cast<size_t>(n_mix_prompt));
+  for (auto& t : mix_prompt) t = dist(rng);
   std::vector<BlockTable> solo;
   solo.push_back(base.front().fork());
   std::vector<double> one_s, many_s;
+  std::vector<std::vector<double>> mix_s(shape.mix_chunks.size());
   for (int64_t r = 0; r < shape.n_reps; ++r) {
     if (!shape.json) {
       progress.update(strprintf("bench: rep %lld/%lld decoding...", static_cast<long long>(r) + 1,
@@ -122,21 +152,43 @@ int run_batch_bench(EngineConfig cfg, const BatchBenchShape& shape) {
       auto& dst = batched ? many_s : one_s;
       dst.insert(dst.end(), s->begin(), s->end());
     }
+    for (size_t j = 0; j < shape.mix_chunks.size(); ++j) {
+      auto s = decode_steps(engine, base, shape.n_steps, shape.mix_chunks[j], mix_prompt);
+      if (!s) return fail("bench", s.error().message);
+      mix_s[j].insert(mix_s[j].end(), s->begin(), s->end());
+    }
   }
   progress.finish();
   const double one_ms = median(one_s) * 1e3, many_ms = median(many_s) * 1e3;
   const double one_tok_s = 1e3 / one_ms;
   const double many_tok_s = 1e3 * static_cast<double>(shape.n_seqs) / many_ms;
+  // Mixed steps: step time, decode and prefill tokens/s of each chunk length.
+  std::string mix_json;
+  std::string mix_table;
+  for (size_t j = 0; j < shape.mix_chunks.size(); ++j) {
+    const double ms = median(mix_s[j]) * 1e3;
+    const auto c = static_cast<long long>(shape.mix_chunks[j]);
+    const double dec = 1e3 * static_cast<double>(shape.n_seqs) / ms;
+    const double pre = 1e3 * static_cast<double>(c) / ms;
+    mix_json += strprintf(
+        "%s{\"prefill_chunk\": %lld, \"step_ms\": %.3f, \"step_ratio\": %.3f, "
+        "\"decode_tok_s\": %.2f, \"prefill_tok_s\": %.2f}",
+        j == 0 ? "" : ", ", c, ms, ms / many_ms, dec, pre);
+    mix_table += strprintf(
+        "  + prefill %-5lld %.2f ms (median, %.2fx decode-only), %.1f decode + %.1f prefill "
+        "tok/s\n",
+        c, ms, ms / many_ms, dec, pre);
+  }
   if (shape.json) {
     std::printf(
         "{\"model\": \"%s\", \"threads\": %d, \"kv_dtype\": \"%s\", \"batch\": %lld, "
         "\"context\": %lld, \"steps\": %lld, \"reps\": %lld, \"prefill_tok_s\": %.2f, "
         "\"step_ms_1\": %.3f, \"step_ms_batch\": %.3f, \"step_ratio\": %.3f, "
-        "\"decode_tok_s_1\": %.2f, \"decode_tok_s_batch\": %.2f}\n",
+        "\"decode_tok_s_1\": %.2f, \"decode_tok_s_batch\": %.2f, \"mixed\": [%s]}\n",
         cfg.model_path.c_str(), engine.threads().n_threads(), kv_dtype_name(cfg.kv_dtype),
         static_cast<long long>(shape.n_seqs), static_cast<long long>(shape.n_context),
         static_cast<long long>(shape.n_steps), static_cast<long long>(shape.n_reps), prefill_tok_s,
-        one_ms, many_ms, many_ms / one_ms, one_tok_s, many_tok_s);
+        one_ms, many_ms, many_ms / one_ms, one_tok_s, many_tok_s, mix_json.c_str());
   } else {
     std::printf("model              %s\n", cfg.model_path.c_str());
     std::printf("threads            %d\n", engine.threads().n_threads());
@@ -152,6 +204,10 @@ int run_batch_bench(EngineConfig cfg, const BatchBenchShape& shape) {
                 static_cast<long long>(shape.n_seqs), many_ms, many_tok_s);
     std::printf("step time ratio    %.2fx (batch %lld / 1)\n", many_ms / one_ms,
                 static_cast<long long>(shape.n_seqs));
+    if (!mix_table.empty()) {
+      std::printf("mixed steps        %lld decodes plus one prefill chunk:\n%s",
+                  static_cast<long long>(shape.n_seqs), mix_table.c_str());
+    }
   }
   return 0;
 }
@@ -167,6 +223,9 @@ int run_bench(const std::vector<std::string>& argv) {
   specs.push_back({"batch", 0, "N",
                    "decode N sequences together (each at ctx-fill + prompt-tokens) and compare "
                    "the step time with one sequence alone (default 1: single-stream bench)"});
+  specs.push_back({"mix-prefill", 0, "LIST",
+                   "with --batch: also time steps of the N decodes plus one prefill chunk of each "
+                   "length in LIST (comma-separated tokens, e.g. 16,48,112,240)"});
   specs.push_back({"json", 0, "", "print one JSON object instead of a table"});
   specs.push_back(help_option());
   auto args = Args::parse(argv, specs);
@@ -195,13 +254,31 @@ int run_bench(const std::vector<std::string>& argv) {
   auto cfg = engine_config_from(*args);
   if (!cfg) return fail("bench", cfg.error().message);
   const int64_t total = *fill_n + *prompt_n + *gen_n;
+  std::vector<int64_t> mix_chunks;
+  if (auto list = args->get("mix-prefill")) {
+    for (size_t at = 0; at <= list->size();) {
+      const size_t comma = std::min(list->find(',', at), list->size());
+      const std::string item = list->substr(at, comma - at);
+      char* end = nullptr;
+      const long long v = std::strtoll(item.c_str(), &end, 10);
+      if (item.empty() || *end != '\0' || v < 1 || v > (1 << 20)) {
+        return fail("bench", "--mix-prefill: '" + item +
+                                 "' is not a chunk length in [1, 1048576] (a comma-separated "
+                                 "list, e.g. 16,48,112)");
+      }
+      mix_chunks.push_back(v);
+      at = comma + 1;
+    }
+    if (*batch_n < 2) return fail("bench", "--mix-prefill needs --batch N with N >= 2");
+  }
   if (*batch_n > 1) {
     BatchBenchShape shape{.n_seqs = *batch_n,
                           .n_context = *fill_n + *prompt_n,
                           .n_steps = *gen_n,
                           .n_reps = *reps,
                           .seed = static_cast<uint32_t>(*seed),
-                          .json = json};
+                          .json = json,
+                          .mix_chunks = mix_chunks};
     return run_batch_bench(*cfg, shape);
   }
   if (cfg->kv_cache_mem == 0 && cfg->kv_cache_tokens == 0) cfg->kv_cache_tokens = total;

@@ -40,3 +40,25 @@ def test_batch_out_of_range_is_refused():
     p = run_kvstack("bench", "-m", MODEL, "--batch", "0", check=False)
     assert p.returncode != 0
     assert "batch" in p.stderr
+
+
+def test_mixed_prefill_steps_are_reported():
+    p = run_kvstack("bench", "-m", MODEL, "--batch", "3", "--prompt-tokens", "24", "--gen", "2",
+                    "--reps", "1", "--threads", "2", "--mix-prefill", "5,9", "--json")
+    row = json.loads(p.stdout.strip().splitlines()[-1])
+    assert [m["prefill_chunk"] for m in row["mixed"]] == [5, 9]
+    for m in row["mixed"]:
+        assert m["step_ms"] > 0
+        assert m["prefill_tok_s"] == pytest.approx(m["prefill_chunk"] * 1e3 / m["step_ms"],
+                                                   rel=1e-2)
+        assert m["step_ratio"] == pytest.approx(m["step_ms"] / row["step_ms_batch"], rel=1e-2)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--batch", "3", "--mix-prefill", "4,zero"], "mix-prefill"),
+    (["--batch", "3", "--mix-prefill", "0"], "mix-prefill"),
+    (["--mix-prefill", "4"], "--batch"),
+])
+def test_mixed_prefill_bad_values_are_refused(args, words):
+    p = run_kvstack("bench", "-m", MODEL, *args, check=False)
+    assert p.returncode != 0 and words in p.stderr
