@@ -43,8 +43,9 @@ struct BatchBenchShape {
 
 // Decodes `tables` (private copies of `base`, released afterwards) together
 // for n_steps steps from their cached context; returns the seconds of each
-// step. chunk > 0: every step also prefills the next `chunk` tokens of
-// `prompt` (a new sequence, chunked prefill beside the decodes).
+// step. chunk > 0: every step also prefills the first `chunk` tokens of
+// `prompt` as a new sequence (a new request's first prefill chunk beside
+// the decodes; released after the step).
 Result<std::vector<double>> decode_steps(Engine& engine, const std::vector<BlockTable>& base,
                                          int64_t n_steps, int64_t chunk = 0,
                                          std::span<const int32_t> prompt = {}) {
@@ -60,17 +61,16 @@ Result<std::vector<double>> decode_steps(Engine& engine, const std::vector<Block
   std::vector<StepSeq> batch(base.size());
   std::vector<float> logits;
   std::vector<double> step_s;
-  BlockTable fresh = engine.new_table();
   for (int64_t g = 0; g < n_steps; ++g) {
+    BlockTable fresh = engine.new_table();  // a new request's first chunk
     batch.resize(tables.size());
     for (size_t i = 0; i < tables.size(); ++i) {
       batch[i] = StepSeq{.table = &tables[i], .tokens = std::span<const int32_t>(&next[i], 1)};
     }
     if (chunk > 0) {
-      batch.push_back(
-          {.table = &fresh,
-           .tokens = prompt.subspan(static_cast<size_t>(g * chunk), static_cast<size_t>(chunk)),
-           .logits = LogitsMode::kNone});
+      batch.push_back({.table = &fresh,
+                       .tokens = prompt.first(static_cast<size_t>(chunk)),
+                       .logits = LogitsMode::kNone});
     }
     const auto t0 = Clock::now();
     const Status st = engine.forward().step(batch, &logits);
@@ -96,7 +96,7 @@ int run_batch_bench(EngineConfig cfg, const BatchBenchShape& shape) {
   const int64_t per_seq = shape.n_context + shape.n_steps + 2 * cfg.block_size;
   int64_t max_chunk = 0;
   for (int64_t c : shape.mix_chunks) max_chunk = std::max(max_chunk, c);
-  const int64_t n_mix_prompt = max_chunk * shape.n_steps;
+  const int64_t n_mix_prompt = max_chunk;
   if (cfg.kv_cache_mem == 0 && cfg.kv_cache_tokens == 0) {
     cfg.kv_cache_tokens = 2 * shape.n_seqs * per_seq + n_mix_prompt + cfg.block_size;
   }
