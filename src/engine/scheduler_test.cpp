@@ -905,9 +905,9 @@ TEST(BatchInvariance, ForwardLogitsAloneVsBatched) {
   // past 241 see a different n_past, and the attention kernel's prefill
   // result for a row depends on it at this length (measured: logits differ
   // by up to ~0.4; not at the short lengths above). Reported only: this is
-  // why Engine::prefill and the scheduler must cut at the same positions,
-  // and why `kvstack serve` defaults its step budget to give L = the
-  // engine's --prefill-chunk.
+  // why Engine::prefill and the scheduler must cut at the same positions
+  // (a server's L = max_batch_tokens - max_seqs + 1 matches `kvstack run
+  // --prefill-chunk L`).
   {
     std::string text;
     while (text.size() < 1500) text += std::string(kLongPrompt) + " " + kPrompts[1] + " ";
