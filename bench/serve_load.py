@@ -135,6 +135,8 @@ def one_request(base, i, max_tokens, mix="fixed", extra=None):
     t0 = time.perf_counter()
     stamps = []
     with requests.post(base + "/v1/completions", json=body, stream=True, timeout=600) as r:
+        if r.status_code >= 500:  # e.g. llama-server's KV full: counted as failed, not fatal
+            return None
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -330,6 +332,7 @@ def bench(name, base, levels, n_requests, max_tokens, mix="fixed", rate=0.0, ext
         toks = sum(r["n_tokens"] for r in res)
         itl = [x for r in res for x in r["itl"]]
         row = {"server": name, "concurrency": c, "requests": len(res),
+               "failed": n_total - len(res),
                "req_s": len(res) / wall,
                "output_tok_s": toks / wall,
                "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in res], 0.5),

@@ -1,9 +1,13 @@
 // `kvstack bench`: prefill and decode throughput on synthetic tokens, with
-// the KV memory it used. Medians over --reps repetitions.
+// the KV memory it used. Medians over --reps repetitions. With --batch N:
+// the decode step time of N sequences decoded together against one sequence
+// alone at the same context, measured interleaved in one run.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
+#include <string>
 
 #include "cli/args.h"
 #include "cli/bench_stats.h"
@@ -25,6 +29,189 @@ int32_t argmax(const float* row, int64_t n) {
   return static_cast<int32_t>(std::max_element(row, row + n) - row);
 }
 
+struct BatchBenchShape {
+  int64_t n_seqs;     // sequences decoded together
+  int64_t n_context;  // tokens in each sequence's cache when decoding starts
+  int64_t n_steps;    // decode steps per measurement
+  int64_t n_reps;
+  uint32_t seed;
+  bool json;
+  // Prefill chunk lengths (tokens) measured in mixed steps: N decodes plus
+  // one chunk of a new prompt per step.
+  std::vector<int64_t> mix_chunks;
+};
+
+// Decodes `tables` (private copies of `base`, released afterwards) together
+// for n_steps steps from their cached context; returns the seconds of each
+// step. chunk > 0: every step also prefills the first `chunk` tokens of
+// `prompt` as a new sequence (a new request's first prefill chunk beside
+// the decodes; released after the step).
+Result<std::vector<double>> decode_steps(Engine& engine, const std::vector<BlockTable>& base,
+                                         int64_t n_steps, int64_t chunk = 0,
+                                         std::span<const int32_t> prompt = {}) {
+  std::vector<BlockTable> tables;
+  tables.reserve(base.size());
+  for (const BlockTable& b : base) {
+    auto c = b.clone_private();
+    if (!c) return c.error();
+    tables.push_back(std::move(*c));
+  }
+  const int64_t n_vocab = engine.model().config().n_vocab;
+  std::vector<int32_t> next(base.size(), 1);
+  std::vector<StepSeq> batch(base.size());
+  std::vector<float> logits;
+  std::vector<double> step_s;
+  for (int64_t g = 0; g < n_steps; ++g) {
+    BlockTable fresh = engine.new_table();  // a new request's first chunk
+    batch.resize(tables.size());
+    for (size_t i = 0; i < tables.size(); ++i) {
+      batch[i] = StepSeq{.table = &tables[i], .tokens = std::span<const int32_t>(&next[i], 1)};
+    }
+    if (chunk > 0) {
+      batch.push_back({.table = &fresh,
+                       .tokens = prompt.first(static_cast<size_t>(chunk)),
+                       .logits = LogitsMode::kNone});
+    }
+    const auto t0 = Clock::now();
+    const Status st = engine.forward().step(batch, &logits);
+    if (!st.ok()) return st.error();
+    step_s.push_back(seconds_since(t0));
+    for (size_t i = 0; i < tables.size(); ++i) {
+      next[i] = argmax(logits.data() + static_cast<int64_t>(i) * n_vocab, n_vocab);
+    }
+  }
+  return step_s;
+}
+
+// `kvstack bench --batch N`: N sequences of n_context random tokens (distinct
+// prompts, prefilled once), then per repetition n_steps decode steps of all N
+// together and n_steps of sequence 0 alone, both from copies of the same
+// cached context (so every repetition decodes at the same context), in
+// alternating order; with mix_chunks, also the N decodes beside a prefill
+// chunk of each length (the steps a serving scheduler builds while new
+// requests prefill). Step times are medians over every measured step.
+int run_batch_bench(EngineConfig cfg, const BatchBenchShape& shape) {
+  // The prefilled contexts plus one private copy of each being decoded, and
+  // the prompt prefilled beside them.
+  const int64_t per_seq = shape.n_context + shape.n_steps + 2 * cfg.block_size;
+  int64_t max_chunk = 0;
+  for (int64_t c : shape.mix_chunks) max_chunk = std::max(max_chunk, c);
+  const int64_t n_mix_prompt = max_chunk;
+  if (cfg.kv_cache_mem == 0 && cfg.kv_cache_tokens == 0) {
+    cfg.kv_cache_tokens = 2 * shape.n_seqs * per_seq + n_mix_prompt + cfg.block_size;
+  }
+  auto created = Engine::create(cfg);
+  if (!created) return fail("bench", created.error().message);
+  Engine& engine = **created;
+  const ModelConfig& mc = engine.model().config();
+  if (shape.n_context + shape.n_steps > mc.n_ctx_train) {
+    return fail("bench", "context + gen = " + std::to_string(shape.n_context + shape.n_steps) +
+                             " exceeds the model's context length " +
+                             std::to_string(mc.n_ctx_train));
+  }
+  if (n_mix_prompt > mc.n_ctx_train) {
+    return fail("bench", "--mix-prefill " + std::to_string(max_chunk) + " x gen " +
+                             std::to_string(shape.n_steps) + " = " + std::to_string(n_mix_prompt) +
+                             " prompt tokens exceeds the model's context length " +
+                             std::to_string(mc.n_ctx_train));
+  }
+  std::mt19937 rng(shape.seed);
+  std::uniform_int_distribution<int32_t> dist(0, mc.n_vocab - 1);
+  std::vector<BlockTable> base;
+  Progress progress;
+  const auto t_fill = Clock::now();
+  for (int64_t i = 0; i < shape.n_seqs; ++i) {
+    if (!shape.json) {
+      progress.update(strprintf("bench: prefilling sequence %lld/%lld (%lld tokens)...",
+                                static_cast<long long>(i) + 1, static_cast<long long>(shape.n_seqs),
+                                static_cast<long long>(shape.n_context)));
+    }
+    std::vector<int32_t> prompt(static_cast<size_t>(shape.n_context));
+    for (auto& t : prompt) t = dist(rng);
+    base.push_back(engine.new_table());
+    const Status st = engine.prefill(base.back(), prompt, LogitsMode::kNone, nullptr);
+    if (!st.ok()) return fail("bench", st.error().message);
+  }
+  const double prefill_tok_s =
+      static_cast<double>(shape.n_seqs * shape.n_context) / seconds_since(t_fill);
+  std::vector<int32_t> mix_prompt(static_cast<size_t>(n_mix_prompt));
+  for (auto& t : mix_prompt) t = dist(rng);
+  std::vector<BlockTable> solo;
+  solo.push_back(base.front().fork());
+  std::vector<double> one_s, many_s;
+  std::vector<std::vector<double>> mix_s(shape.mix_chunks.size());
+  for (int64_t r = 0; r < shape.n_reps; ++r) {
+    if (!shape.json) {
+      progress.update(strprintf("bench: rep %lld/%lld decoding...", static_cast<long long>(r) + 1,
+                                static_cast<long long>(shape.n_reps)));
+    }
+    for (int k = 0; k < 2; ++k) {
+      const bool batched = (k == 0) == (r % 2 == 0);
+      auto s = decode_steps(engine, batched ? base : solo, shape.n_steps);
+      if (!s) return fail("bench", s.error().message);
+      auto& dst = batched ? many_s : one_s;
+      dst.insert(dst.end(), s->begin(), s->end());
+    }
+    for (size_t j = 0; j < shape.mix_chunks.size(); ++j) {
+      auto s = decode_steps(engine, base, shape.n_steps, shape.mix_chunks[j], mix_prompt);
+      if (!s) return fail("bench", s.error().message);
+      mix_s[j].insert(mix_s[j].end(), s->begin(), s->end());
+    }
+  }
+  progress.finish();
+  const double one_ms = median(one_s) * 1e3, many_ms = median(many_s) * 1e3;
+  const double one_tok_s = 1e3 / one_ms;
+  const double many_tok_s = 1e3 * static_cast<double>(shape.n_seqs) / many_ms;
+  // Mixed steps: step time, decode and prefill tokens/s of each chunk length.
+  std::string mix_json;
+  std::string mix_table;
+  for (size_t j = 0; j < shape.mix_chunks.size(); ++j) {
+    const double ms = median(mix_s[j]) * 1e3;
+    const auto c = static_cast<long long>(shape.mix_chunks[j]);
+    const double dec = 1e3 * static_cast<double>(shape.n_seqs) / ms;
+    const double pre = 1e3 * static_cast<double>(c) / ms;
+    mix_json += strprintf(
+        "%s{\"prefill_chunk\": %lld, \"step_ms\": %.3f, \"step_ratio\": %.3f, "
+        "\"decode_tok_s\": %.2f, \"prefill_tok_s\": %.2f}",
+        j == 0 ? "" : ", ", c, ms, ms / many_ms, dec, pre);
+    mix_table += strprintf(
+        "  + prefill %-5lld %.2f ms (median, %.2fx decode-only), %.1f decode + %.1f prefill "
+        "tok/s\n",
+        c, ms, ms / many_ms, dec, pre);
+  }
+  if (shape.json) {
+    std::printf(
+        "{\"model\": \"%s\", \"threads\": %d, \"kv_dtype\": \"%s\", \"batch\": %lld, "
+        "\"context\": %lld, \"steps\": %lld, \"reps\": %lld, \"prefill_tok_s\": %.2f, "
+        "\"step_ms_1\": %.3f, \"step_ms_batch\": %.3f, \"step_ratio\": %.3f, "
+        "\"decode_tok_s_1\": %.2f, \"decode_tok_s_batch\": %.2f, \"mixed\": [%s]}\n",
+        cfg.model_path.c_str(), engine.threads().n_threads(), kv_dtype_name(cfg.kv_dtype),
+        static_cast<long long>(shape.n_seqs), static_cast<long long>(shape.n_context),
+        static_cast<long long>(shape.n_steps), static_cast<long long>(shape.n_reps), prefill_tok_s,
+        one_ms, many_ms, many_ms / one_ms, one_tok_s, many_tok_s, mix_json.c_str());
+  } else {
+    std::printf("model              %s\n", cfg.model_path.c_str());
+    std::printf("threads            %d\n", engine.threads().n_threads());
+    std::printf("kv dtype / block   %s / %d tokens\n", kv_dtype_name(cfg.kv_dtype), cfg.block_size);
+    std::printf(
+        "shape              %lld sequences at context %lld, %lld decode steps x %lld reps\n",
+        static_cast<long long>(shape.n_seqs), static_cast<long long>(shape.n_context),
+        static_cast<long long>(shape.n_steps), static_cast<long long>(shape.n_reps));
+    std::printf("prefill            %.1f tok/s (%lld sequences, one after another)\n",
+                prefill_tok_s, static_cast<long long>(shape.n_seqs));
+    std::printf("decode step, 1     %.2f ms (median), %.1f tok/s\n", one_ms, one_tok_s);
+    std::printf("decode step, %-5lld %.2f ms (median), %.1f tok/s in total\n",
+                static_cast<long long>(shape.n_seqs), many_ms, many_tok_s);
+    std::printf("step time ratio    %.2fx (batch %lld / 1)\n", many_ms / one_ms,
+                static_cast<long long>(shape.n_seqs));
+    if (!mix_table.empty()) {
+      std::printf("mixed steps        %lld decodes plus one prefill chunk:\n%s",
+                  static_cast<long long>(shape.n_seqs), mix_table.c_str());
+    }
+  }
+  return 0;
+}
+
 int run_bench(const std::vector<std::string>& argv) {
   auto specs = engine_options();
   specs.push_back({"prompt-tokens", 0, "N", "prompt length in tokens (default 512)"});
@@ -33,6 +220,12 @@ int run_bench(const std::vector<std::string>& argv) {
       {"ctx-fill", 0, "N", "tokens already in the cache before the prompt (default 0)"});
   specs.push_back({"reps", 0, "N", "repetitions; medians are reported (default 3)"});
   specs.push_back({"seed", 0, "N", "seed of the random prompt tokens (default 1)"});
+  specs.push_back({"batch", 0, "N",
+                   "decode N sequences together (each at ctx-fill + prompt-tokens) and compare "
+                   "the step time with one sequence alone (default 1: single-stream bench)"});
+  specs.push_back({"mix-prefill", 0, "LIST",
+                   "with --batch: also time steps of the N decodes plus one prefill chunk of each "
+                   "length in LIST (comma-separated tokens, e.g. 16,48,112,240)"});
   specs.push_back({"json", 0, "", "print one JSON object instead of a table"});
   specs.push_back(help_option());
   auto args = Args::parse(argv, specs);
@@ -40,7 +233,7 @@ int run_bench(const std::vector<std::string>& argv) {
   if (args->flag("help")) {
     std::fputs(
         format_help("kvstack bench [-m MODEL] [--prompt-tokens N] [--gen N] [--ctx-fill N] "
-                    "[--threads T] [--json]",
+                    "[--threads T] [--batch N] [--json]",
                     "Measure prefill and decode speed on random tokens through the paged KV "
                     "cache: TTFT, prefill tok/s, decode tok/s (medians over --reps), KV bytes.",
                     specs)
@@ -53,13 +246,41 @@ int run_bench(const std::vector<std::string>& argv) {
   auto fill_n = args->get_int("ctx-fill", 0, 0, 1 << 20);
   auto reps = args->get_int("reps", 3, 1, 1000);
   auto seed = args->get_int("seed", 1, 0, INT64_MAX);
-  for (const auto* r : {&prompt_n, &gen_n, &fill_n, &reps, &seed}) {
+  auto batch_n = args->get_int("batch", 1, 1, 4096);
+  for (const auto* r : {&prompt_n, &gen_n, &fill_n, &reps, &seed, &batch_n}) {
     if (!*r) return fail("bench", r->error().message);
   }
   const bool json = args->flag("json");
   auto cfg = engine_config_from(*args);
   if (!cfg) return fail("bench", cfg.error().message);
   const int64_t total = *fill_n + *prompt_n + *gen_n;
+  std::vector<int64_t> mix_chunks;
+  if (auto list = args->get("mix-prefill")) {
+    for (size_t at = 0; at <= list->size();) {
+      const size_t comma = std::min(list->find(',', at), list->size());
+      const std::string item = list->substr(at, comma - at);
+      char* end = nullptr;
+      const long long v = std::strtoll(item.c_str(), &end, 10);
+      if (item.empty() || *end != '\0' || v < 1 || v > (1 << 20)) {
+        return fail("bench", "--mix-prefill: '" + item +
+                                 "' is not a chunk length in [1, 1048576] (a comma-separated "
+                                 "list, e.g. 16,48,112)");
+      }
+      mix_chunks.push_back(v);
+      at = comma + 1;
+    }
+    if (*batch_n < 2) return fail("bench", "--mix-prefill needs --batch N with N >= 2");
+  }
+  if (*batch_n > 1) {
+    BatchBenchShape shape{.n_seqs = *batch_n,
+                          .n_context = *fill_n + *prompt_n,
+                          .n_steps = *gen_n,
+                          .n_reps = *reps,
+                          .seed = static_cast<uint32_t>(*seed),
+                          .json = json,
+                          .mix_chunks = mix_chunks};
+    return run_batch_bench(*cfg, shape);
+  }
   if (cfg->kv_cache_mem == 0 && cfg->kv_cache_tokens == 0) cfg->kv_cache_tokens = total;
   const int64_t rss0 = process_rss_bytes();
   auto created = Engine::create(*cfg);

@@ -117,8 +117,9 @@ int run_serve(const std::vector<std::string>& argv) {
   specs.push_back({"max-conns-per-client", 0, "N",
                    "requests served at once per client address (default: half the HTTP threads)"});
   specs.push_back({"max-seqs", 0, "N", "sequences decoded together per step (default 16)"});
-  specs.push_back(
-      {"max-batch-tokens", 0, "N", "tokens per step, decodes + prefill chunks (default 256)"});
+  specs.push_back({"max-batch-tokens", 0, "N",
+                   "tokens per step, decodes + prefill chunks (default max-seqs + 63: 64 prefill "
+                   "tokens beside a full step of decodes, see docs/architecture.md)"});
   specs.push_back({"max-queue", 0, "N", "waiting requests before 429 (default 256)"});
   specs.push_back({"reserve-output", 0, "N",
                    "output tokens reserved per sequence at admission, -1 = all of max_tokens "
@@ -146,7 +147,14 @@ int run_serve(const std::vector<std::string>& argv) {
   }
   auto port = args->get_int("port", 8080, 0, 65535);
   auto max_seqs = args->get_int("max-seqs", 16, 1, 4096);
-  auto max_batch = args->get_int("max-batch-tokens", 256, 1, 1 << 20);
+  // Step budget policy (docs/architecture.md, "Step budget"): by default
+  // room for every sequence's decode row plus a 64-token prefill chunk
+  // (L = max_batch - max_seqs + 1 = 64), which keeps a step, and so every
+  // stream's inter-token gap, within a few decode steps while new prompts
+  // prefill; measured in docs/benchmarks.md.
+  constexpr int64_t kPrefillTokensPerStep = 64;
+  const int64_t default_max_batch = (max_seqs.ok() ? *max_seqs : 16) + kPrefillTokensPerStep - 1;
+  auto max_batch = args->get_int("max-batch-tokens", default_max_batch, 1, 1 << 20);
   auto max_queue = args->get_int("max-queue", 256, 1, 1 << 20);
   auto reserve = args->get_int("reserve-output", 32, -1, 1 << 24);
   auto grace = args->get_double("shutdown-grace", 10, 0, 3600);

@@ -21,8 +21,9 @@
 // entries, also when they are recomputed after a preemption (one per step).
 // Where a chunk starts matters too for long prompts (the attention kernel's
 // prefill rows depend on n_past there), so `kvstack run` matches only with
-// the same chunk length L (`kvstack serve`'s default step budget gives L =
-// --prefill-chunk). Logits are one row per entry. The rest is
+// the same chunk length L (`kvstack serve`'s default step budget, max_seqs
+// + 63, gives L = 64: `kvstack run --prefill-chunk 64`). Logits are one row
+// per entry. The rest is
 // up to the kernels: a row's matmul and attention result must not depend on
 // the other rows of the step (ops/, attention/; the BatchInvariance tests in
 // scheduler_test.cpp require it bit for bit). Sequences whose chunk reaches

@@ -905,9 +905,9 @@ TEST(BatchInvariance, ForwardLogitsAloneVsBatched) {
   // past 241 see a different n_past, and the attention kernel's prefill
   // result for a row depends on it at this length (measured: logits differ
   // by up to ~0.4; not at the short lengths above). Reported only: this is
-  // why Engine::prefill and the scheduler must cut at the same positions,
-  // and why `kvstack serve` defaults its step budget to give L = the
-  // engine's --prefill-chunk.
+  // why Engine::prefill and the scheduler must cut at the same positions
+  // (a server's L = max_batch_tokens - max_seqs + 1 matches `kvstack run
+  // --prefill-chunk L`).
   {
     std::string text;
     while (text.size() < 1500) text += std::string(kLongPrompt) + " " + kPrompts[1] + " ";
@@ -926,6 +926,99 @@ TEST(BatchInvariance, ForwardLogitsAloneVsBatched) {
   // Whatever the kernels do, the results must stay close (rounding
   // differences compound over 30 layers; a wrong position or a K/V mix-up
   // between sequences moves logits by several units).
+  for (const auto& r : rep.rows) EXPECT_LT(r.max_abs, 1.0) << r.op << " " << r.context;
+  expect_pool_idle(*e);
+}
+
+// The batched decode path (one weight pass over every decode row, tiled
+// matmuls for m >= 4, attention work items over all sequences): a decode
+// row's logits are bit-identical alone and in steps of 1..32 decode rows,
+// with and without a prefill chunk in the same step, at the first, middle
+// and last entry. The other sequences have different lengths (9..~120
+// tokens), so the step's matmuls see every row count from 1 to 32 + chunk.
+TEST(BatchInvariance, BatchedDecodeOf1To32WithMixedPrefill) {
+  auto e = make_engine(16384);
+  REQUIRE_ENGINE(e);
+  const int64_t n_vocab = e->model().config().n_vocab;
+  Forward& fwd = e->forward();
+  std::string text;
+  while (text.size() < 800) text += std::string(kLongPrompt) + " " + kPrompts[1] + " ";
+  const auto long_tokens = tokens_of(*e, text);
+  ASSERT_GE(long_tokens.size(), 160u);
+  const std::vector<int32_t> prompt(long_tokens.begin(), long_tokens.begin() + 150);
+  const int32_t next = prompt[5];
+
+  // The target's context and 31 others, prefilled once; each trial decodes
+  // forks of them (copy-on-append of the shared tail), so every trial starts
+  // from the same state.
+  InvarianceReport rep;
+  int64_t n_trials = 0;
+  {
+    BlockTable target = e->new_table();
+    ASSERT_TRUE(e->prefill(target, prompt, LogitsMode::kNone, nullptr).ok());
+    constexpr int kMaxBatch = 32;
+    std::vector<BlockTable> others;
+    std::vector<int32_t> other_next;
+    for (int i = 0; i < kMaxBatch - 1; ++i) {
+      const size_t len = 9 + static_cast<size_t>(i * 37 % 113);
+      std::vector<int32_t> t(long_tokens.begin() + 1 + i, long_tokens.begin() + 1 + i + len);
+      others.push_back(e->new_table());
+      ASSERT_TRUE(e->prefill(others.back(), t, LogitsMode::kNone, nullptr).ok());
+      other_next.push_back(t[0]);
+    }
+    std::vector<float> ref;
+    {
+      BlockTable t = target.fork();
+      const StepSeq q{.table = &t, .tokens = std::span<const int32_t>(&next, 1)};
+      ASSERT_TRUE(fwd.step(std::span<const StepSeq>(&q, 1), &ref).ok());
+    }
+
+    for (int n_dec = 1; n_dec <= kMaxBatch; ++n_dec) {
+      // 0: decodes only; else a fresh prompt's chunk of that many tokens.
+      for (int chunk : {0, 7, 33}) {
+        if (chunk == 33 && n_dec % 4 != 1) continue;  // keep the test short
+        for (int at : {0, (n_dec - 1) / 2, n_dec - 1}) {
+          if (at != 0 && at == (n_dec - 1) / 2 && n_dec < 3) continue;  // same slot twice
+          BlockTable t = target.fork();
+          std::vector<BlockTable> ot;
+          for (int i = 0; i + 1 < n_dec; ++i) ot.push_back(others[static_cast<size_t>(i)].fork());
+          BlockTable fresh = e->new_table();
+          std::vector<StepSeq> batch;
+          for (int i = 0; i + 1 < n_dec; ++i) {
+            batch.push_back({.table = &ot[static_cast<size_t>(i)],
+                             .tokens = std::span<const int32_t>(&other_next[i], 1)});
+          }
+          batch.insert(batch.begin() + at,
+                       StepSeq{.table = &t, .tokens = std::span<const int32_t>(&next, 1)});
+          if (chunk > 0) {
+            batch.insert(batch.begin() + (n_dec + at) % (n_dec + 1),
+                         StepSeq{.table = &fresh,
+                                 .tokens = std::span<const int32_t>(long_tokens.data() + 3,
+                                                                    static_cast<size_t>(chunk)),
+                                 .logits = LogitsMode::kNone});
+          }
+          // The target's logits row: one row per entry before it with kLast.
+          int64_t row = 0;
+          for (const StepSeq& b : batch) {
+            if (b.table == &t) break;
+            if (b.logits == LogitsMode::kLast) ++row;
+          }
+          std::vector<float> lg;
+          ASSERT_TRUE(fwd.step(batch, &lg).ok());
+          rep.add("decode logits",
+                  chunk == 0 ? "alone vs among 1..32 decodes"
+                             : "alone vs among 1..32 decodes + a prefill chunk",
+                  ref.data(), lg.data() + row * n_vocab, n_vocab);
+          ++n_trials;
+        }
+      }
+    }
+  }  // every table released
+  rep.print("Batch invariance of batched decode (bit-exact logits, 1..32 decode rows)");
+  EXPECT_GT(n_trials, 90);
+  if (require_batch_invariance()) {
+    EXPECT_EQ(rep.n_differ_required(), 0);
+  }
   for (const auto& r : rep.rows) EXPECT_LT(r.max_abs, 1.0) << r.op << " " << r.context;
   expect_pool_idle(*e);
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -17,6 +18,7 @@ namespace {
 
 constexpr float kFp8Max = 448.0f;
 constexpr float kF16Max = 65504.0f;
+constexpr float kBf16Max = std::bit_cast<float>(0x7f7f0000u);  // the largest finite bf16
 
 // f16 bits of the smallest f16 >= x (x >= 0, finite, <= kF16Max).
 uint16_t f16_round_up(float x) {
@@ -109,6 +111,13 @@ Status validate_float_values(KvDtype dtype, const float* x, int64_t n) {
                                                     " is " + (std::isnan(x[i]) ? "nan" : "inf") +
                                                     "; the KV cache stores only finite values");
     }
+    // A value within the format's finite range cannot round outside it:
+    // only the rare larger ones need the conversion (which would otherwise
+    // dominate this per-step check).
+    const float max_finite = dtype == KvDtype::kF16    ? kF16Max
+                             : dtype == KvDtype::kBF16 ? kBf16Max
+                                                       : INFINITY;
+    if (std::fabs(x[i]) <= max_finite) continue;
     const float stored = dtype == KvDtype::kF16    ? f16_to_f32(f32_to_f16(x[i]))
                          : dtype == KvDtype::kBF16 ? bf16_to_f32(f32_to_bf16(x[i]))
                                                    : x[i];

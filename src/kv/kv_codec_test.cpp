@@ -400,6 +400,11 @@ TEST(KvValidateRows, EveryDtypeRejectsNonFiniteRows) {
       << st.error().message;
   EXPECT_NE(st.error().message.find("overflows KV dtype f16"), std::string::npos)
       << st.error().message;
+  // At the rounding boundary: 65519.99 rounds to 65504, 65520 to Inf.
+  k[4] = -65519.99f;
+  EXPECT_TRUE(kv_validate_rows(v, 0, k.data(), vv.data(), 1).ok());
+  k[4] = 65520.0f;
+  EXPECT_FALSE(kv_validate_rows(v, 0, k.data(), vv.data(), 1).ok());
 }
 
 // An fp8 block's bytes do not depend on how its tokens were split into

@@ -301,9 +301,10 @@ struct Driver {
     }
   }
 
-  // Decode reads every weight once, 4 rows of a few hundred bytes at a time:
-  // too short a stream for the hardware prefetcher to run ahead of, so the
-  // rows kPrefetchRows ahead are requested while the current tile computes
+  // Decode (and a batch's first row block) reads every weight once, a few
+  // rows of a few hundred bytes at a time: too short a stream for the
+  // hardware prefetcher to run ahead of, so the rows kPrefetchRows ahead are
+  // requested while the current tile computes
   // (past this call's columns too: harmless, and the next grain usually
   // starts there).
   static constexpr int64_t kPrefetchRows = 8;
@@ -324,7 +325,9 @@ struct Driver {
       const int64_t step = a.m == 1 ? 4 : 2;
       for (int64_t cb = c0; cb < c1; cb += step) {
         const int64_t cb_end = std::min(c1, cb + step);
-        if (a.m == 1) prefetch_rows(w, row_bytes, cb + kPrefetchRows, step);
+        // The first row block reads the weights from memory (later ones
+        // find them in L2): request the rows ahead.
+        if (rb == 0) prefetch_rows(w, row_bytes, cb + kPrefetchRows, step);
         int64_t r = rb;
         for (; r + 4 <= rb_end; r += 4) cols<4>(w.data, row_bytes, a, r, cb, cb_end, y, ldy);
         switch (rb_end - r) {

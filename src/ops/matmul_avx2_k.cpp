@@ -98,8 +98,9 @@ KV_AVX2 void k_kernel(const WeightView& w, const PreparedAct& a, int64_t c0, int
     const int64_t rb_end = std::min(a.m, rb + kRowBlock);
     for (int64_t c = c0; c < c1; ++c) {
       const uint8_t* wrow = w.data + c * row_bytes;
-      if (a.m == 1 && c + 2 < w.n_out) {
-        // Decode streams each row once; request the row after next early.
+      if (rb == 0 && c + 2 < w.n_out) {
+        // The first row block streams each row from memory once; request the
+        // row after next early.
         const char* p = reinterpret_cast<const char*>(wrow + 2 * row_bytes);
         for (size_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
       }

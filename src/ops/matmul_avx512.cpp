@@ -150,14 +150,40 @@ KV_AVX512 inline __m512i block_headers(const uint8_t* col0, size_t row_bytes, in
                                      col0 + b * sizeof(Block), 1);
 }
 
+// A byte range to bring into cache while a group computes, spread over its
+// blocks (a burst of a hundred prefetches at once would overflow the
+// core's outstanding-miss slots and be dropped).
+struct Prefetch {
+  const char* p;
+  int64_t bytes;
+};
+
+// The weight rows of the group after next of [c, c + 16) (one contiguous
+// range), to request while this group computes: one group ahead is too
+// short a lead for DRAM.
+inline Prefetch group_after_next(const WeightView& w, size_t row_bytes, int64_t c) {
+  const int64_t nc = std::max<int64_t>(0, std::min<int64_t>(kCols, w.n_out - (c + 2 * kCols)));
+  return Prefetch{reinterpret_cast<const char*>(w.data + (c + 2 * kCols) * row_bytes),
+                  nc * static_cast<int64_t>(row_bytes)};
+}
+
+// Issues block b's share (of nb) of the prefetch range.
+KV_AVX512 inline void prefetch_share(const Prefetch& next, int64_t b, int64_t nb) {
+  const int64_t n_lines = (next.bytes + 63) / 64;
+  for (int64_t l = b * n_lines / nb; l < (b + 1) * n_lines / nb; ++l) {
+    _mm_prefetch(next.p + 64 * l, _MM_HINT_T0);
+  }
+}
+
 // Builds the panel of columns [c, c + n_cols) (n_cols <= 16; missing columns
-// are zero) over every block of the row.
+// are zero) over every block of the row, prefetching `next` meanwhile.
 template <class F>
 KV_AVX512 void build_panel(const uint8_t* base, size_t row_bytes, int64_t c, int n_cols, int64_t nb,
-                           PanelBlock* panel) {
+                           Prefetch next, PanelBlock* panel) {
   using Block = typename F::Block;
   const uint8_t* col0 = base + c * row_bytes;
   for (int64_t b = 0; b < nb; ++b) {
+    prefetch_share(next, b, nb);
     __m256i u[kCols];
     for (int j = 0; j < kCols; ++j) {
       u[j] = j < n_cols
@@ -239,14 +265,6 @@ KV_AVX512 inline __m512i reduce_pairs64(__m512i a, __m512i b) {
   return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
 }
 
-// A byte range to bring into cache while a group computes, spread over its
-// blocks (a burst of a hundred prefetches at once would overflow the
-// core's outstanding-miss slots and be dropped).
-struct Prefetch {
-  const char* p;
-  int64_t bytes;
-};
-
 template <class F, int MR>
 KV_AVX512 void decode_rows(const uint8_t* base, size_t row_bytes, const PreparedAct& a, int64_t c,
                            int n_cols, Prefetch next, float* y, int64_t ldy) {
@@ -261,11 +279,8 @@ KV_AVX512 void decode_rows(const uint8_t* base, size_t row_bytes, const Prepared
     acc[r] = _mm512_setzero_ps();
     yq[r] = a.qs + r * a.n_in;
   }
-  const int64_t n_lines = (next.bytes + 63) / 64;
   for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t l = b * n_lines / nb; l < (b + 1) * n_lines / nb; ++l) {
-      _mm_prefetch(next.p + 64 * l, _MM_HINT_T0);
-    }
+    prefetch_share(next, b, nb);
     __m512i z[8];
     for (int i = 0; i < 8; ++i) {
       const int lo = kLo[i], hi = kLo[i] + 4;
@@ -320,11 +335,7 @@ KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t 
   if (a.m < 4) {
     for (int64_t c = c0; c < c1; c += kCols) {
       const int n_cols = static_cast<int>(std::min<int64_t>(kCols, c1 - c));
-      // The group after next (one contiguous range of rows), requested while
-      // this one computes: one group ahead is too short a lead for DRAM.
-      const int64_t nc = std::max<int64_t>(0, std::min<int64_t>(kCols, w.n_out - (c + 2 * kCols)));
-      const Prefetch next{reinterpret_cast<const char*>(w.data + (c + 2 * kCols) * row_bytes),
-                          nc * static_cast<int64_t>(row_bytes)};
+      const Prefetch next = group_after_next(w, row_bytes, c);
       switch (a.m) {
         case 1:
           decode_rows<F, 1>(w.data, row_bytes, a, c, n_cols, next, y, ldy);
@@ -344,7 +355,9 @@ KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t 
     const int64_t rb_end = std::min(a.m, rb + kRowBlock);
     for (int64_t c = c0; c < c1; c += kCols) {
       const int n_cols = static_cast<int>(std::min<int64_t>(kCols, c1 - c));
-      build_panel<F>(w.data, row_bytes, c, n_cols, nb, panel);
+      // Weights come from DRAM on the first row block only.
+      const Prefetch next = rb == 0 ? group_after_next(w, row_bytes, c) : Prefetch{nullptr, 0};
+      build_panel<F>(w.data, row_bytes, c, n_cols, nb, next, panel);
       const __mmask16 cmask = static_cast<__mmask16>((1u << n_cols) - 1);
       float* yc = y + c;
       int64_t r = rb;
@@ -376,8 +389,9 @@ struct alignas(64) PanelK {
 
 template <int kKind>  // 4: Q4_K, 5: Q5_K, 6: Q6_K
 KV_AVX512 void build_panel_k(const uint8_t* col0, size_t row_bytes, size_t block_bytes, int n_cols,
-                             int64_t nb, PanelK* panel) {
+                             int64_t nb, Prefetch next, PanelK* panel) {
   for (int64_t b = 0; b < nb; ++b) {
+    prefetch_share(next, b, nb);
     UnpackedK u[kCols];
     for (int j = 0; j < n_cols; ++j) {
       const uint8_t* blk = col0 + j * row_bytes + b * block_bytes;
@@ -485,7 +499,8 @@ KV_AVX512 void k_kernel512(const WeightView& w, const PreparedAct& a, int64_t c0
     const int64_t rb_end = std::min(a.m, rb + kRowBlock);
     for (int64_t c = c0; c < c1; c += kCols) {
       const int n_cols = static_cast<int>(std::min<int64_t>(kCols, c1 - c));
-      build_panel_k<kKind>(w.data + c * row_bytes, row_bytes, block_bytes, n_cols, nb, panel);
+      const Prefetch next = rb == 0 ? group_after_next(w, row_bytes, c) : Prefetch{nullptr, 0};
+      build_panel_k<kKind>(w.data + c * row_bytes, row_bytes, block_bytes, n_cols, nb, next, panel);
       const __mmask16 cmask = static_cast<__mmask16>((1u << n_cols) - 1);
       int64_t r = rb;
       for (; r + 4 <= rb_end; r += 4) panel_rows_k<kKind, 4>(panel, nb, a, r, cmask, y + c, ldy);

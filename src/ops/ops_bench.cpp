@@ -124,8 +124,8 @@ BENCHMARK(BM_Matmul)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
-// The matmul shapes of the two real models' decode step (m = 1) and of a
-// 64-row prefill tile, each with the weight type the GGUF stores:
+// The matmul shapes of the two real models' decode step (m = 1), of batched
+// decode steps (m = 4, 16) and of a 64-row prefill tile, each with the weight type the GGUF stores:
 //   Gemma 3 270M Q4_K_M: q Q5_0 640->1024, gate/up Q5_0 640->2048, attn_output
 //   Q4_K 1024->640, ffn_down Q4_K / Q6_K 2048->640, tied output Q8_0 640->262144;
 //   SmolLM2 135M Q4_1: gate/up 576->1536, down 1536->576, q/o 576->576, tied
@@ -144,7 +144,10 @@ void model_shapes(benchmark::internal::Benchmark* b) {
       {GgmlType::kQ8_0, 576, 49152},
   };
   for (const auto& s : shapes) {
-    for (int64_t m : {1, 64}) b->Args({static_cast<int64_t>(s.type), s.n_in, s.n_out, m});
+    // 1: one decode row; 4, 16: batched decode steps; 64: a prefill tile.
+    for (int64_t m : {1, 4, 16, 64}) {
+      b->Args({static_cast<int64_t>(s.type), s.n_in, s.n_out, m});
+    }
   }
 }
 BENCHMARK(BM_Matmul)
