@@ -98,9 +98,30 @@ inline const uint8_t* stream_meta(const TileArgs& a, const HeadStream& s, int32_
 HeadStream k_stream(const PagedKvLayerView& kv, int h);
 HeadStream v_stream(const PagedKvLayerView& kv, int h);
 
+// The kernel family a tile runs on.
+enum class KernelPath : uint8_t { kScalar, kAvx2, kAvx512Vnni };
+// "scalar", "avx2", "avx512-vnni".
+const char* kernel_path_name(KernelPath path);
+
+// The kernels of one call: for decode rows (a sequence with n_new == 1) and
+// for prefill rows (n_new > 1).
+struct KernelChoice {
+  KernelPath decode = KernelPath::kScalar;
+  KernelPath prefill = KernelPath::kScalar;
+  bool operator==(const KernelChoice&) const = default;
+};
+
+// The one place that decides which kernels paged_attention() (and its
+// quantized and KIVI entry points) run for keys in k, values in v and
+// head_dim at the ISA cap `isa` (clamped to best_isa() and the CPU's
+// features); attention_kernel_name() reports it. AVX2 needs AVX2+FMA+F16C
+// and head_dim % 8 == 0; the AVX-512 VNNI decode kernel serves int8 K with
+// int8 V and int4 K with int4 V (see avx512_vnni_decode_serves).
+KernelChoice select_kernels(Isa isa, KvDtype k, KvDtype v, int head_dim);
+
 // Plans and runs attention for a validated batch: tiles, split-K, threads,
-// merge. `isa` >= kAvx2 selects the AVX2 kernels (the caller checks that the
-// CPU has AVX2+FMA+F16C and head_dim % 8 == 0), else the scalar kernel.
+// merge, on the kernels `kc` names (select_kernels: the caller has checked
+// that the CPU has them).
 //
 // Batch invariance: how a sequence is cut into tiles and split-K pieces
 // depends only on its own n_past, n_new, the shape and fixed constants (not
@@ -108,7 +129,7 @@ HeadStream v_stream(const PagedKvLayerView& kv, int h);
 // one thread in a fixed order and the pieces are merged in a fixed order, so
 // a sequence's output is bitwise the same alone, in any batch, and on any
 // number of threads.
-void run_attention(bool use_avx2, const PagedKvLayerView& kv, const AttnParams& p,
+void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const AttnParams& p,
                    std::span<const AttnSeq> seqs, ThreadPool* pool);
 
 // Generic kernel for any tile shape and format (kv_decode_row per row);

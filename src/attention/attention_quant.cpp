@@ -76,9 +76,8 @@ void round_query_int8(const float* qs, int d, int8_t* codes, float* group_scale)
 Status paged_attention_quant_isa(Isa isa, const PagedKvLayerView& kv, const AttnParams& p,
                                  std::span<const AttnSeq> seqs, ThreadPool* pool) {
   KV_TRY_STATUS(validate_quant_attention_args(kv, p, seqs));
-  const bool use_avx2 = isa >= Isa::kAvx2 && best_isa() >= Isa::kAvx2 && cpu_features().f16c &&
-                        cpu_features().fma && p.head_dim % 8 == 0;
-  attn_detail::run_attention(use_avx2, kv, p, seqs, pool);
+  attn_detail::run_attention(
+      attn_detail::select_kernels(isa, kv.dtype, kv.value_dtype(), p.head_dim), kv, p, seqs, pool);
   return {};
 }
 
