@@ -23,14 +23,27 @@ const char* kernel_path_name(KernelPath path) {
   return "?";
 }
 
+namespace {
+
+bool cpu_has_avx512_vnni() {
+  const CpuFeatures& f = cpu_features();
+  return f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni &&
+         __builtin_cpu_supports("avx512dq");
+}
+
+}  // namespace
+
 KernelChoice select_kernels(Isa isa, KvDtype k, KvDtype v, int head_dim) {
-  (void)k;
-  (void)v;
   const Isa cap = std::min(isa, best_isa());
   const CpuFeatures& f = cpu_features();
   KernelChoice kc;
   if (cap < Isa::kAvx2 || !f.f16c || !f.fma || head_dim % 8 != 0) return kc;
   kc.decode = kc.prefill = KernelPath::kAvx2;
+  // Decode over int8/int4 codes: integer dot products (measured in
+  // docs/benchmarks.md); prefill stays on the AVX2 tiles.
+  if (cap >= Isa::kAvx512 && cpu_has_avx512_vnni() && avx512_vnni_decode_serves(k, v, head_dim)) {
+    kc.decode = KernelPath::kAvx512Vnni;
+  }
   return kc;
 }
 

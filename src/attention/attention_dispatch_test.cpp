@@ -58,6 +58,32 @@ TEST(AttentionDispatch, Avx2CapRunsAvx2WhereHeadDimAllows) {
   }
 }
 
+TEST(AttentionDispatch, Avx512VnniDecodeForInt8AndInt4) {
+  const CpuFeatures& f = cpu_features();
+  if (!(f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni &&
+        __builtin_cpu_supports("avx512dq"))) {
+    GTEST_SKIP() << "no AVX-512 F/BW/VL/DQ + VNNI on this CPU";
+  }
+  if (best_isa() < Isa::kAvx512) GTEST_SKIP() << "KVSTACK_ISA caps below avx512";
+  const KvDtype q[] = {KvDtype::kInt8, KvDtype::kInt4};
+  for (KvDtype k : q) {
+    for (KvDtype v : q) {
+      for (int d : {64, 128, 256}) {
+        EXPECT_EQ(attention_kernel_name(k, v, d), "avx512-vnni decode + avx2 prefill")
+            << kv_dtype_name(k) << "/" << kv_dtype_name(v) << " d " << d;
+      }
+      EXPECT_EQ(attention_kernel_name(k, v, 96), "avx2");  // not a multiple of 64
+    }
+  }
+  EXPECT_EQ(attention_kernel_name(KvDtype::kInt8, KvDtype::kF16, 64), "avx2");
+  EXPECT_EQ(attention_kernel_name(KvDtype::kF16, KvDtype::kF16, 64), "avx2");
+  // KVSTACK_ISA=avx2 (or the *_isa entry points' cap) keeps AVX2.
+  EXPECT_EQ(select_kernels(Isa::kAvx2, KvDtype::kInt8, KvDtype::kInt8, 64).decode,
+            KernelPath::kAvx2);
+  IsaOverride cap(Isa::kAvx2);
+  EXPECT_EQ(attention_kernel_name(KvDtype::kInt8, KvDtype::kInt8, 64), "avx2");
+}
+
 TEST(AttentionDispatch, CallerCapAndCpuCapBothApply) {
   // The isa argument caps further (the *_isa entry points); it never raises
   // the level above best_isa().

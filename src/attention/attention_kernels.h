@@ -60,8 +60,9 @@ struct TileArgs {
   int32_t key_end = 0;    // each row additionally sees only its causal/window range
   float scale = 0.0f;
   // Attend with q^ (round_query_int8, attention_quant.h): set for the rows of
-  // a decode sequence (n_new == 1) over int4 keys; the AVX2 decode kernel
-  // reads int4 keys only this way.
+  // a decode sequence (n_new == 1) over int4 keys, and over int8 keys on the
+  // AVX-512 VNNI decode kernel; the AVX2 decode kernel reads int4 keys and
+  // the VNNI kernel every key only this way.
   bool round_query = false;
   // Decode tiles (n_rows == 1) may cover n_heads consecutive KV heads: head j
   // reads k/v data (and meta) + j * head_stride (meta_head_stride) and its q
@@ -119,6 +120,12 @@ struct KernelChoice {
 // int8 V and int4 K with int4 V (see avx512_vnni_decode_serves).
 KernelChoice select_kernels(Isa isa, KvDtype k, KvDtype v, int head_dim);
 
+// Whether decode rows attend with q^ (TileArgs::round_query) on kc's decode
+// kernel: over int4 keys on every path, over int8 keys on the VNNI kernel.
+inline bool decode_rounds_query(const KernelChoice& kc, KvDtype k) {
+  return k == KvDtype::kInt4 || (k == KvDtype::kInt8 && kc.decode == KernelPath::kAvx512Vnni);
+}
+
 // Plans and runs attention for a validated batch: tiles, split-K, threads,
 // merge, on the kernels `kc` names (select_kernels: the caller has checked
 // that the CPU has them).
@@ -140,6 +147,15 @@ void tile_scalar(const TileArgs& a);
 // 0), for the blocks of attention_kivi.cpp's decode rows.
 void decode_tile_avx2(const TileArgs& a);   // REQUIRES: n_rows == 1
 void prefill_tile_avx2(const TileArgs& a);  // any n_rows; REQUIRES n_heads == 1
+
+// AVX-512 F/BW/VL/DQ + VNNI decode kernel (attention_kernels_avx512.cpp):
+// integer dot products on int8/int4 codes, q . K against q^ (round_query
+// must be set) and p . V with int16-rounded weights. REQUIRES n_rows == 1,
+// avx512_vnni_decode_serves(k, v, head_dim) and a CPU with those features.
+void decode_tile_avx512_vnni(const TileArgs& a);
+// K and V formats (each int8 or int4) and head_dim (a multiple of 64, at
+// most 256) the VNNI decode kernel reads.
+bool avx512_vnni_decode_serves(KvDtype k, KvDtype v, int head_dim);
 
 // Growable 64-byte-aligned float buffer for per-thread scratch: it only
 // grows, so steady-state calls do not allocate.

@@ -289,7 +289,7 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
     a.key_begin = it.key_begin;
     a.key_end = it.key_end;
     a.scale = p.scale;
-    a.round_query = seqs[it.seq].n_new == 1 && kv.dtype == KvDtype::kInt4;
+    a.round_query = seqs[it.seq].n_new == 1 && decode_rounds_query(kc, kv.dtype);
     a.n_heads = it.n_heads;
     if (it.part_offset >= 0) {
       const int n_vec = it.n_rows * g * it.n_heads;
@@ -302,6 +302,8 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
       tile_scalar(a);
     } else if (seqs[it.seq].n_new != 1) {
       prefill_tile_avx2(a);
+    } else if (path == KernelPath::kAvx512Vnni) {
+      decode_tile_avx512_vnni(a);
     } else {
       decode_tile_avx2(a);
     }

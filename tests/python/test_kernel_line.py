@@ -47,6 +47,8 @@ def expected_attention(kv, flags):
     ("int8", or "K/V") on SmolLM2 (head_dim 64) with no KVSTACK_ISA cap."""
     if not {"avx2", "fma", "f16c"} <= flags:
         return "scalar"
+    if VNNI <= flags and all(f in ("int8", "int4") for f in kv.split("/")):
+        return "avx512-vnni decode + avx2 prefill"
     return "avx2"
 
 
