@@ -49,7 +49,6 @@
 
 #include "attention/attention_kernels.h"
 #include "attention/attention_quant.h"
-#include "ops/simd_avx2.h"
 
 #define KV_AVX512 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
@@ -76,17 +75,16 @@ inline int32_t load_i32(const void* p) {
 // Software prefetch of the next chunk's K/V lines, spread over the current
 // chunk's work as the AVX2 kernel's KvPrefetch does (a burst of tens of
 // prefetches fills the miss buffers and the kernel stalls behind them):
-// add() queues runs of lines, step(k) issues the next k, flush() the rest.
+// add() queues lines, step(k) issues the next k, flush() the rest.
 class LinePrefetch {
  public:
   void clear() {
-    n_runs_ = 0;
-    run_ = 0;
-    line_ = 0;
+    n_ = 0;
+    next_ = 0;
   }
   // Queues the rows and metadata of the chunk's positions (base, slot) in
-  // one stream of KV head hh: one run per stretch of consecutive slots of a
-  // block.
+  // one stream of KV head hh: one range per stretch of consecutive slots of
+  // a block.
   void add(const TileArgs& a, const HeadStream& s, int hh, const int64_t* base, const int32_t* slot,
            int n, int row_bytes) {
     const uint8_t* data = s.data + hh * s.head_stride;
@@ -101,37 +99,26 @@ class LinePrefetch {
     }
   }
   KV_AVX512 void step(int k) {
-    for (; k > 0 && run_ < n_runs_; --k) {
-      _mm_prefetch(runs_[run_].first + 64 * line_, _MM_HINT_T0);
-      if (++line_ == runs_[run_].n_lines) {
-        line_ = 0;
-        ++run_;
-      }
-    }
+    const int end = std::min(n_, next_ + k);
+    for (; next_ < end; ++next_) _mm_prefetch(lines_[next_], _MM_HINT_T0);
   }
-  KV_AVX512 void flush() { step(std::numeric_limits<int>::max()); }
-  int64_t queued_lines() const {
-    int64_t n = 0;
-    for (int r = run_; r < n_runs_; ++r) n += runs_[r].n_lines;
-    return n - line_;
-  }
+  KV_AVX512 void flush() { step(n_); }
+  int queued() const { return n_ - next_; }
 
  private:
-  struct Run {
-    const char* first;  // 64-byte aligned
-    int64_t n_lines;
-  };
   void push(const uint8_t* p, const uint8_t* end) {
-    if (n_runs_ == kMaxRuns) return;  // (block size 1: more stretches than runs; skip)
-    const auto a0 = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
-    const auto a1 = (reinterpret_cast<uintptr_t>(end) + 63) & ~uintptr_t{63};
-    runs_[n_runs_++] = Run{reinterpret_cast<const char*>(a0), static_cast<int64_t>((a1 - a0) / 64)};
+    for (auto x = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+         x < reinterpret_cast<uintptr_t>(end) && n_ < kMaxLines; x += 64) {
+      lines_[n_++] = reinterpret_cast<const char*>(x);
+    }
   }
-  static constexpr int kMaxRuns = 4 * kChunk;
-  Run runs_[kMaxRuns];
-  int n_runs_ = 0;
-  int run_ = 0;
-  int64_t line_ = 0;
+  // K and V of one chunk of 8 KV heads: 2 x 32 rows of at most 4 lines
+  // (int8, d = 256) and each stretch's metadata lines; lines past it (more
+  // heads) are not prefetched.
+  static constexpr int kMaxLines = 8 * (2 * kChunk * 4 + 4 * kChunk);
+  const char* lines_[kMaxLines];
+  int n_ = 0;
+  int next_ = 0;
 };
 
 // ----------------------------------------------------------- transpose --
@@ -226,9 +213,12 @@ struct ChunkMeta {
 };
 
 // Fills cm for keys [0, n) with n_fields f16 fields each (records of
-// 2 n_fields bytes at metas[j]). Sixteen keys whose records lie back to back
+// 2 n_fields bytes at metas0[j] + off). Sixteen keys whose records lie back to back
 // (one block) are read with vector loads.
-KV_AVX512 void gather_meta(const uint8_t* const* metas, int n, int n_fields, ChunkMeta* cm) {
+KV_AVX512 void gather_meta(const uint8_t* const* metas0, int64_t off, int n, int n_fields,
+                           ChunkMeta* cm) {
+  const uint8_t* metas[kChunk];
+  for (int j = 0; j < n; ++j) metas[j] = metas0[j] + off;
   for (int j0 = 0; j0 < kChunk; j0 += 16) {
     const int rec = 2 * n_fields;
     const bool contiguous =
@@ -268,11 +258,11 @@ KV_AVX512 inline __m512i int4_block(const uint8_t* row, int b) {
 }
 
 // s[h * kChunk + j0 + j] = q^[h] . K_{j0 + j} for 16 keys (kp[j0 ..]
-// valid, padded; s and kp start at key j0) and SG query vectors; K int8 or
-// int4, its metadata in km.
+// valid, padded; s and kp start at key j0; rows at kp[x] + koff) and SG
+// query vectors; K int8 or int4, its metadata in km.
 template <KvDtype F, int SG>
-KV_AVX512 void qk16(const PackedQuery* q, int d, const uint8_t* const* kp, const ChunkMeta* km,
-                    int j0, float* s) {
+KV_AVX512 void qk16(const PackedQuery* q, int d, const uint8_t* const* kp, int64_t koff,
+                    const ChunkMeta* km, int j0, float* s) {
   __m512 facc[SG];
 #pragma GCC unroll 4
   for (int h = 0; h < SG; ++h) facc[h] = _mm512_setzero_ps();
@@ -281,10 +271,11 @@ KV_AVX512 void qk16(const PackedQuery* q, int d, const uint8_t* const* kp, const
     if constexpr (F == KvDtype::kInt8) {
       const __m512i off = _mm512_set1_epi8(static_cast<char>(0x80));
 #pragma GCC unroll 16
-      for (int x = 0; x < 16; ++x) r[x] = _mm512_xor_si512(_mm512_loadu_si512(kp[x] + 64 * b), off);
+      for (int x = 0; x < 16; ++x)
+        r[x] = _mm512_xor_si512(_mm512_loadu_si512(kp[x] + koff + 64 * b), off);
     } else {
 #pragma GCC unroll 16
-      for (int x = 0; x < 16; ++x) r[x] = int4_block(kp[x], b);
+      for (int x = 0; x < 16; ++x) r[x] = int4_block(kp[x] + koff, b);
     }
     transpose16x16(r);
     // int8: dwords 0..7 are group 2b, 8..15 group 2b + 1. int4: dwords 4L..4L+3
@@ -335,6 +326,38 @@ KV_AVX512 void qk16(const PackedQuery* q, int d, const uint8_t* const* kp, const
 
 // ---------------------------------------------------------------- p.V --
 
+// simd::exp8 (ops/simd_avx2.h) on 16 lanes, the same operations per lane:
+// exp(x) = 2^k e^r, r = x - k ln 2 in two steps, a degree-7 polynomial, the
+// power of two split as 2^kc 2^(k - kc); +inf above 88.72, 0 below -87.33.
+KV_AVX512 inline __m512 exp16(__m512 x) {
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.4286068203094172e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512 kc = _mm512_min_ps(_mm512_max_ps(k, _mm512_set1_ps(-126.f)), _mm512_set1_ps(127.f));
+  const __m512 kr =
+      _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(k, kc), _mm512_set1_ps(-1.f)), _mm512_set1_ps(1.f));
+  const __m512i bias = _mm512_set1_epi32(127);
+  const __m512 s1 =
+      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(kc), bias), 23));
+  const __m512 s2 =
+      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(kr), bias), 23));
+  __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72f), _CMP_GT_OQ), y,
+                           _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33f), _CMP_LT_OQ), y,
+                           _mm512_setzero_ps());
+  return y;
+}
+
 // Online-softmax update of one query vector over a chunk of n scores at s
 // (padded to kChunk in place), as the AVX2 kernel's softmax_update: leaves
 // p = exp(s - m_new) in s (0 past n), returns the rescale of the old state.
@@ -347,17 +370,12 @@ KV_AVX512 float softmax_update(float* s, int n, float* m, float* l) {
     return 1.0f;
   }
   const float alpha = m_new == *m ? 1.0f : std::exp(*m - m_new);
-  const __m256 mv = _mm256_set1_ps(m_new);
-  __m256 sum = _mm256_setzero_ps();
-  for (int j = 0; j < kChunk; j += 8) {
-    const __m256 pj = simd::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-    _mm256_storeu_ps(s + j, pj);
-    sum = _mm256_add_ps(sum, pj);
-  }
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  *l = *l * alpha + _mm_cvtss_f32(h);
+  const __m512 mv = _mm512_set1_ps(m_new);
+  const __m512 p0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s), mv));
+  const __m512 p1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 16), mv));
+  _mm512_storeu_ps(s, p0);
+  _mm512_storeu_ps(s + 16, p1);
+  *l = *l * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
   *m = m_new;
   return alpha;
 }
@@ -431,10 +449,11 @@ constexpr int v_word_element(int hf, int w) {
 }
 
 // acc[h] = alpha[h] acc[h] + sum_j w_hj V_j for SG query vectors over a
-// chunk of n keys (vp[n] valid filler when n is odd), weights from cw[h].
+// chunk of n keys (rows at vp[j] + voff; vp[n] valid filler when n is odd),
+// weights from cw[h].
 template <KvDtype F, int SG>
-KV_AVX512 void pv_chunk(const ChunkWeights* cw, const uint8_t* const* vp, int n, const float* alpha,
-                        float* acc, int d, LinePrefetch* pf, int per_step) {
+KV_AVX512 void pv_chunk(const ChunkWeights* cw, const uint8_t* const* vp, int64_t voff, int n,
+                        const float* alpha, float* acc, int d, LinePrefetch* pf, int per_step) {
   const int n2 = (n + 1) / 2 * 2;
   const __m512i ord_lo = word_order(0), ord_hi = word_order(2);
   for (int b = 0; b < d / 64; ++b) {
@@ -449,8 +468,8 @@ KV_AVX512 void pv_chunk(const ChunkWeights* cw, const uint8_t* const* vp, int n,
       if (b == 0) pf->step(per_step);
 #pragma GCC unroll 2
       for (int hf = 0; hf < 2; ++hf) {
-        const __m512i a = v_words<F>(vp[j], b, hf);
-        const __m512i c = v_words<F>(vp[j + 1], b, hf);
+        const __m512i a = v_words<F>(vp[j] + voff, b, hf);
+        const __m512i c = v_words<F>(vp[j + 1] + voff, b, hf);
         const __m512i lo = _mm512_unpacklo_epi16(a, c);
         const __m512i hi = _mm512_unpackhi_epi16(a, c);
 #pragma GCC unroll 4
@@ -518,10 +537,10 @@ KV_AVX512 void chunk_weights(const float* p, const ChunkMeta* vm, int d, ChunkWe
   }
 }
 
-using QkFn = void (*)(const PackedQuery*, int, const uint8_t* const*, const ChunkMeta*, int,
-                      float*);
-using PvFn = void (*)(const ChunkWeights*, const uint8_t* const*, int, const float*, float*, int,
-                      LinePrefetch*, int);
+using QkFn = void (*)(const PackedQuery*, int, const uint8_t* const*, int64_t, const ChunkMeta*,
+                      int, float*);
+using PvFn = void (*)(const ChunkWeights*, const uint8_t* const*, int64_t, int, const float*,
+                      float*, int, LinePrefetch*, int);
 
 template <KvDtype F>
 QkFn qk_fn(int sg) {
@@ -642,7 +661,7 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
       v4 ? pv_fn<KvDtype::kInt4>(g / n_sub) : pv_fn<KvDtype::kInt8>(g / n_sub),
       v4 ? pv_fn<KvDtype::kInt4>(g / n_sub + 1) : pv_fn<KvDtype::kInt8>(g / n_sub + 1)};
   int cur = 0;
-  LinePrefetch pf;
+  thread_local LinePrefetch pf;  // 24 KiB: not on the stack
   if (t_begin < t_end) {
     const int n0 = std::min<int32_t>(kChunk, t_end - t_begin);
     chunk_slots(a, t_begin, n0, base[0], slot[0]);
@@ -658,35 +677,38 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
     const int32_t c1 = c0 + kChunk;
     const int nn = c1 < t_end ? std::min<int32_t>(kChunk, t_end - c1) : 0;
     const int nxt = cur ^ 1;
-    if (nn > 0) chunk_slots(a, c1, nn, base[nxt], slot[nxt]);
-    for (int hh = 0; hh < a.n_heads; ++hh) {
-      stream_rows(a.k, hh, base[cur], slot[cur], n, kp, km);
-      stream_rows(a.v, hh, base[cur], slot[cur], n, vp, vm);
-      for (int j = n; j < kChunk; ++j) kp[j] = kp[0];  // finite filler, scores dropped
-      vp[n] = vp[0];                                   // odd n: the pair's second key (weight 0)
-      // The next chunk of this head, issued a share at a time over this one.
-      pf.clear();
-      if (nn > 0) {
+    // Rows of KV head 0; head hh's are at + hh * head_stride (meta likewise).
+    stream_rows(a.k, 0, base[cur], slot[cur], n, kp, km);
+    stream_rows(a.v, 0, base[cur], slot[cur], n, vp, vm);
+    for (int j = n; j < kChunk; ++j) kp[j] = kp[0];  // finite filler, scores dropped
+    vp[n] = vp[0];                                   // odd n: the pair's second key (weight 0)
+    // The next chunk, every head, issued a share at a time over this one:
+    // one step per 16 keys of q . K and per key pair of p . V, per sub-group.
+    pf.clear();
+    if (nn > 0) {
+      chunk_slots(a, c1, nn, base[nxt], slot[nxt]);
+      for (int hh = 0; hh < a.n_heads; ++hh) {
         pf.add(a, a.k, hh, base[nxt], slot[nxt], nn, k_row_bytes);
         pf.add(a, a.v, hh, base[nxt], slot[nxt], nn, v_row_bytes);
       }
-      // Steps: one per 16 keys of q . K and sub-group, one per key pair of
-      // p . V and sub-group.
-      const int n_steps = n_sub * ((n + 15) / 16 + (n + 1) / 2);
-      const int per_step = static_cast<int>((pf.queued_lines() + n_steps - 1) / n_steps);
-      gather_meta(km, n, n_kfields, &kmeta);
+    }
+    const int n_steps = a.n_heads * n_sub * ((n + 15) / 16 + (n + 1) / 2);
+    const int per_step = (pf.queued() + n_steps - 1) / n_steps;
+    for (int hh = 0; hh < a.n_heads; ++hh) {
+      const int64_t koff = hh * a.k.head_stride, voff = hh * a.v.head_stride;
+      gather_meta(km, hh * a.k.meta_head_stride, n, n_kfields, &kmeta);
       const int v0 = hh * g;
       for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
         const int big = sub < g % n_sub ? 1 : 0;
         const int sg = g / n_sub + big;
         for (int j0 = 0; j0 < n; j0 += 16) {
           pf.step(per_step);
-          qk_sub[big](pq + h0, d, kp + j0, &kmeta, j0, s + h0 * kChunk + j0);
+          qk_sub[big](pq + h0, d, kp + j0, koff, &kmeta, j0, s + h0 * kChunk + j0);
         }
         h0 += sg;
       }
       for (int h = v0; h < v0 + g; ++h) alpha[h] = softmax_update(s + h * kChunk, n, m + h, l + h);
-      gather_meta(vm, n, n_vfields, &vmeta);
+      gather_meta(vm, hh * a.v.meta_head_stride, n, n_vfields, &vmeta);
       for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
         const int big = sub < g % n_sub ? 1 : 0;
         const int sg = g / n_sub + big;
@@ -697,11 +719,12 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
             chunk_weights<KvDtype::kInt8>(s + (h0 + x) * kChunk, &vmeta, d, cw + x);
           }
         }
-        pv_sub[big](cw, vp, n, alpha + h0, acc + static_cast<size_t>(h0) * d, d, &pf, per_step);
+        pv_sub[big](cw, vp, voff, n, alpha + h0, acc + static_cast<size_t>(h0) * d, d, &pf,
+                    per_step);
         h0 += sg;
       }
-      pf.flush();
     }
+    pf.flush();
     cur = nxt;
   }
   for (int i = 0; i < n_vec; ++i) {
