@@ -1,6 +1,8 @@
 // Kernel selection for every paged attention entry point, and its report
 // (attention_kernel_name, the model-load line).
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -31,10 +33,24 @@ bool cpu_has_avx512_vnni() {
          __builtin_cpu_supports("avx512dq");
 }
 
+// KVSTACK_ATTN_ISA=scalar|avx2 caps the attention kernels only (read once),
+// so a benchmark can compare attention paths under the same matmul kernels;
+// KVSTACK_ISA caps both.
+Isa attention_cap() {
+  static const Isa cap = [] {
+    const char* env = std::getenv("KVSTACK_ATTN_ISA");
+    if (env == nullptr) return Isa::kAvx512;
+    if (std::strcmp(env, "scalar") == 0) return Isa::kScalar;
+    if (std::strcmp(env, "avx2") == 0) return Isa::kAvx2;
+    return Isa::kAvx512;
+  }();
+  return cap;
+}
+
 }  // namespace
 
 KernelChoice select_kernels(Isa isa, KvDtype k, KvDtype v, int head_dim) {
-  const Isa cap = std::min(isa, best_isa());
+  const Isa cap = std::min({isa, best_isa(), attention_cap()});
   const CpuFeatures& f = cpu_features();
   KernelChoice kc;
   if (cap < Isa::kAvx2 || !f.f16c || !f.fma || head_dim % 8 != 0) return kc;

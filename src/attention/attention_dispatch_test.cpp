@@ -3,6 +3,7 @@
 // KV format.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "attention/attention_kernels.h"
@@ -65,6 +66,9 @@ TEST(AttentionDispatch, Avx512VnniDecodeForInt8AndInt4) {
     GTEST_SKIP() << "no AVX-512 F/BW/VL/DQ + VNNI on this CPU";
   }
   if (best_isa() < Isa::kAvx512) GTEST_SKIP() << "KVSTACK_ISA caps below avx512";
+  if (const char* env = std::getenv("KVSTACK_ATTN_ISA"); env != nullptr && *env != '\0') {
+    GTEST_SKIP() << "KVSTACK_ATTN_ISA=" << env << " caps the attention kernels";
+  }
   const KvDtype q[] = {KvDtype::kInt8, KvDtype::kInt4};
   for (KvDtype k : q) {
     for (KvDtype v : q) {

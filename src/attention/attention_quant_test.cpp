@@ -277,6 +277,9 @@ const char* vnni_missing() {
   }
   if (!f.avx512vnni) return "no AVX-512 VNNI on this CPU";
   if (best_isa() < Isa::kAvx512) return "KVSTACK_ISA caps below avx512";
+  if (!dispatch_is_vnni(KvDtype::kInt8, KvDtype::kInt8, 64)) {
+    return "KVSTACK_ATTN_ISA caps below avx512";
+  }
   if (!f.fma || !f.f16c) return "no FMA/F16C on this CPU";
   return nullptr;
 }
