@@ -466,6 +466,16 @@ KV_AVX512 void pv_chunk(const ChunkWeights* cw, const uint8_t* const* vp, int64_
     }
     for (int j = 0; j < n2; j += 2) {
       if (b == 0) pf->step(per_step);
+      __m512i wv[SG];  // the pair's weights, shared by both halves
+#pragma GCC unroll 4
+      for (int h = 0; h < SG; ++h) {
+        if constexpr (F == KvDtype::kInt8) {
+          wv[h] = _mm512_set1_epi32(load_i32(&cw[h].wq[0][j]));
+        } else {  // lanes 0..7: group 2b, 8..15: group 2b + 1
+          wv[h] = _mm512_inserti64x4(_mm512_set1_epi32(load_i32(&cw[h].wq[2 * b][j])),
+                                     _mm256_set1_epi32(load_i32(&cw[h].wq[2 * b + 1][j])), 1);
+        }
+      }
 #pragma GCC unroll 2
       for (int hf = 0; hf < 2; ++hf) {
         const __m512i a = v_words<F>(vp[j] + voff, b, hf);
@@ -474,15 +484,8 @@ KV_AVX512 void pv_chunk(const ChunkWeights* cw, const uint8_t* const* vp, int64_
         const __m512i hi = _mm512_unpackhi_epi16(a, c);
 #pragma GCC unroll 4
         for (int h = 0; h < SG; ++h) {
-          __m512i wv;
-          if constexpr (F == KvDtype::kInt8) {
-            wv = _mm512_set1_epi32(load_i32(&cw[h].wq[0][j]));
-          } else {  // lanes 0..7: group 2b, 8..15: group 2b + 1
-            wv = _mm512_inserti64x4(_mm512_set1_epi32(load_i32(&cw[h].wq[2 * b][j])),
-                                    _mm256_set1_epi32(load_i32(&cw[h].wq[2 * b + 1][j])), 1);
-          }
-          ia[h][2 * hf] = _mm512_dpwssd_epi32(ia[h][2 * hf], lo, wv);
-          ia[h][2 * hf + 1] = _mm512_dpwssd_epi32(ia[h][2 * hf + 1], hi, wv);
+          ia[h][2 * hf] = _mm512_dpwssd_epi32(ia[h][2 * hf], lo, wv[h]);
+          ia[h][2 * hf + 1] = _mm512_dpwssd_epi32(ia[h][2 * hf + 1], hi, wv[h]);
         }
       }
     }
