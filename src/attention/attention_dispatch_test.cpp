@@ -47,6 +47,10 @@ TEST(AttentionDispatch, ScalarCapRunsScalarForEveryFormat) {
 TEST(AttentionDispatch, Avx2CapRunsAvx2WhereHeadDimAllows) {
   if (!cpu_has_avx2()) GTEST_SKIP() << "no AVX2/FMA/F16C on this CPU";
   IsaOverride cap(Isa::kAvx2);
+  if (best_isa() < Isa::kAvx2) GTEST_SKIP() << "KVSTACK_ISA caps below avx2";
+  if (const char* env = std::getenv("KVSTACK_ATTN_ISA"); env != nullptr && *env != '\0') {
+    GTEST_SKIP() << "KVSTACK_ATTN_ISA=" << env << " caps the attention kernels";
+  }
   for (KvDtype k : kFormats) {
     for (KvDtype v : {k, KvDtype::kF16}) {
       EXPECT_EQ(attention_kernel_name(k, v, 64), "avx2") << kv_dtype_name(k);

@@ -19,11 +19,14 @@ from conftest import KVSTACK_BIN, MODEL
 LINE = re.compile(r"kernels \(matmul: (?P<matmul>[^;]+); attention: (?P<attn>[^)]+)\)")
 
 
-def load_line(isa, *kv_args):
+def load_line(isa, *kv_args, attn_isa=None):
     env = dict(os.environ)
     env.pop("KVSTACK_ISA", None)
+    env.pop("KVSTACK_ATTN_ISA", None)
     if isa:
         env["KVSTACK_ISA"] = isa
+    if attn_isa:
+        env["KVSTACK_ATTN_ISA"] = attn_isa
     proc = subprocess.run([KVSTACK_BIN, "run", "-m", MODEL, "-p", "Hi", "-n", "1", "-t", "1",
                            *kv_args], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -86,3 +89,14 @@ def test_default_names_only_paths_this_cpu_has():
 def test_quantized_kv_names_its_own_path(kv_args, kv):
     _, attn = load_line(None, *kv_args)
     assert attn == {kv: expected_attention(kv, cpu_flags())}
+
+
+def test_attention_cap_leaves_matmuls_alone():
+    """KVSTACK_ATTN_ISA caps the attention kernels only."""
+    flags = cpu_flags()
+    default_paths, _ = load_line(None, "--kv-dtype", "int8")
+    paths, attn = load_line(None, "--kv-dtype", "int8", attn_isa="scalar")
+    assert paths == default_paths and attn == {"int8": "scalar"}
+    if {"avx2", "fma", "f16c"} <= flags:
+        paths, attn = load_line(None, "--kv-dtype", "int8", attn_isa="avx2")
+        assert paths == default_paths and attn == {"int8": "avx2"}
