@@ -196,6 +196,12 @@ TEST(QuantAttention, KernelsMatchReferenceForEveryFormatPair) {
     }
     ++si;
   }
+  std::printf(
+      "[ paths    ] scalar: ran; avx2: %s; paged_attention() ran int8 %s, int4 %s, fp8 %s\n",
+      have_avx2() ? "ran" : "skipped (no AVX2/FMA/F16C, or KVSTACK_ISA=scalar)",
+      attention_kernel_name(KvDtype::kInt8, KvDtype::kInt8, 64).c_str(),
+      attention_kernel_name(KvDtype::kInt4, KvDtype::kInt4, 64).c_str(),
+      attention_kernel_name(KvDtype::kFp8, KvDtype::kFp8, 64).c_str());
 }
 
 TEST(QuantAttention, SplitKAcrossThreadsEqualsSingleThread) {
