@@ -16,12 +16,12 @@
 // AVX2 kernel. Group sums are scaled by q^'s group scale (and int4's key
 // group scale) in float, int8's per-token scale once per key.
 //
-// p . V: the softmax weights of a chunk of 32 keys, times V's per-token scale
+// p . V: the softmax weights of a chunk of 64 keys, times V's per-token scale
 // (int8) or group scale (int4), are rounded per (query vector, chunk, V
 // group) to int16 codes w^ = nearbyint(w * 32767 / max w) (weights are >= 0,
 // so the largest is 32767 and the rest keep 15 bits relative to it). The V
 // codes of two keys are widened to int16 and interleaved, and vpdpwssd adds
-// w^_j v_j + w^_j+1 v_j+1 per column in int32 (at most 16 pairs: no
+// w^_j v_j + w^_j+1 v_j+1 per column in int32 (at most 32 pairs: no
 // overflow); the chunk's sum is scaled back once per column. int4's minimum
 // enters as sum_j w_j min_j per group, in float. The float softmax state
 // (running max and sum) is exactly the AVX2 kernel's.
@@ -56,7 +56,8 @@
 namespace kvstack::attn_detail {
 namespace {
 
-constexpr int kChunk = 32;  // keys per chunk: two blocks of 16
+constexpr int kChunk = 64;  // keys per chunk: four blocks of 16
+constexpr int kVecs = kChunk / 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kMaxSub = 4;  // query vectors per q.K / p.V pass
 
@@ -363,7 +364,9 @@ KV_AVX512 inline __m512 exp16(__m512 x) {
 // p = exp(s - m_new) in s (0 past n), returns the rescale of the old state.
 KV_AVX512 float softmax_update(float* s, int n, float* m, float* l) {
   for (int j = n; j < kChunk; ++j) s[j] = kNegInf;
-  const float cm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16)));
+  __m512 mx = _mm512_loadu_ps(s);
+  for (int x = 1; x < kVecs; ++x) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + 16 * x));
+  const float cm = _mm512_reduce_max_ps(mx);
   const float m_new = std::max(*m, cm);
   if (m_new == kNegInf) {
     std::memset(s, 0, sizeof(float) * kChunk);
@@ -371,11 +374,14 @@ KV_AVX512 float softmax_update(float* s, int n, float* m, float* l) {
   }
   const float alpha = m_new == *m ? 1.0f : std::exp(*m - m_new);
   const __m512 mv = _mm512_set1_ps(m_new);
-  const __m512 p0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s), mv));
-  const __m512 p1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 16), mv));
-  _mm512_storeu_ps(s, p0);
-  _mm512_storeu_ps(s + 16, p1);
-  *l = *l * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+  __m512 sum = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int x = 0; x < kVecs; ++x) {
+    const __m512 px = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * x), mv));
+    _mm512_storeu_ps(s + 16 * x, px);
+    sum = _mm512_add_ps(sum, px);
+  }
+  *l = *l * alpha + _mm512_reduce_add_ps(sum);
   *m = m_new;
   return alpha;
 }
@@ -390,21 +396,27 @@ struct ChunkWeights {
 
 // Rounds the weights w [kChunk] (>= 0, 0 past the chunk) to wq, scale ws.
 KV_AVX512 inline void round_weights(const float* w, int16_t* wq, float* ws) {
-  const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
-  const float mx = _mm512_reduce_max_ps(_mm512_max_ps(w0, w1));
+  __m512 wv[kVecs];
+  __m512 mxv = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int x = 0; x < kVecs; ++x) {
+    wv[x] = _mm512_loadu_ps(w + 16 * x);
+    mxv = _mm512_max_ps(mxv, wv[x]);
+  }
+  const float mx = _mm512_reduce_max_ps(mxv);
   if (!(mx > 0.0f)) {  // all zero (or NaN: the output is NaN through l)
     std::memset(wq, 0, sizeof(int16_t) * kChunk);
     *ws = mx > 0.0f || mx == 0.0f ? 0.0f : mx;
     return;
   }
   const __m512 inv = _mm512_set1_ps(32767.0f / mx);
-  const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(w0, inv));  // nearest, ties to even
-  const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(w1, inv));
   const __m512i lim = _mm512_set1_epi32(32767);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(wq),
-                     _mm512_cvtepi32_epi16(_mm512_min_epi32(c0, lim)));
-  _mm256_store_si256(reinterpret_cast<__m256i*>(wq + 16),
-                     _mm512_cvtepi32_epi16(_mm512_min_epi32(c1, lim)));
+#pragma GCC unroll 4
+  for (int x = 0; x < kVecs; ++x) {
+    const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(wv[x], inv));  // nearest, ties to even
+    _mm256_store_si256(reinterpret_cast<__m256i*>(wq + 16 * x),
+                       _mm512_cvtepi32_epi16(_mm512_min_epi32(c, lim)));
+  }
   *ws = mx / 32767.0f;
 }
 
@@ -522,20 +534,26 @@ KV_AVX512 void pv_chunk(const ChunkWeights* cw, const uint8_t* const* vp, int64_
 template <KvDtype F>
 KV_AVX512 void chunk_weights(const float* p, const ChunkMeta* vm, int d, ChunkWeights* cw) {
   alignas(64) float w[kChunk];
-  const __m512 p0 = _mm512_loadu_ps(p), p1 = _mm512_loadu_ps(p + 16);
   if constexpr (F == KvDtype::kInt8) {
-    _mm512_store_ps(w, _mm512_mul_ps(p0, _mm512_load_ps(vm->f[0])));
-    _mm512_store_ps(w + 16, _mm512_mul_ps(p1, _mm512_load_ps(vm->f[0] + 16)));
+#pragma GCC unroll 4
+    for (int x = 0; x < kVecs; ++x) {
+      _mm512_store_ps(w + 16 * x, _mm512_mul_ps(_mm512_loadu_ps(p + 16 * x),
+                                                _mm512_load_ps(vm->f[0] + 16 * x)));
+    }
     round_weights(w, cw->wq[0], &cw->ws[0]);
   } else {
     for (int g = 0; g < d / 32; ++g) {
       const float* sc = vm->f[2 * g];
       const float* mn = vm->f[2 * g + 1];
-      _mm512_store_ps(w, _mm512_mul_ps(p0, _mm512_load_ps(sc)));
-      _mm512_store_ps(w + 16, _mm512_mul_ps(p1, _mm512_load_ps(sc + 16)));
+      __m512 msum = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int x = 0; x < kVecs; ++x) {
+        const __m512 px = _mm512_loadu_ps(p + 16 * x);
+        _mm512_store_ps(w + 16 * x, _mm512_mul_ps(px, _mm512_load_ps(sc + 16 * x)));
+        msum = _mm512_fmadd_ps(px, _mm512_load_ps(mn + 16 * x), msum);
+      }
       round_weights(w, cw->wq[g], &cw->ws[g]);
-      cw->wmin[g] = _mm512_reduce_add_ps(
-          _mm512_fmadd_ps(p0, _mm512_load_ps(mn), _mm512_mul_ps(p1, _mm512_load_ps(mn + 16))));
+      cw->wmin[g] = _mm512_reduce_add_ps(msum);
     }
   }
 }
