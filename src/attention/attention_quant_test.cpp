@@ -137,8 +137,8 @@ bool dispatch_is_vnni(KvDtype k, KvDtype v, int head_dim) {
 // normal K/V, outputs of magnitude ~0.1-1): the int16 weight rounding, at
 // most half of 2^-15 of a chunk's largest weight per weight; int4 V codes
 // reach 15 steps of their scale, so its sums carry the most (measured up to
-// 4.4e-4 with 64-key chunks, printed by Avx512VnniDecodeMatchesReference). int8-rounded weights
-// would be 128 times coarser.
+// 4.4e-4 with 64-key chunks, printed by Avx512VnniDecodeMatchesReference).
+// int8-rounded weights would be 128 times coarser.
 constexpr double kVnniTolerance = 1e-3;
 
 TEST(QuantAttention, KernelsMatchReferenceForEveryFormatPair) {
