@@ -280,7 +280,8 @@ void BM_DecodeAttention(benchmark::State& state) {
     state.counters["vs_f16" + sfx] = f16 ? mp / median(t[2][c]) : 1.0;
   }
   state.counters["kv_MiB"] = static_cast<double>(paged.payload_bytes) / (1 << 20);
-  state.SetLabel(std::string(kv_dtype_name(fmt)) + "/isa=" + isa_name(best_isa()));
+  state.SetLabel(std::string(kv_dtype_name(fmt)) + "/" +
+                 attention_kernel_name(fmt, fmt, sh.head_dim));
 }
 
 void decode_args(benchmark::internal::Benchmark* b) {

@@ -60,8 +60,9 @@ struct TileArgs {
   int32_t key_end = 0;    // each row additionally sees only its causal/window range
   float scale = 0.0f;
   // Attend with q^ (round_query_int8, attention_quant.h): set for the rows of
-  // a decode sequence (n_new == 1) over int4 keys; the AVX2 decode kernel
-  // reads int4 keys only this way.
+  // a decode sequence (n_new == 1) over int4 keys, and over int8 keys on the
+  // AVX-512 VNNI decode kernel; the AVX2 decode kernel reads int4 keys and
+  // the VNNI kernel every key only this way.
   bool round_query = false;
   // Decode tiles (n_rows == 1) may cover n_heads consecutive KV heads: head j
   // reads k/v data (and meta) + j * head_stride (meta_head_stride) and its q
@@ -98,9 +99,36 @@ inline const uint8_t* stream_meta(const TileArgs& a, const HeadStream& s, int32_
 HeadStream k_stream(const PagedKvLayerView& kv, int h);
 HeadStream v_stream(const PagedKvLayerView& kv, int h);
 
+// The kernel family a tile runs on.
+enum class KernelPath : uint8_t { kScalar, kAvx2, kAvx512Vnni };
+// "scalar", "avx2", "avx512-vnni".
+const char* kernel_path_name(KernelPath path);
+
+// The kernels of one call: for decode rows (a sequence with n_new == 1) and
+// for prefill rows (n_new > 1).
+struct KernelChoice {
+  KernelPath decode = KernelPath::kScalar;
+  KernelPath prefill = KernelPath::kScalar;
+  bool operator==(const KernelChoice&) const = default;
+};
+
+// The one place that decides which kernels paged_attention() (and its
+// quantized and KIVI entry points) run for keys in k, values in v and
+// head_dim at the ISA cap `isa` (clamped to best_isa() and the CPU's
+// features); attention_kernel_name() reports it. AVX2 needs AVX2+FMA+F16C
+// and head_dim % 8 == 0; the AVX-512 VNNI decode kernel serves int8 K with
+// int8 V and int4 K with int4 V (see avx512_vnni_decode_serves).
+KernelChoice select_kernels(Isa isa, KvDtype k, KvDtype v, int head_dim);
+
+// Whether decode rows attend with q^ (TileArgs::round_query) on kc's decode
+// kernel: over int4 keys on every path, over int8 keys on the VNNI kernel.
+inline bool decode_rounds_query(const KernelChoice& kc, KvDtype k) {
+  return k == KvDtype::kInt4 || (k == KvDtype::kInt8 && kc.decode == KernelPath::kAvx512Vnni);
+}
+
 // Plans and runs attention for a validated batch: tiles, split-K, threads,
-// merge. `isa` >= kAvx2 selects the AVX2 kernels (the caller checks that the
-// CPU has AVX2+FMA+F16C and head_dim % 8 == 0), else the scalar kernel.
+// merge, on the kernels `kc` names (select_kernels: the caller has checked
+// that the CPU has them).
 //
 // Batch invariance: how a sequence is cut into tiles and split-K pieces
 // depends only on its own n_past, n_new, the shape and fixed constants (not
@@ -108,7 +136,7 @@ HeadStream v_stream(const PagedKvLayerView& kv, int h);
 // one thread in a fixed order and the pieces are merged in a fixed order, so
 // a sequence's output is bitwise the same alone, in any batch, and on any
 // number of threads.
-void run_attention(bool use_avx2, const PagedKvLayerView& kv, const AttnParams& p,
+void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const AttnParams& p,
                    std::span<const AttnSeq> seqs, ThreadPool* pool);
 
 // Generic kernel for any tile shape and format (kv_decode_row per row);
@@ -119,6 +147,15 @@ void tile_scalar(const TileArgs& a);
 // 0), for the blocks of attention_kivi.cpp's decode rows.
 void decode_tile_avx2(const TileArgs& a);   // REQUIRES: n_rows == 1
 void prefill_tile_avx2(const TileArgs& a);  // any n_rows; REQUIRES n_heads == 1
+
+// AVX-512 F/BW/VL/DQ + VNNI decode kernel (attention_kernels_avx512.cpp):
+// integer dot products on int8/int4 codes, q . K against q^ (round_query
+// must be set) and p . V with int16-rounded weights. REQUIRES n_rows == 1,
+// avx512_vnni_decode_serves(k, v, head_dim) and a CPU with those features.
+void decode_tile_avx512_vnni(const TileArgs& a);
+// K and V formats (each int8 or int4) and head_dim (a multiple of 64, at
+// most 256) the VNNI decode kernel reads.
+bool avx512_vnni_decode_serves(KvDtype k, KvDtype v, int head_dim);
 
 // Growable 64-byte-aligned float buffer for per-thread scratch: it only
 // grows, so steady-state calls do not allocate.

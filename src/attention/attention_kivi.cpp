@@ -309,7 +309,9 @@ Status paged_attention_kivi_isa(Isa isa, const PagedKvLayerView& kv, const AttnP
                                 std::span<const AttnSeq> seqs,
                                 std::span<const KvResidualView> residuals, ThreadPool* pool) {
   KV_TRY_STATUS(validate_kivi_attention_args(kv, p, seqs, residuals));
-  const bool avx2 = isa >= Isa::kAvx2 && best_isa() >= Isa::kAvx2 && cpu_features().f16c;
+  const bool avx2 =
+      attn_detail::select_kernels(isa, kv.dtype, kv.value_dtype(), p.head_dim).decode !=
+      attn_detail::KernelPath::kScalar;
   const KiviOps& ops = kivi_detail::scalar_ops();  // rows not on the shared AVX2 kernels
   const int n_rep = p.n_q_heads / p.n_kv_heads;
   const int64_t part_floats = int64_t{n_rep} * (p.head_dim + 2);

@@ -76,9 +76,8 @@ void round_query_int8(const float* qs, int d, int8_t* codes, float* group_scale)
 Status paged_attention_quant_isa(Isa isa, const PagedKvLayerView& kv, const AttnParams& p,
                                  std::span<const AttnSeq> seqs, ThreadPool* pool) {
   KV_TRY_STATUS(validate_quant_attention_args(kv, p, seqs));
-  const bool use_avx2 = isa >= Isa::kAvx2 && best_isa() >= Isa::kAvx2 && cpu_features().f16c &&
-                        cpu_features().fma && p.head_dim % 8 == 0;
-  attn_detail::run_attention(use_avx2, kv, p, seqs, pool);
+  attn_detail::run_attention(
+      attn_detail::select_kernels(isa, kv.dtype, kv.value_dtype(), p.head_dim), kv, p, seqs, pool);
   return {};
 }
 
@@ -88,7 +87,8 @@ Status paged_attention_quant(const PagedKvLayerView& kv, const AttnParams& p,
 }
 
 Status paged_attention_quant_reference(const PagedKvLayerView& kv, const AttnParams& p,
-                                       std::span<const AttnSeq> seqs) {
+                                       std::span<const AttnSeq> seqs,
+                                       const QuantReferenceOptions& opt) {
   KV_TRY_STATUS(validate_quant_attention_args(kv, p, seqs));
   const int g = p.n_q_heads / p.n_kv_heads;
   const int d = p.head_dim;
@@ -112,7 +112,9 @@ Status paged_attention_quant_reference(const PagedKvLayerView& kv, const AttnPar
         const HeadStream ks = attn_detail::k_stream(kv, h / g);
         const HeadStream vs = attn_detail::v_stream(kv, h / g);
         const float* q = s.q + (int64_t{r} * p.n_q_heads + h) * d;
-        if (s.n_new == 1 && kv.dtype == KvDtype::kInt4) {  // q^: round_query_int8
+        const bool round =
+            kv.dtype == KvDtype::kInt4 || (kv.dtype == KvDtype::kInt8 && opt.round_int8_query);
+        if (s.n_new == 1 && round) {  // q^: round_query_int8
           for (int i = 0; i < d; ++i) qs[i] = q[i] * p.scale;
           round_query_int8(qs.data(), d, codes.data(), gscale.data());
           for (int i = 0; i < d; ++i) qd[i] = double{gscale[i / kQueryGroup]} * codes[i];

@@ -12,8 +12,9 @@
 // L1 tiles used by every query vector of the tile. The scalar kernel decodes
 // rows with the kv_codec.h reference decoders.
 //
-// Decode rows (a sequence with n_new == 1) over int4 keys attend with a
-// rounded query: the query, already multiplied by the attention scale, is
+// Decode rows (a sequence with n_new == 1) over int4 keys (and over int8
+// keys on the AVX-512 VNNI decode kernel, attention_kernels_avx512.cpp)
+// attend with a rounded query: the query, already multiplied by the attention scale, is
 // rounded to int8 codes per group of 32 elements (round_query_int8), as
 // llama.cpp rounds activations to q8_0 for its q4_0 dot products. The AVX2
 // kernel then dots the int4 key codes with the int8 query codes in integer
@@ -41,10 +42,18 @@ Status paged_attention_quant(const PagedKvLayerView& kv, const AttnParams& p,
 Status paged_attention_quant_isa(Isa isa, const PagedKvLayerView& kv, const AttnParams& p,
                                  std::span<const AttnSeq> seqs, ThreadPool* pool);
 
+struct QuantReferenceOptions {
+  // Decode rows over int8 keys use q^ too, as the AVX-512 VNNI decode kernel
+  // does (int4 keys always do).
+  bool round_int8_query = false;
+};
+
 // Double-precision two-pass reference reading K/V through kv_decode_row();
-// decode rows over int4 keys use q^ (round_query_int8), as the kernels do.
+// decode rows over int4 keys (and, with opt.round_int8_query, int8 keys) use
+// q^ (round_query_int8), as the kernels do.
 Status paged_attention_quant_reference(const PagedKvLayerView& kv, const AttnParams& p,
-                                       std::span<const AttnSeq> seqs);
+                                       std::span<const AttnSeq> seqs,
+                                       const QuantReferenceOptions& opt = {});
 
 // Elements per query rounding group.
 inline constexpr int kQueryGroup = 32;

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -18,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "attention/attention_kernels.h"
 #include "kv/kv_write.h"
 #include "kv/layout.h"
 
@@ -124,6 +126,21 @@ bool have_avx2() {
   return best_isa() >= Isa::kAvx2 && cpu_features().f16c && cpu_features().fma;
 }
 
+// Whether paged_attention() runs the AVX-512 VNNI decode kernel for this
+// format pair here.
+bool dispatch_is_vnni(KvDtype k, KvDtype v, int head_dim) {
+  return attn_detail::select_kernels(best_isa(), k, v, head_dim).decode ==
+         attn_detail::KernelPath::kAvx512Vnni;
+}
+
+// Bound on |VNNI kernel - reference with q^| on these tests' data (unit
+// normal K/V, outputs of magnitude ~0.1-1): the int16 weight rounding, at
+// most half of 2^-15 of a chunk's largest weight per weight; int4 V codes
+// reach 15 steps of their scale, so its sums carry the most (measured up to
+// 4.4e-4 with 64-key chunks, printed by Avx512VnniDecodeMatchesReference).
+// int8-rounded weights would be 128 times coarser.
+constexpr double kVnniTolerance = 1e-3;
+
 TEST(QuantAttention, KernelsMatchReferenceForEveryFormatPair) {
   const Shape shapes[] = {
       {9, 3, 64, 16, {0, 37, 300}, {1, 1, 1}},  // decode batch, GQA 3
@@ -164,11 +181,27 @@ TEST(QuantAttention, KernelsMatchReferenceForEveryFormatPair) {
         }
         seqs = seqs_for(st, s, hook);
         ASSERT_TRUE(paged_attention(st.view, p, seqs, &pool).ok());  // dispatches here
-        EXPECT_LT(max_diff(hook, ref), 2e-5);
+        if (dispatch_is_vnni(kt, vt, s.head_dim)) {
+          // The VNNI decode kernel (tested on its own below): q^ for int8
+          // keys too, int16-rounded weights.
+          std::vector<std::vector<float>> ref_q;
+          seqs = seqs_for(st, s, ref_q);
+          ASSERT_TRUE(
+              paged_attention_quant_reference(st.view, p, seqs, {.round_int8_query = true}).ok());
+          EXPECT_LT(max_diff(hook, ref_q), kVnniTolerance);
+        } else {
+          EXPECT_LT(max_diff(hook, ref), 2e-5);
+        }
       }
     }
     ++si;
   }
+  std::printf(
+      "[ paths    ] scalar: ran; avx2: %s; paged_attention() ran int8 %s, int4 %s, fp8 %s\n",
+      have_avx2() ? "ran" : "skipped (no AVX2/FMA/F16C, or KVSTACK_ISA=scalar)",
+      attention_kernel_name(KvDtype::kInt8, KvDtype::kInt8, 64).c_str(),
+      attention_kernel_name(KvDtype::kInt4, KvDtype::kInt4, 64).c_str(),
+      attention_kernel_name(KvDtype::kFp8, KvDtype::kFp8, 64).c_str());
 }
 
 TEST(QuantAttention, SplitKAcrossThreadsEqualsSingleThread) {
@@ -184,9 +217,11 @@ TEST(QuantAttention, SplitKAcrossThreadsEqualsSingleThread) {
     seqs = seqs_for(st, s, many);
     ASSERT_TRUE(paged_attention_quant(st.view, p, seqs, &pool).ok());
     seqs = seqs_for(st, s, ref);
-    ASSERT_TRUE(paged_attention_quant_reference(st.view, p, seqs).ok());
-    EXPECT_LT(max_diff(one, ref), 2e-5);
-    EXPECT_LT(max_diff(many, ref), 2e-5);
+    const bool vnni = dispatch_is_vnni(t, t, 64);
+    ASSERT_TRUE(paged_attention_quant_reference(st.view, p, seqs, {.round_int8_query = vnni}).ok());
+    EXPECT_EQ(max_diff(one, many), 0.0);
+    EXPECT_LT(max_diff(one, ref), vnni ? kVnniTolerance : 2e-5);
+    EXPECT_LT(max_diff(many, ref), vnni ? kVnniTolerance : 2e-5);
   }
 }
 
@@ -217,7 +252,7 @@ TEST(QuantAttention, OutputIsBitwiseIndependentOfBatchAndThreads) {
     SCOPED_TRACE(kv_dtype_name(t));
     CacheFixture st = make_setup(t, t, s, 5);
     const AttnParams p{.n_q_heads = 9, .n_kv_heads = 3, .head_dim = 64, .scale = 0.125f};
-    for (Isa isa : {Isa::kScalar, Isa::kAvx2}) {
+    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {  // clamped to the CPU
       for (int n_threads : {1, 2, 3}) {
         ThreadPool pool(n_threads);
         std::vector<std::vector<float>> out;
@@ -236,6 +271,125 @@ TEST(QuantAttention, OutputIsBitwiseIndependentOfBatchAndThreads) {
       }
     }
   }
+}
+
+// ---- AVX-512 VNNI decode kernel (attention_kernels_avx512.cpp) ----
+
+// Why the VNNI kernel cannot run here, or nullptr.
+const char* vnni_missing() {
+  const CpuFeatures& f = cpu_features();
+  if (!f.avx512f || !f.avx512bw || !f.avx512vl || !__builtin_cpu_supports("avx512dq")) {
+    return "no AVX-512 F/BW/VL/DQ on this CPU";
+  }
+  if (!f.avx512vnni) return "no AVX-512 VNNI on this CPU";
+  if (best_isa() < Isa::kAvx512) return "KVSTACK_ISA caps below avx512";
+  if (!dispatch_is_vnni(KvDtype::kInt8, KvDtype::kInt8, 64)) {
+    return "KVSTACK_ATTN_ISA caps below avx512";
+  }
+  if (!f.fma || !f.f16c) return "no FMA/F16C on this CPU";
+  return nullptr;
+}
+
+// Every int8/int4 K x V pair, decode batches with GQA ratios 1..8 (odd
+// ones and more than 4 q heads per KV head: sub-groups), head_dim 64..256,
+// block sizes 1..32, lengths around the 16-key steps and the 64-key chunk, split-K
+// (> 512 keys), all KV heads in one tile (>= 1024 keys), windows; against
+// the reference with q^ for int8 keys too.
+TEST(QuantAttention, Avx512VnniDecodeMatchesReference) {
+  if (const char* why = vnni_missing()) GTEST_SKIP() << "avx512-vnni decode not run: " << why;
+  const Shape shapes[] = {
+      {9,
+       3,
+       64,
+       16,
+       {0, 1, 14, 15, 16, 31, 32, 33, 62, 63, 64, 65, 300},
+       {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}},
+      {4, 4, 128, 2, {5, 47, 100}, {1, 1, 1}},  // MHA, block size 2
+      {8, 1, 64, 1, {63, 200}, {1, 1}},         // MQA 8 (two sub-groups), block 1
+      {10, 2, 256, 32, {77, 1100}, {1, 1}},     // GQA 5, head_dim 256, split-K
+      {6, 3, 192, 16, {2100, 9}, {1, 1}},       // GQA 2, merged heads (>= 1024 keys)
+      {14, 2, 64, 16, {600, 40}, {1, 1}, 37},   // GQA 7, window 37
+      {9, 3, 64, 16, {70, 500}, {1, 5}},        // decode beside a prefill chunk
+  };
+  const KvDtype kq[] = {KvDtype::kInt8, KvDtype::kInt4};
+  ThreadPool pool(3);
+  double worst = 0.0;
+  int si = 0, n_runs = 0;
+  for (const Shape& s : shapes) {
+    for (KvDtype kt : kq) {
+      for (KvDtype vt : kq) {
+        SCOPED_TRACE(std::string("shape ") + std::to_string(si) + " K " + kv_dtype_name(kt) +
+                     " V " + kv_dtype_name(vt));
+        ASSERT_EQ(attn_detail::select_kernels(Isa::kAvx512, kt, vt, s.head_dim).decode,
+                  attn_detail::KernelPath::kAvx512Vnni);
+        CacheFixture st = make_setup(kt, vt, s, 41 + si);
+        const AttnParams p{.n_q_heads = s.n_q_heads,
+                           .n_kv_heads = s.n_kv_heads,
+                           .head_dim = s.head_dim,
+                           .scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim)),
+                           .window = s.window};
+        std::vector<std::vector<float>> ref, got, one;
+        auto seqs = seqs_for(st, s, ref);
+        ASSERT_TRUE(
+            paged_attention_quant_reference(st.view, p, seqs, {.round_int8_query = true}).ok());
+        seqs = seqs_for(st, s, got);
+        ASSERT_TRUE(paged_attention_quant_isa(Isa::kAvx512, st.view, p, seqs, &pool).ok());
+        const double diff = max_diff(got, ref);
+        worst = std::max(worst, diff);
+        EXPECT_LT(diff, kVnniTolerance);
+        seqs = seqs_for(st, s, one);  // one thread: the same bits
+        ASSERT_TRUE(paged_attention_quant_isa(Isa::kAvx512, st.view, p, seqs, nullptr).ok());
+        EXPECT_EQ(max_diff(got, one), 0.0);
+        ++n_runs;
+      }
+    }
+    ++si;
+  }
+  std::printf("[ paths    ] avx512-vnni decode ran on %d shape x format cases; worst |diff| %.3g\n",
+              n_runs, worst);
+}
+
+// The int16 weights lose next to nothing: against the float AVX2 kernel on
+// the same q^, the VNNI kernel's error is of the order of the AVX2 kernel's
+// own float error, not of int8 rounding (2^-8).
+TEST(QuantAttention, Avx512VnniWeightRoundingIsSmall) {
+  if (const char* why = vnni_missing()) GTEST_SKIP() << "avx512-vnni decode not run: " << why;
+  const Shape s{9, 3, 64, 16, {4000, 333, 31}, {1, 1, 1}};
+  CacheFixture st = make_setup(KvDtype::kInt4, KvDtype::kInt4, s, 9);  // q^ on every path
+  const AttnParams p{.n_q_heads = 9, .n_kv_heads = 3, .head_dim = 64, .scale = 0.125f};
+  std::vector<std::vector<float>> ref, avx2, vnni;
+  auto seqs = seqs_for(st, s, ref);
+  ASSERT_TRUE(paged_attention_quant_reference(st.view, p, seqs).ok());
+  seqs = seqs_for(st, s, avx2);
+  ASSERT_TRUE(paged_attention_quant_isa(Isa::kAvx2, st.view, p, seqs, nullptr).ok());
+  seqs = seqs_for(st, s, vnni);
+  ASSERT_TRUE(paged_attention_quant_isa(Isa::kAvx512, st.view, p, seqs, nullptr).ok());
+  const double e_avx2 = max_diff(avx2, ref), e_vnni = max_diff(vnni, ref);
+  std::printf("[ paths    ] int4 decode |diff| vs reference: avx2 %.3g, avx512-vnni %.3g\n", e_avx2,
+              e_vnni);
+  EXPECT_LT(e_vnni, kVnniTolerance);
+}
+
+// Formats and head sizes the VNNI kernel does not read stay on AVX2.
+TEST(QuantAttention, Avx512VnniServesOnlyInt8AndInt4) {
+  using attn_detail::KernelPath;
+  using attn_detail::select_kernels;
+  for (KvDtype k : kAll) {
+    for (KvDtype v : kAll) {
+      const bool served = (k == KvDtype::kInt8 || k == KvDtype::kInt4) &&
+                          (v == KvDtype::kInt8 || v == KvDtype::kInt4);
+      EXPECT_EQ(attn_detail::avx512_vnni_decode_serves(k, v, 64), served);
+      if (!served) {
+        EXPECT_NE(select_kernels(Isa::kAvx512, k, v, 64).decode, KernelPath::kAvx512Vnni);
+      }
+    }
+  }
+  for (int d : {32, 96, 320}) {
+    EXPECT_FALSE(attn_detail::avx512_vnni_decode_serves(KvDtype::kInt8, KvDtype::kInt8, d)) << d;
+  }
+  // Prefill rows always take the AVX2 tiles (or scalar).
+  EXPECT_NE(select_kernels(Isa::kAvx512, KvDtype::kInt8, KvDtype::kInt8, 64).prefill,
+            KernelPath::kAvx512Vnni);
 }
 
 // q^ of a decode row over int4 keys: per group of 32, codes in [-127, 127]

@@ -91,7 +91,8 @@ float kv_element(const PagedKvLayerView& kv, const uint8_t* head_base, const int
 // Cuts every sequence into tiles and split-K pieces. Everything here depends
 // only on the sequence itself (see run_attention's contract): the thread
 // count only changes who runs which item.
-void make_plan(Plan& plan, const AttnParams& p, std::span<const AttnSeq> seqs, bool use_avx2) {
+void make_plan(Plan& plan, const AttnParams& p, std::span<const AttnSeq> seqs,
+               const attn_detail::KernelChoice& kc) {
   const int g = p.n_q_heads / p.n_kv_heads;
   plan.items.clear();
   plan.merges.clear();
@@ -111,7 +112,10 @@ void make_plan(Plan& plan, const AttnParams& p, std::span<const AttnSeq> seqs, b
       // so a prompt row gives the same bits in any chunking with entries of
       // at least 2 tokens (a 1-row tile of a chunk stays on the prefill path).
       const bool decode = s.n_new == 1;
-      const int n_heads = use_avx2 && decode && len >= kMergeHeadsKeys ? p.n_kv_heads : 1;
+      const int n_heads =
+          kc.decode != attn_detail::KernelPath::kScalar && decode && len >= kMergeHeadsKeys
+              ? p.n_kv_heads
+              : 1;
       const int32_t piece = decode ? kDecodeSplitKeys : kPrefillSplitKeys;
       const int64_t slot_floats = int64_t{n_rows} * g * n_heads * (p.head_dim + 2);
       for (int32_t h = 0; h < p.n_kv_heads; h += n_heads) {
@@ -255,13 +259,13 @@ HeadStream v_stream(const PagedKvLayerView& kv, int h) {
                     kv.value_dtype()};
 }
 
-void run_attention(bool use_avx2, const PagedKvLayerView& kv, const AttnParams& p,
+void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const AttnParams& p,
                    std::span<const AttnSeq> seqs, ThreadPool* pool) {
   const int g = p.n_q_heads / p.n_kv_heads;
   const int d = p.head_dim;
   const int64_t row_stride = int64_t{p.n_q_heads} * d;
   Plan& plan = thread_plan();  // a reference: workers must see this thread's plan
-  make_plan(plan, p, seqs, use_avx2);
+  make_plan(plan, p, seqs, kc);
   float* partials = plan.partials.get(1);
 
   run_dynamic(pool, plan.items.size(), [&](size_t i) {
@@ -285,7 +289,7 @@ void run_attention(bool use_avx2, const PagedKvLayerView& kv, const AttnParams& 
     a.key_begin = it.key_begin;
     a.key_end = it.key_end;
     a.scale = p.scale;
-    a.round_query = seqs[it.seq].n_new == 1 && kv.dtype == KvDtype::kInt4;
+    a.round_query = seqs[it.seq].n_new == 1 && decode_rounds_query(kc, kv.dtype);
     a.n_heads = it.n_heads;
     if (it.part_offset >= 0) {
       const int n_vec = it.n_rows * g * it.n_heads;
@@ -293,12 +297,15 @@ void run_attention(bool use_avx2, const PagedKvLayerView& kv, const AttnParams& 
       a.part_l = a.part_m + n_vec;
       a.part_acc = a.part_l + n_vec;
     }
-    if (!use_avx2) {
+    const KernelPath path = seqs[it.seq].n_new == 1 ? kc.decode : kc.prefill;
+    if (path == KernelPath::kScalar) {
       tile_scalar(a);
-    } else if (seqs[it.seq].n_new == 1) {
-      decode_tile_avx2(a);
-    } else {
+    } else if (seqs[it.seq].n_new != 1) {
       prefill_tile_avx2(a);
+    } else if (path == KernelPath::kAvx512Vnni) {
+      decode_tile_avx512_vnni(a);
+    } else {
+      decode_tile_avx2(a);
     }
   });
 
@@ -344,9 +351,8 @@ Status paged_attention(const PagedKvLayerView& kv, const AttnParams& p,
   if (kv_view_is_kivi(kv)) return paged_attention_kivi(kv, p, seqs, {}, pool);
   if (kv_view_is_quantized(kv)) return paged_attention_quant(kv, p, seqs, pool);
   KV_TRY_STATUS(validate_attention_args(kv, p, seqs));
-  const bool use_avx2 =
-      best_isa() >= Isa::kAvx2 && cpu_features().f16c && cpu_features().fma && p.head_dim % 8 == 0;
-  attn_detail::run_attention(use_avx2, kv, p, seqs, pool);
+  attn_detail::run_attention(
+      attn_detail::select_kernels(best_isa(), kv.dtype, kv.dtype, p.head_dim), kv, p, seqs, pool);
   return {};
 }
 

@@ -16,10 +16,12 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 
 #include "core/result.h"
 #include "core/thread_pool.h"
 #include "kv/kv_view.h"
+#include "kv/layout.h"
 
 namespace kvstack {
 
@@ -72,6 +74,19 @@ Status paged_attention(const PagedKvLayerView& kv, const AttnParams& p,
 // Slow; for tests.
 Status paged_attention_reference(const PagedKvLayerView& kv, const AttnParams& p,
                                  std::span<const AttnSeq> seqs);
+
+// The kernels paged_attention() runs for keys in k, values in v and
+// head_dim at the current ISA cap (best_isa(), KVSTACK_ISA, and
+// KVSTACK_ATTN_ISA=scalar|avx2, which caps attention alone), from the
+// function that dispatches them: "scalar", "avx2", "avx512-vnni", or
+// "<decode path> decode + <prefill path> prefill" when decode rows (n_new ==
+// 1) and prefill rows run on different paths.
+std::string attention_kernel_name(KvDtype k, KvDtype v, int head_dim);
+
+// attention_kernel_name() for each distinct (K dtype, V dtype, head_dim) of
+// the layout's standard layers, in layer order: "int8 avx2" or "int8/f16
+// avx2, f16 avx2"; "none" when it has none (MLA layers are not named).
+std::string attention_kernel_summary(const KvLayout& layout);
 
 // Checks the arguments as paged_attention does (exposed for callers that
 // validate once per batch and for tests).

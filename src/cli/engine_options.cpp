@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "attention/paged_attention.h"
 #include "cli/text_input.h"
-#include "core/cpu_features.h"
 #include "core/units.h"
 #include "engine/deepseek2.h"
 #include "engine/model.h"
@@ -273,9 +273,8 @@ Result<std::unique_ptr<Engine>> load_engine(const Args& args, bool quiet) {
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const auto st = (*engine)->pool().stats();
-    // The kernels that really run: matmul per weight format, from the ops
-    // dispatcher itself; attention kernels are AVX2 or scalar (the condition
-    // of src/attention's dispatch).
+    // The kernels that really run: matmul per weight format and attention
+    // per KV format, each named by the function that dispatches them.
     const Model& model = (*engine)->model();
     std::vector<GgmlType> types;
     for (const LayerWeights& l : model.layers()) {
@@ -289,13 +288,11 @@ Result<std::unique_ptr<Engine>> load_engine(const Args& args, bool quiet) {
       }
     }
     types.push_back(model.output().type);
-    const CpuFeatures& cf = cpu_features();
-    const bool attn_avx2 =
-        best_isa() >= Isa::kAvx2 && cf.fma && cf.f16c && model.config().head_dim % 8 == 0;
-    std::string kernels = "matmul: " + matmul_kernel_summary(types) + "; attention " +
-                          (cfg->kv_mla_latent ? "mla-latent scalar"
-                           : attn_avx2        ? "avx2"
-                                              : "scalar");
+    // An MLA latent deployment runs mla_attention's scalar kernel; every
+    // other layout names what attention's own kernel selection picks.
+    std::string kernels = "matmul: " + matmul_kernel_summary(types) + "; attention: " +
+                          (cfg->kv_mla_latent ? std::string("mla-latent scalar")
+                                              : attention_kernel_summary((*engine)->layout()));
     if (model.config().arch == "deepseek2")
       kernels += "; " + deepseek2_kernel_summary(model.config(), cfg->kv_mla_latent);
     std::fprintf(stderr,

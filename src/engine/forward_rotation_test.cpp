@@ -172,9 +172,15 @@ TEST_P(RotatedQuantCache, PrefillDecodeAndForkMatchReferenceOverStoredRotatedKv)
         [&](const std::vector<int32_t>& tokens, int n, const BlockTable& t) {
           return rotated_reference(w, tokens, n, pool, t, &worst);
         },
-        testing::decode_row_tol(f.k));
+        testing::decode_row_tol(*layout));
     if (HasFatalFailure()) return;
-    EXPECT_LE(worst, f.max_quant_err) << "stored rows are not the quantized R k / R v";
+    // Where decode rows attend with q^ (decode_row_tol), the rows a later
+    // layer writes after a decode step come from a hidden state that q^
+    // moved (the reference attends exactly): up to 0.7% of amax measured for
+    // int8 on the AVX-512 VNNI kernel, within int4's own bound.
+    const bool q_rounded = testing::decode_row_tol(*layout) != kLogitTol;
+    EXPECT_LE(worst, f.max_quant_err + (q_rounded ? 0.01 : 0.0))
+        << "stored rows are not the quantized R k / R v";
     EXPECT_GT(worst, 0.0) << "no quantization error at all: K/V not quantized?";
     pool.check_invariants();
   }

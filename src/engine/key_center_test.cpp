@@ -245,7 +245,7 @@ TEST(KeyCenter, QuantizedCacheMatchesReferenceOverStoredCenteredKeys) {
                 }
               });
         },
-        testing::decode_row_tol(f.dtype));
+        testing::decode_row_tol(*layout));
     if (HasFatalFailure()) return;
     EXPECT_LE(worst, f.max_err) << "stored keys are not the quantized k - mu";
     EXPECT_GT(worst, 0.0) << "no quantization error at all: K not quantized?";

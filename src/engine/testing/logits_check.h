@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention/paged_attention.h"
 #include "core/thread_pool.h"
 #include "engine/forward.h"
 #include "engine/model.h"
@@ -56,9 +57,20 @@ inline constexpr double kLogitTol = 1e-4;
 // attention_quant_test checks q^ against the kernels exactly.
 inline constexpr double kInt4DecodeTol = 3e-2;
 
-// The tolerance of decode rows for keys stored as `k_dtype`.
-inline double decode_row_tol(KvDtype k_dtype) {
-  return k_dtype == KvDtype::kInt4 ? kInt4DecodeTol : kLogitTol;
+// The tolerance of decode rows over a cache of this layout: kInt4DecodeTol
+// where a layer's decode rows attend with q^, i.e. over int4 keys, and over
+// int8 keys where the AVX-512 VNNI decode kernel runs (attention_kernel_name;
+// it rounds q as for int4, measured at 0.2% of the largest logit here).
+inline double decode_row_tol(const KvLayout& layout) {
+  for (int l = 0; l < layout.n_layers(); ++l) {
+    const KvLayerSpec& s = layout.layer(l);
+    if (s.dtype == KvDtype::kInt4) return kInt4DecodeTol;
+    if (s.dtype == KvDtype::kInt8 &&
+        attention_kernel_name(s.dtype, s.value_dtype(), s.head_dim_k).starts_with("avx512-vnni")) {
+      return kInt4DecodeTol;
+    }
+  }
+  return kLogitTol;
 }
 
 // Worst |x - stored| / row amax of an int4 row. The encoder picks each

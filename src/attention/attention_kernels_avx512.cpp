@@ -1,0 +1,765 @@
+// AVX-512 VNNI decode kernel for int8 and int4 K/V: integer dot products on
+// the stored codes. Every function that uses these instructions carries the
+// target attribute; the file is compiled for generic x86-64 and only entered
+// after select_kernels() has checked the CPU (AVX-512 F/BW/VL/DQ + VNNI).
+//
+// q . K: the query (times the attention scale) is rounded to q^, int8 codes
+// per group of 32 elements (round_query_int8, as the int4 AVX2 path does).
+// Sixteen keys at a time, each key's code row is loaded 64 bytes at a time
+// (int8: 64 codes; int4: 32 code bytes split into low and high nibbles) and
+// the 16 x 16 dwords are transposed, so that lane j of dword vector c holds
+// bytes 4c..4c+3 of key j; vpdpbusd with q^'s dword c broadcast then gives
+// every key's group dot in its own lane, with no horizontal sums. int8 codes
+// are signed, so they are offset by 128 (xor 0x80) into vpdpbusd's unsigned
+// operand and 128 * sum(q^ codes) is taken off once per query; int4 codes are
+// unsigned already and their group minimum enters through sum(q^) as in the
+// AVX2 kernel. Group sums are scaled by q^'s group scale (and int4's key
+// group scale) in float, int8's per-token scale once per key.
+//
+// p . V: the softmax weights of a chunk of 64 keys, times V's per-token scale
+// (int8) or group scale (int4), are rounded per (query vector, chunk, V
+// group) to int16 codes w^ = nearbyint(w * 32767 / max w) (weights are >= 0,
+// so the largest is 32767 and the rest keep 15 bits relative to it). The V
+// codes of two keys are widened to int16 and interleaved, and vpdpwssd adds
+// w^_j v_j + w^_j+1 v_j+1 per column in int32 (at most 32 pairs: no
+// overflow); the chunk's sum is scaled back once per column. int4's minimum
+// enters as sum_j w_j min_j per group, in float. The float softmax state
+// (running max and sum) is exactly the AVX2 kernel's.
+//
+// So, against the float kernels, scores carry q^'s rounding (as int4 keys
+// already do on every path) and the p . V sum a relative rounding of at
+// most 2^-16 of the chunk's largest weight per weight; paged_attention_quant
+// _reference models q^ (QuantReferenceOptions) but not the weight rounding,
+// which the tests bound.
+// GCC 12's AVX-512 intrinsics pass _mm512_undefined_*() as the merge source
+// of unmasked operations, which -W(maybe-)uninitialized reports inside the
+// system header (GCC bug 105593, as in ops/matmul_avx512.cpp); the values
+// are never read.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "attention/attention_kernels.h"
+#include "attention/attention_quant.h"
+
+#define KV_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+namespace kvstack::attn_detail {
+namespace {
+
+constexpr int kChunk = 64;  // keys per chunk: four blocks of 16
+constexpr int kVecs = kChunk / 16;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kMaxSub = 4;  // query vectors per q.K / p.V pass
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
+}
+
+inline int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Software prefetch of the next chunk's K/V lines, spread over the current
+// chunk's work as the AVX2 kernel's KvPrefetch does (a burst of tens of
+// prefetches fills the miss buffers and the kernel stalls behind them):
+// add() queues lines, step(k) issues the next k, flush() the rest.
+class LinePrefetch {
+ public:
+  void clear() {
+    n_ = 0;
+    next_ = 0;
+  }
+  // Queues the rows and metadata of the chunk's positions (base, slot) in
+  // one stream of KV head hh: one range per stretch of consecutive slots of
+  // a block.
+  void add(const TileArgs& a, const HeadStream& s, int hh, const int64_t* base, const int32_t* slot,
+           int n, int row_bytes) {
+    const uint8_t* data = s.data + hh * s.head_stride;
+    const uint8_t* meta = s.meta + hh * s.meta_head_stride;
+    for (int j0 = 0; j0 < n;) {
+      const int j1 = std::min(n, j0 + a.block_size - slot[j0]);
+      const int32_t s0 = slot[j0], s1 = slot[j1 - 1];
+      push(data + base[j0] + s0 * s.slot_stride, data + base[j0] + s1 * s.slot_stride + row_bytes);
+      push(meta + base[j0] + s0 * s.meta_slot_stride,
+           meta + base[j0] + (s1 + 1) * s.meta_slot_stride);
+      j0 = j1;
+    }
+  }
+  KV_AVX512 void step(int k) {
+    const int end = std::min(n_, next_ + k);
+    for (; next_ < end; ++next_) _mm_prefetch(lines_[next_], _MM_HINT_T0);
+  }
+  KV_AVX512 void flush() { step(n_); }
+  int queued() const { return n_ - next_; }
+
+ private:
+  void push(const uint8_t* p, const uint8_t* end) {
+    for (auto x = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+         x < reinterpret_cast<uintptr_t>(end) && n_ < kMaxLines; x += 64) {
+      lines_[n_++] = reinterpret_cast<const char*>(x);
+    }
+  }
+  // K and V of one chunk of 8 KV heads: 2 x 32 rows of at most 4 lines
+  // (int8, d = 256) and each stretch's metadata lines; lines past it (more
+  // heads) are not prefetched.
+  static constexpr int kMaxLines = 8 * (2 * kChunk * 4 + 4 * kChunk);
+  const char* lines_[kMaxLines];
+  int n_ = 0;
+  int next_ = 0;
+};
+
+// ----------------------------------------------------------- transpose --
+
+// r[x] (x < 16): 16 dwords of key x. Afterwards r[c] holds dword c of keys
+// 0..15 in lanes 0..15.
+KV_AVX512 inline void transpose16x16(__m512i* r) {
+  __m512i u[16], v[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    u[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    u[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // v[4i + k], 128-bit lane L: keys 4i..4i+3, dword 4L + k.
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    v[4 * i + 0] = _mm512_unpacklo_epi64(u[4 * i], u[4 * i + 2]);
+    v[4 * i + 1] = _mm512_unpackhi_epi64(u[4 * i], u[4 * i + 2]);
+    v[4 * i + 2] = _mm512_unpacklo_epi64(u[4 * i + 1], u[4 * i + 3]);
+    v[4 * i + 3] = _mm512_unpackhi_epi64(u[4 * i + 1], u[4 * i + 3]);
+  }
+  // Dword 4L + k: lane i of it is lane L of v[4i + k].
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    const __m512i x0 = _mm512_shuffle_i32x4(v[k], v[4 + k], 0x44);
+    const __m512i x1 = _mm512_shuffle_i32x4(v[k], v[4 + k], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(v[8 + k], v[12 + k], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(v[8 + k], v[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    r[8 + k] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
+// -------------------------------------------------------------- query --
+
+// q^ of one query vector in the order qk reads it: for each 64-element block
+// b, the 64 int8 codes in the order of the block's 16 dwords (int8 keys:
+// elements in order; int4 keys: int4_position's order), and per
+// block the two group scales; corr = 128 * sum_g scale_g * sum(codes_g)
+// (int8 keys' offset) and qsum[g] = scale_g * sum(codes_g) (int4 minimum).
+struct PackedQuery {
+  int8_t* codes;  // [d]
+  float* gscale;  // [d / 32]
+  float* qsum;    // [d / 32]
+  float* corr;    // [1]
+};
+
+// int4 keys' byte order within a 64-element block (int4_block): the 32
+// code bytes of groups (2b, 2b + 1) split as [low nibbles of group 2b, of
+// 2b + 1, high nibbles of 2b, of 2b + 1], 16 each; int4_position(r) is the
+// byte position of block-relative element r (0..63).
+inline int int4_position(int r) {
+  const int lane = (r / 32) | (r % 32 / 16) << 1;
+  return 16 * lane + r % 16;
+}
+
+void pack_query(const float* qs, int d, bool int4_order, PackedQuery q) {
+  alignas(64) int8_t codes[kQueryGroup];
+  double corr = 0.0;
+  for (int g = 0; g < d / kQueryGroup; ++g) {
+    float gs = 0.0f;
+    round_query_int8(qs + kQueryGroup * g, kQueryGroup, codes, &gs);
+    int sum = 0;
+    for (int i = 0; i < kQueryGroup; ++i) sum += codes[i];
+    q.gscale[g] = gs;
+    q.qsum[g] = gs * static_cast<float>(sum);
+    corr += 128.0 * gs * sum;
+    for (int i = 0; i < kQueryGroup; ++i) {
+      const int e = kQueryGroup * g + i;  // element
+      if (!int4_order) {
+        q.codes[e] = codes[i];
+      } else {
+        const int r = e % 64;
+        q.codes[64 * (e / 64) + int4_position(r)] = codes[i];
+      }
+    }
+  }
+  // NaN scales (a non-finite query) propagate into corr and the scores.
+  *q.corr = static_cast<float>(corr);
+}
+
+// ---------------------------------------------------------------- q.K --
+
+// Metadata of a chunk's keys (or values), widened once per chunk and KV
+// head and shared by its query vectors: f[x][j] = f16 field x of key j's
+// record (int8: x = 0 the scale; int4: x = 2g the scale and 2g + 1 the
+// minimum of group g), 0 for j past the chunk.
+struct ChunkMeta {
+  alignas(64) float f[16][kChunk];
+};
+
+// Fills cm for keys [0, n) with n_fields f16 fields each (records of
+// 2 n_fields bytes at metas0[j] + off). Sixteen keys whose records lie back to back
+// (one block) are read with vector loads.
+KV_AVX512 void gather_meta(const uint8_t* const* metas0, int64_t off, int n, int n_fields,
+                           ChunkMeta* cm) {
+  const uint8_t* metas[kChunk];
+  for (int j = 0; j < n; ++j) metas[j] = metas0[j] + off;
+  for (int j0 = 0; j0 < kChunk; j0 += 16) {
+    const int rec = 2 * n_fields;
+    const bool contiguous =
+        j0 + 16 <= n && metas[j0 + 15] == metas[j0] + 15 * rec && (n_fields == 1 || n_fields == 4);
+    if (contiguous && n_fields == 1) {
+      _mm512_store_ps(
+          cm->f[0] + j0,
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(metas[j0]))));
+    } else if (contiguous) {  // 16 records of 4 fields: 64 words in two vectors
+      const __m512i a = _mm512_loadu_si512(metas[j0]);
+      const __m512i b = _mm512_loadu_si512(metas[j0] + 64);
+      for (int x = 0; x < 4; ++x) {
+        alignas(64) int16_t idx[32];
+        for (int j = 0; j < 32; ++j) idx[j] = static_cast<int16_t>(4 * (j % 16) + x);
+        const __m512i w = _mm512_permutex2var_epi16(a, _mm512_load_si512(idx), b);
+        _mm512_store_ps(cm->f[x] + j0, _mm512_cvtph_ps(_mm512_castsi512_si256(w)));
+      }
+    } else {
+      alignas(32) uint16_t h[16];
+      for (int x = 0; x < n_fields; ++x) {
+        for (int j = 0; j < 16; ++j) h[j] = j0 + j < n ? load_u16(metas[j0 + j] + 2 * x) : 0;
+        _mm512_store_ps(cm->f[x] + j0,
+                        _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h))));
+      }
+    }
+  }
+}
+
+// Code bytes of block b of an int4 row (64 elements, 32 bytes) in
+// int4_position order, one nibble per byte.
+KV_AVX512 inline __m512i int4_block(const uint8_t* row, int b) {
+  const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b));
+  const __m256i m = _mm256_set1_epi8(0x0f);
+  const __m256i lo = _mm256_and_si256(c, m);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+// s[h * kChunk + j0 + j] = q^[h] . K_{j0 + j} for 16 keys (kp[j0 ..]
+// valid, padded; s and kp start at key j0; rows at kp[x] + koff) and SG
+// query vectors; K int8 or int4, its metadata in km.
+template <KvDtype F, int SG>
+KV_AVX512 void qk16(const PackedQuery* q, int d, const uint8_t* const* kp, int64_t koff,
+                    const ChunkMeta* km, int j0, float* s) {
+  __m512 facc[SG];
+#pragma GCC unroll 4
+  for (int h = 0; h < SG; ++h) facc[h] = _mm512_setzero_ps();
+  for (int b = 0; b < d / 64; ++b) {
+    __m512i r[16];
+    if constexpr (F == KvDtype::kInt8) {
+      const __m512i off = _mm512_set1_epi8(static_cast<char>(0x80));
+#pragma GCC unroll 16
+      for (int x = 0; x < 16; ++x)
+        r[x] = _mm512_xor_si512(_mm512_loadu_si512(kp[x] + koff + 64 * b), off);
+    } else {
+#pragma GCC unroll 16
+      for (int x = 0; x < 16; ++x) r[x] = int4_block(kp[x] + koff, b);
+    }
+    transpose16x16(r);
+    // int8: dwords 0..7 are group 2b, 8..15 group 2b + 1. int4: dwords 4L..4L+3
+    // are group 2b + (L & 1).
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      __m512i ia[SG];
+#pragma GCC unroll 4
+      for (int h = 0; h < SG; ++h) ia[h] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+        const int c = F == KvDtype::kInt8 ? 8 * half + k : (k / 4 * 2 + half) * 4 + k % 4;
+#pragma GCC unroll 4
+        for (int h = 0; h < SG; ++h) {
+          ia[h] = _mm512_dpbusd_epi32(ia[h], r[c],
+                                      _mm512_set1_epi32(load_i32(q[h].codes + 64 * b + 4 * c)));
+        }
+      }
+      const int g = 2 * b + half;
+      if constexpr (F == KvDtype::kInt8) {
+#pragma GCC unroll 4
+        for (int h = 0; h < SG; ++h) {
+          facc[h] =
+              _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[h]), _mm512_set1_ps(q[h].gscale[g]), facc[h]);
+        }
+      } else {  // fma(scale_key * scale_q, dot, min_key * qsum)
+        const __m512 ks = _mm512_load_ps(km->f[2 * g] + j0);
+        const __m512 kmin = _mm512_load_ps(km->f[2 * g + 1] + j0);
+#pragma GCC unroll 4
+        for (int h = 0; h < SG; ++h) {
+          facc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[h]),
+                                    _mm512_mul_ps(ks, _mm512_set1_ps(q[h].gscale[g])), facc[h]);
+          facc[h] = _mm512_fmadd_ps(kmin, _mm512_set1_ps(q[h].qsum[g]), facc[h]);
+        }
+      }
+    }
+  }
+  if constexpr (F == KvDtype::kInt8) {
+    const __m512 ks = _mm512_load_ps(km->f[0] + j0);
+#pragma GCC unroll 4
+    for (int h = 0; h < SG; ++h) {
+      facc[h] = _mm512_mul_ps(_mm512_sub_ps(facc[h], _mm512_set1_ps(*q[h].corr)), ks);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < SG; ++h) _mm512_storeu_ps(s + h * kChunk, facc[h]);
+}
+
+// ---------------------------------------------------------------- p.V --
+
+// simd::exp8 (ops/simd_avx2.h) on 16 lanes, the same operations per lane:
+// exp(x) = 2^k e^r, r = x - k ln 2 in two steps, a degree-7 polynomial, the
+// power of two split as 2^kc 2^(k - kc); +inf above 88.72, 0 below -87.33.
+KV_AVX512 inline __m512 exp16(__m512 x) {
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.4286068203094172e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512 kc = _mm512_min_ps(_mm512_max_ps(k, _mm512_set1_ps(-126.f)), _mm512_set1_ps(127.f));
+  const __m512 kr =
+      _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(k, kc), _mm512_set1_ps(-1.f)), _mm512_set1_ps(1.f));
+  const __m512i bias = _mm512_set1_epi32(127);
+  const __m512 s1 =
+      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(kc), bias), 23));
+  const __m512 s2 =
+      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(kr), bias), 23));
+  __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72f), _CMP_GT_OQ), y,
+                           _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33f), _CMP_LT_OQ), y,
+                           _mm512_setzero_ps());
+  return y;
+}
+
+// Online-softmax update of one query vector over a chunk of n scores at s
+// (padded to kChunk in place), as the AVX2 kernel's softmax_update: leaves
+// p = exp(s - m_new) in s (0 past n), returns the rescale of the old state.
+KV_AVX512 float softmax_update(float* s, int n, float* m, float* l) {
+  for (int j = n; j < kChunk; ++j) s[j] = kNegInf;
+  __m512 mx = _mm512_loadu_ps(s);
+  for (int x = 1; x < kVecs; ++x) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + 16 * x));
+  const float cm = _mm512_reduce_max_ps(mx);
+  const float m_new = std::max(*m, cm);
+  if (m_new == kNegInf) {
+    std::memset(s, 0, sizeof(float) * kChunk);
+    return 1.0f;
+  }
+  const float alpha = m_new == *m ? 1.0f : std::exp(*m - m_new);
+  const __m512 mv = _mm512_set1_ps(m_new);
+  __m512 sum = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int x = 0; x < kVecs; ++x) {
+    const __m512 px = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * x), mv));
+    _mm512_storeu_ps(s + 16 * x, px);
+    sum = _mm512_add_ps(sum, px);
+  }
+  *l = *l * alpha + _mm512_reduce_add_ps(sum);
+  *m = m_new;
+  return alpha;
+}
+
+// int16 weight codes of one query vector and chunk: wq[g][j] for V group g
+// (int8 V: one group), scale ws[g] (value = code * ws).
+struct ChunkWeights {
+  alignas(64) int16_t wq[8][kChunk];  // up to d = 256 for int4 V
+  float ws[8];
+  float wmin[8];  // int4 V: sum_j p_j min_{j,g}
+};
+
+// Rounds the weights w [kChunk] (>= 0, 0 past the chunk) to wq, scale ws.
+KV_AVX512 inline void round_weights(const float* w, int16_t* wq, float* ws) {
+  __m512 wv[kVecs];
+  __m512 mxv = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int x = 0; x < kVecs; ++x) {
+    wv[x] = _mm512_loadu_ps(w + 16 * x);
+    mxv = _mm512_max_ps(mxv, wv[x]);
+  }
+  const float mx = _mm512_reduce_max_ps(mxv);
+  if (!(mx > 0.0f)) {  // all zero (or NaN: the output is NaN through l)
+    std::memset(wq, 0, sizeof(int16_t) * kChunk);
+    *ws = mx > 0.0f || mx == 0.0f ? 0.0f : mx;
+    return;
+  }
+  const __m512 inv = _mm512_set1_ps(32767.0f / mx);
+  const __m512i lim = _mm512_set1_epi32(32767);
+#pragma GCC unroll 4
+  for (int x = 0; x < kVecs; ++x) {
+    const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(wv[x], inv));  // nearest, ties to even
+    _mm256_store_si256(reinterpret_cast<__m256i*>(wq + 16 * x),
+                       _mm512_cvtepi32_epi16(_mm512_min_epi32(c, lim)));
+  }
+  *ws = mx / 32767.0f;
+}
+
+// Column order of the int16 sums: a 32-element half of a 64-element block
+// widened to 32 words and interleaved with the next key's by unpacklo/hi:
+// unpacklo lane 4L + i holds word 8L + i, unpackhi lane 4L + i word 8L + 4
+// + i. idx_lo/idx_hi put natural words 0..15 / 16..31 back in order from
+// (unpacklo, unpackhi) via permutex2var.
+KV_AVX512 inline __m512i word_order(int first_lane) {
+  alignas(64) int32_t idx[16];
+  for (int q = 0; q < 16; ++q) {
+    const int lane = first_lane + q / 8, r = q % 8;
+    idx[q] = r < 4 ? 4 * lane + r : 16 + 4 * lane + r - 4;
+  }
+  return _mm512_load_si512(idx);
+}
+
+// Words of V row j for the 32 elements at block b, half hf, as int16: int8
+// V: elements 64b + 32hf + (0..31); int4 V: half 0 = low nibbles of groups
+// 2b and 2b + 1 (elements 64b + 0..15, 64b + 32..47), half 1 = high nibbles
+// (64b + 16..31, 64b + 48..63).
+template <KvDtype F>
+KV_AVX512 inline __m512i v_words(const uint8_t* row, int b, int hf) {
+  if constexpr (F == KvDtype::kInt8) {
+    return _mm512_cvtepi8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 64 * b + 32 * hf)));
+  } else {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b));
+    const __m256i x = hf == 0 ? c : _mm256_srli_epi16(c, 4);
+    return _mm512_cvtepu8_epi16(_mm256_and_si256(x, _mm256_set1_epi8(0x0f)));
+  }
+}
+
+// Natural element of word w (0..31) of v_words(F, b, hf), relative to 64b.
+template <KvDtype F>
+constexpr int v_word_element(int hf, int w) {
+  if constexpr (F == KvDtype::kInt8) {
+    return 32 * hf + w;
+  } else {
+    return (w / 16) * 32 + hf * 16 + w % 16;
+  }
+}
+
+// acc[h] = alpha[h] acc[h] + sum_j w_hj V_j for SG query vectors over a
+// chunk of n keys (rows at vp[j] + voff; vp[n] valid filler when n is odd),
+// weights from cw[h].
+template <KvDtype F, int SG>
+KV_AVX512 void pv_chunk(const ChunkWeights* cw, const uint8_t* const* vp, int64_t voff, int n,
+                        const float* alpha, float* acc, int d, LinePrefetch* pf, int per_step) {
+  const int n2 = (n + 1) / 2 * 2;
+  const __m512i ord_lo = word_order(0), ord_hi = word_order(2);
+  for (int b = 0; b < d / 64; ++b) {
+    // ia[h][2 hf + u]: half hf, u = 0 unpacklo / 1 unpackhi.
+    __m512i ia[SG][4];
+#pragma GCC unroll 4
+    for (int h = 0; h < SG; ++h) {
+#pragma GCC unroll 4
+      for (int x = 0; x < 4; ++x) ia[h][x] = _mm512_setzero_si512();
+    }
+    for (int j = 0; j < n2; j += 2) {
+      if (b == 0) pf->step(per_step);
+      __m512i wv[SG];  // the pair's weights, shared by both halves
+#pragma GCC unroll 4
+      for (int h = 0; h < SG; ++h) {
+        if constexpr (F == KvDtype::kInt8) {
+          wv[h] = _mm512_set1_epi32(load_i32(&cw[h].wq[0][j]));
+        } else {  // lanes 0..7: group 2b, 8..15: group 2b + 1
+          wv[h] = _mm512_inserti64x4(_mm512_set1_epi32(load_i32(&cw[h].wq[2 * b][j])),
+                                     _mm256_set1_epi32(load_i32(&cw[h].wq[2 * b + 1][j])), 1);
+        }
+      }
+#pragma GCC unroll 2
+      for (int hf = 0; hf < 2; ++hf) {
+        const __m512i a = v_words<F>(vp[j] + voff, b, hf);
+        const __m512i c = v_words<F>(vp[j + 1] + voff, b, hf);
+        const __m512i lo = _mm512_unpacklo_epi16(a, c);
+        const __m512i hi = _mm512_unpackhi_epi16(a, c);
+#pragma GCC unroll 4
+        for (int h = 0; h < SG; ++h) {
+          ia[h][2 * hf] = _mm512_dpwssd_epi32(ia[h][2 * hf], lo, wv[h]);
+          ia[h][2 * hf + 1] = _mm512_dpwssd_epi32(ia[h][2 * hf + 1], hi, wv[h]);
+        }
+      }
+    }
+    // Back to float, in element order: each 16-element output vector comes
+    // from one half's (unpacklo, unpackhi) pair.
+#pragma GCC unroll 4
+    for (int h = 0; h < SG; ++h) {
+      float* ah = acc + static_cast<size_t>(h) * d + 64 * b;
+      const __m512 al = _mm512_set1_ps(alpha[h]);
+#pragma GCC unroll 2
+      for (int hf = 0; hf < 2; ++hf) {
+        const __m512 flo = _mm512_cvtepi32_ps(ia[h][2 * hf]);
+        const __m512 fhi = _mm512_cvtepi32_ps(ia[h][2 * hf + 1]);
+#pragma GCC unroll 2
+        for (int o = 0; o < 2; ++o) {
+          const __m512 x = _mm512_permutex2var_ps(flo, o == 0 ? ord_lo : ord_hi, fhi);
+          // Words 16 o .. 16 o + 15 of this half: one V group each.
+          const int e0 = v_word_element<F>(hf, 16 * o);
+          const int g = F == KvDtype::kInt8 ? 0 : 2 * b + e0 / 32;
+          float* dst = ah + e0;
+          __m512 y = _mm512_mul_ps(_mm512_loadu_ps(dst), al);
+          y = _mm512_fmadd_ps(x, _mm512_set1_ps(cw[h].ws[g]), y);
+          if constexpr (F == KvDtype::kInt4) y = _mm512_add_ps(y, _mm512_set1_ps(cw[h].wmin[g]));
+          _mm512_storeu_ps(dst, y);
+        }
+      }
+    }
+  }
+}
+
+// Weights of one query vector's chunk (p [kChunk], 0 past the chunk) for
+// V format F, V metadata in vm: int8: p_j * scale_j; int4: per group
+// p_j * scale_{j,g}, and sum_j p_j min_{j,g}.
+template <KvDtype F>
+KV_AVX512 void chunk_weights(const float* p, const ChunkMeta* vm, int d, ChunkWeights* cw) {
+  alignas(64) float w[kChunk];
+  if constexpr (F == KvDtype::kInt8) {
+#pragma GCC unroll 4
+    for (int x = 0; x < kVecs; ++x) {
+      _mm512_store_ps(w + 16 * x, _mm512_mul_ps(_mm512_loadu_ps(p + 16 * x),
+                                                _mm512_load_ps(vm->f[0] + 16 * x)));
+    }
+    round_weights(w, cw->wq[0], &cw->ws[0]);
+  } else {
+    for (int g = 0; g < d / 32; ++g) {
+      const float* sc = vm->f[2 * g];
+      const float* mn = vm->f[2 * g + 1];
+      __m512 msum = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int x = 0; x < kVecs; ++x) {
+        const __m512 px = _mm512_loadu_ps(p + 16 * x);
+        _mm512_store_ps(w + 16 * x, _mm512_mul_ps(px, _mm512_load_ps(sc + 16 * x)));
+        msum = _mm512_fmadd_ps(px, _mm512_load_ps(mn + 16 * x), msum);
+      }
+      round_weights(w, cw->wq[g], &cw->ws[g]);
+      cw->wmin[g] = _mm512_reduce_add_ps(msum);
+    }
+  }
+}
+
+using QkFn = void (*)(const PackedQuery*, int, const uint8_t* const*, int64_t, const ChunkMeta*,
+                      int, float*);
+using PvFn = void (*)(const ChunkWeights*, const uint8_t* const*, int64_t, int, const float*,
+                      float*, int, LinePrefetch*, int);
+
+template <KvDtype F>
+QkFn qk_fn(int sg) {
+  switch (sg) {
+    case 1:
+      return qk16<F, 1>;
+    case 2:
+      return qk16<F, 2>;
+    case 3:
+      return qk16<F, 3>;
+    default:
+      return qk16<F, 4>;
+  }
+}
+
+template <KvDtype F>
+PvFn pv_fn(int sg) {
+  switch (sg) {
+    case 1:
+      return pv_chunk<F, 1>;
+    case 2:
+      return pv_chunk<F, 2>;
+    case 3:
+      return pv_chunk<F, 3>;
+    default:
+      return pv_chunk<F, 4>;
+  }
+}
+
+// Block base offset and slot of positions [t0, t0 + n) (block table walk).
+inline void chunk_slots(const TileArgs& a, int32_t t0, int n, int64_t* base, int32_t* slot) {
+  int32_t blk = t0 / a.block_size;
+  int32_t off = t0 % a.block_size;
+  for (int j = 0; j < n; ++j) {
+    base[j] = a.block_table[blk] * a.block_stride;
+    slot[j] = off;
+    if (++off == a.block_size) {
+      off = 0;
+      ++blk;
+    }
+  }
+}
+
+// Row and (per-row) metadata addresses of the chunk's keys in one stream of
+// KV head hh.
+inline void stream_rows(const HeadStream& s, int hh, const int64_t* base, const int32_t* slot,
+                        int n, const uint8_t** rows, const uint8_t** metas) {
+  const uint8_t* data = s.data + hh * s.head_stride;
+  const uint8_t* meta = s.meta + hh * s.meta_head_stride;
+  for (int j = 0; j < n; ++j) {
+    rows[j] = data + base[j] + slot[j] * s.slot_stride;
+    metas[j] = meta + base[j] + slot[j] * s.meta_slot_stride;
+  }
+}
+
+}  // namespace
+
+bool avx512_vnni_decode_serves(KvDtype k, KvDtype v, int head_dim) {
+  const bool k_ok = k == KvDtype::kInt8 || k == KvDtype::kInt4;
+  const bool v_ok = v == KvDtype::kInt8 || v == KvDtype::kInt4;
+  return k_ok && v_ok && head_dim > 0 && head_dim % 64 == 0 && head_dim <= 256;
+}
+
+KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
+  const int d = a.head_dim;
+  const int g = a.group;
+  const int n_vec = g * a.n_heads;
+  KV_CHECK(avx512_vnni_decode_serves(a.k.dtype, a.v.dtype, d) && a.n_rows == 1,
+           "decode_tile_avx512_vnni: unsupported tile");
+  KV_CHECK(a.round_query, "decode_tile_avx512_vnni: keys are read with q^ only");
+  const bool k4 = a.k.dtype == KvDtype::kInt4;
+  const bool v4 = a.v.dtype == KvDtype::kInt4;
+  // Scratch (floats): qs [d], acc [n_vec, d], s [n_vec, kChunk], m, l, alpha,
+  // corr [n_vec], gscale, qsum [n_vec, d / 32], codes [n_vec, d / 4].
+  const size_t ng = static_cast<size_t>(d) / 32;
+  float* qs =
+      thread_scratch().get(d + static_cast<size_t>(n_vec) * (d + kChunk + 4 + 2 * ng + d / 4));
+  float* acc = qs + d;
+  float* s = acc + static_cast<size_t>(n_vec) * d;
+  float* m = s + static_cast<size_t>(n_vec) * kChunk;
+  float* l = m + n_vec;
+  float* alpha = l + n_vec;
+  float* corr = alpha + n_vec;
+  float* gscale = corr + n_vec;
+  float* qsum = gscale + n_vec * ng;
+  auto* codes = reinterpret_cast<int8_t*>(qsum + n_vec * ng);
+  thread_local std::vector<PackedQuery> tl_pq;
+  if (tl_pq.size() < static_cast<size_t>(n_vec)) tl_pq.resize(static_cast<size_t>(n_vec));
+  PackedQuery* pq = tl_pq.data();
+  for (int h = 0; h < n_vec; ++h) {
+    for (int c = 0; c < d; ++c) qs[c] = a.q[static_cast<size_t>(h) * d + c] * a.scale;
+    pq[h] =
+        PackedQuery{codes + static_cast<size_t>(h) * d, gscale + h * ng, qsum + h * ng, corr + h};
+    pack_query(qs, d, k4, pq[h]);
+    std::memset(acc + static_cast<size_t>(h) * d, 0, sizeof(float) * d);
+    m[h] = kNegInf;
+    l[h] = 0.0f;
+  }
+  const int n_sub = (g + kMaxSub - 1) / kMaxSub;
+  const int32_t t_begin = std::max(a.key_begin, first_visible(a.pos0, a.window));
+  const int32_t t_end = std::min(a.key_end, a.pos0 + 1);
+  const int k_row_bytes = k4 ? d / 2 : d;
+  const int v_row_bytes = v4 ? d / 2 : d;
+  const int n_kfields = k4 ? d / 16 : 1;  // f16 metadata fields per row
+  const int n_vfields = v4 ? d / 16 : 1;
+  int64_t base[2][kChunk];  // this chunk's and the next one's slots (a ring)
+  int32_t slot[2][kChunk];
+  const uint8_t* kp[kChunk];
+  const uint8_t* km[kChunk];
+  const uint8_t* vp[kChunk + 1];
+  const uint8_t* vm[kChunk];
+  ChunkMeta kmeta, vmeta;
+  ChunkWeights cw[kMaxSub];
+  const QkFn qk_sub[2] = {
+      k4 ? qk_fn<KvDtype::kInt4>(g / n_sub) : qk_fn<KvDtype::kInt8>(g / n_sub),
+      k4 ? qk_fn<KvDtype::kInt4>(g / n_sub + 1) : qk_fn<KvDtype::kInt8>(g / n_sub + 1)};
+  const PvFn pv_sub[2] = {
+      v4 ? pv_fn<KvDtype::kInt4>(g / n_sub) : pv_fn<KvDtype::kInt8>(g / n_sub),
+      v4 ? pv_fn<KvDtype::kInt4>(g / n_sub + 1) : pv_fn<KvDtype::kInt8>(g / n_sub + 1)};
+  int cur = 0;
+  thread_local LinePrefetch pf;  // 24 KiB: not on the stack
+  if (t_begin < t_end) {
+    const int n0 = std::min<int32_t>(kChunk, t_end - t_begin);
+    chunk_slots(a, t_begin, n0, base[0], slot[0]);
+    for (int hh = 0; hh < a.n_heads; ++hh) {
+      pf.add(a, a.k, hh, base[0], slot[0], n0, k_row_bytes);
+      pf.add(a, a.v, hh, base[0], slot[0], n0, v_row_bytes);
+      pf.flush();
+      pf.clear();
+    }
+  }
+  for (int32_t c0 = t_begin; c0 < t_end; c0 += kChunk) {
+    const int n = std::min<int32_t>(kChunk, t_end - c0);
+    const int32_t c1 = c0 + kChunk;
+    const int nn = c1 < t_end ? std::min<int32_t>(kChunk, t_end - c1) : 0;
+    const int nxt = cur ^ 1;
+    // Rows of KV head 0; head hh's are at + hh * head_stride (meta likewise).
+    stream_rows(a.k, 0, base[cur], slot[cur], n, kp, km);
+    stream_rows(a.v, 0, base[cur], slot[cur], n, vp, vm);
+    for (int j = n; j < kChunk; ++j) kp[j] = kp[0];  // finite filler, scores dropped
+    vp[n] = vp[0];                                   // odd n: the pair's second key (weight 0)
+    // The next chunk, every head, issued a share at a time over this one:
+    // one step per 16 keys of q . K and per key pair of p . V, per sub-group.
+    pf.clear();
+    if (nn > 0) {
+      chunk_slots(a, c1, nn, base[nxt], slot[nxt]);
+      for (int hh = 0; hh < a.n_heads; ++hh) {
+        pf.add(a, a.k, hh, base[nxt], slot[nxt], nn, k_row_bytes);
+        pf.add(a, a.v, hh, base[nxt], slot[nxt], nn, v_row_bytes);
+      }
+    }
+    const int n_steps = a.n_heads * n_sub * ((n + 15) / 16 + (n + 1) / 2);
+    const int per_step = (pf.queued() + n_steps - 1) / n_steps;
+    for (int hh = 0; hh < a.n_heads; ++hh) {
+      const int64_t koff = hh * a.k.head_stride, voff = hh * a.v.head_stride;
+      gather_meta(km, hh * a.k.meta_head_stride, n, n_kfields, &kmeta);
+      const int v0 = hh * g;
+      for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
+        const int big = sub < g % n_sub ? 1 : 0;
+        const int sg = g / n_sub + big;
+        for (int j0 = 0; j0 < n; j0 += 16) {
+          pf.step(per_step);
+          qk_sub[big](pq + h0, d, kp + j0, koff, &kmeta, j0, s + h0 * kChunk + j0);
+        }
+        h0 += sg;
+      }
+      for (int h = v0; h < v0 + g; ++h) alpha[h] = softmax_update(s + h * kChunk, n, m + h, l + h);
+      gather_meta(vm, hh * a.v.meta_head_stride, n, n_vfields, &vmeta);
+      for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
+        const int big = sub < g % n_sub ? 1 : 0;
+        const int sg = g / n_sub + big;
+        for (int x = 0; x < sg; ++x) {
+          if (v4) {
+            chunk_weights<KvDtype::kInt4>(s + (h0 + x) * kChunk, &vmeta, d, cw + x);
+          } else {
+            chunk_weights<KvDtype::kInt8>(s + (h0 + x) * kChunk, &vmeta, d, cw + x);
+          }
+        }
+        pv_sub[big](cw, vp, voff, n, alpha + h0, acc + static_cast<size_t>(h0) * d, d, &pf,
+                    per_step);
+        h0 += sg;
+      }
+    }
+    pf.flush();
+    cur = nxt;
+  }
+  for (int i = 0; i < n_vec; ++i) {
+    const float* ai = acc + static_cast<size_t>(i) * d;
+    if (a.part_acc != nullptr) {
+      a.part_m[i] = m[i];
+      a.part_l[i] = l[i];
+      std::memcpy(a.part_acc + static_cast<size_t>(i) * d, ai, sizeof(float) * d);
+    } else {
+      float* dst = a.out + static_cast<size_t>(i) * d;  // one row: vector i is q head i
+      const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+      for (int c = 0; c < d; ++c) dst[c] = ai[c] * inv;
+    }
+  }
+}
+
+}  // namespace kvstack::attn_detail
