@@ -129,15 +129,11 @@ std::string deepseek2_kernel_summary(const ModelConfig& c, bool latent) {
   return s;
 }
 
-void Deepseek2Layers::qkv(int layer, const float* h, int64_t n_tok, const int32_t* pos, float* q,
-                          float* k, float* v) {
+void Deepseek2Layers::project_q_kv_a(const LayerWeights& w, const float* h, int64_t n_tok) {
   const ModelConfig& c = model_.config();
   const ModelConfig::Mla& m = c.mla;
-  const LayerWeights& w = model_.layers()[static_cast<size_t>(layer)];
-  const int64_t H = c.n_heads, hd = c.head_dim, dqk = m.qk_dim(), nope = m.qk_nope;
-  const int64_t rope = m.qk_rope, r = m.kv_lora_rank, vd = m.v_head_dim;
   const auto n = static_cast<size_t>(n_tok);
-  qfull_.resize(n * static_cast<size_t>(H * dqk));
+  qfull_.resize(n * static_cast<size_t>(c.n_heads * m.qk_dim()));
   if (m.q_lora_rank > 0) {
     qa_.resize(n * static_cast<size_t>(m.q_lora_rank));
     matmul(w.mla.wq_a, h, n_tok, qa_.data(), &threads_);
@@ -146,8 +142,19 @@ void Deepseek2Layers::qkv(int layer, const float* h, int64_t n_tok, const int32_
   } else {
     matmul(w.wq, h, n_tok, qfull_.data(), &threads_);
   }
-  kva_.resize(n * static_cast<size_t>(r + rope));
+  kva_.resize(n * static_cast<size_t>(m.kv_lora_rank + m.qk_rope));
   matmul(w.mla.wkv_a, h, n_tok, kva_.data(), &threads_);
+}
+
+void Deepseek2Layers::qkv(int layer, const float* h, int64_t n_tok, const int32_t* pos, float* q,
+                          float* k, float* v) {
+  const ModelConfig& c = model_.config();
+  const ModelConfig::Mla& m = c.mla;
+  const LayerWeights& w = model_.layers()[static_cast<size_t>(layer)];
+  const int64_t H = c.n_heads, hd = c.head_dim, dqk = m.qk_dim(), nope = m.qk_nope;
+  const int64_t rope = m.qk_rope, r = m.kv_lora_rank, vd = m.v_head_dim;
+  const auto n = static_cast<size_t>(n_tok);
+  project_q_kv_a(w, h, n_tok);
   lat_.resize(n * static_cast<size_t>(r));
   for (int64_t t = 0; t < n_tok; ++t) {
     rms_norm(kva_.data() + t * (r + rope), w.mla.kv_a_norm, r, c.norm_eps, lat_.data() + t * r);
@@ -182,18 +189,8 @@ Status Deepseek2Layers::latent_attention(int layer, std::span<const StepSeq> bat
   const int64_t H = c.n_heads, dqk = m.qk_dim(), nope = m.qk_nope, rope = m.qk_rope;
   const int64_t r = m.kv_lora_rank, vd = m.v_head_dim, dl = r + rope;
   const auto n = static_cast<size_t>(n_tok);
-  // q, the latent and the RoPE key, as the expanded path computes them.
-  qfull_.resize(n * static_cast<size_t>(H * dqk));
-  if (m.q_lora_rank > 0) {
-    qa_.resize(n * static_cast<size_t>(m.q_lora_rank));
-    matmul(w.mla.wq_a, h, n_tok, qa_.data(), &threads_);
-    rms_norm(qa_.data(), w.mla.q_a_norm, n_tok, m.q_lora_rank, c.norm_eps, qa_.data());
-    matmul(w.mla.wq_b, qa_.data(), n_tok, qfull_.data(), &threads_);
-  } else {
-    matmul(w.wq, h, n_tok, qfull_.data(), &threads_);
-  }
-  kva_.resize(n * static_cast<size_t>(dl));
-  matmul(w.mla.wkv_a, h, n_tok, kva_.data(), &threads_);
+  // q, the latent and the RoPE key, from the same projections as qkv().
+  project_q_kv_a(w, h, n_tok);
   rows_.resize(n * static_cast<size_t>(dl));
   for (int64_t t = 0; t < n_tok; ++t) {
     rms_norm(kva_.data() + t * dl, w.mla.kv_a_norm, r, c.norm_eps, rows_.data() + t * dl);

@@ -88,6 +88,11 @@ class Deepseek2Layers {
   void moe(int layer, const float* h, int64_t n_tok, float* out);
 
  private:
+  // The projections both attention paths start from: qfull_ [n_tok, H,
+  // qk_nope + qk_rope] (through the low-rank q path when the file has one)
+  // and kva_ [n_tok, kv_lora + qk_rope] = h . W_kv_a^T; no norm, no RoPE.
+  void project_q_kv_a(const LayerWeights& w, const float* h, int64_t n_tok);
+
   const Model& model_;
   ThreadPool& threads_;
   std::vector<float> qa_, qfull_, kva_, lat_, kv_;  // MLA workspace
