@@ -10,11 +10,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # What building and serving needs (libgtest-dev: CMake's configure step
-# looks for GoogleTest even when only the server is built).
+# looks for GoogleTest even when only the server is built; libucx-dev: KV
+# transfer between prefill and decode workers; libzmq3-dev, cppzmq-dev and
+# libmsgpack-cxx-dev: KV events in vLLM's wire format).
 APT_PACKAGES=(cmake g++ make libgtest-dev libgmock-dev libxxhash-dev
-  libcpp-httplib-dev nlohmann-json3-dev libssl-dev python3-pip unzip pkg-config libhiredis-dev)
+  libcpp-httplib-dev nlohmann-json3-dev libssl-dev python3-pip unzip pkg-config libhiredis-dev
+  libucx-dev libzmq3-dev cppzmq-dev libmsgpack-cxx-dev)
 # What only the tests, fuzzers, benchmarks and lint need.
-APT_TEST_PACKAGES=(libbenchmark-dev clang clang-format clang-tidy libclang-rt-14-dev python3-venv redis-server liburing-dev)
+APT_TEST_PACKAGES=(libbenchmark-dev clang clang-format clang-tidy libclang-rt-14-dev python3-venv redis-server liburing-dev
+  ucx-utils iproute2)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
