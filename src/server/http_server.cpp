@@ -401,6 +401,27 @@ void HttpServer::routes() {
     res.set_content(R"({"status":"ok"})", "application/json");
   });
 
+  // The load a router polls (vllm-router's power_of_two policy, every 5 s;
+  // the SGLang-router format it reads): one entry per data-parallel rank
+  // (this server is one rank, 0). num_reqs = running sequences, num_waiting_reqs
+  // = queued requests, num_tokens = KV slots held by live sequences (committed
+  // + reserved tokens): the router adds num_tokens to its own in-flight count.
+  h.Get("/get_load", [this](const httplib::Request&, httplib::Response& res) {
+    Scheduler* s = scheduler_.load();
+    if (s == nullptr) {
+      send_error(res, api_error(503, "service_unavailable", "the model is still loading"));
+      return;
+    }
+    BlockPoolStats pool;
+    (void)s->inspect([&](Engine& e) { pool = e.pool().stats(); });
+    const SchedulerMetrics m = s->metrics();
+    json rank = {{"dp_rank", 0},
+                 {"num_reqs", m.n_running},
+                 {"num_waiting_reqs", m.n_waiting},
+                 {"num_tokens", pool.n_tokens_committed + pool.n_tokens_reserved}};
+    res.set_content(dump(json::array({rank})), "application/json");
+  });
+
   h.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
     Scheduler* s = scheduler_.load();
     json model = {{"id", config_.model_id},

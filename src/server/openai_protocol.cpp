@@ -188,6 +188,41 @@ const std::set<std::string>& known_fields(Endpoint e) {
   return e == Endpoint::kChat ? chat : completions;
 }
 
+// Fields that routers add to every request they forward (vllm-router and the
+// SGLang router it derives from rewrite the body with their own defaults),
+// with the one value this server honours. A field at another value is
+// refused naming it: nothing is silently ignored. `any_bool` fields only
+// steer a reasoning parser, which this server does not have (reasoning text
+// stays in the content), so every boolean is already what they ask for.
+struct ExtensionField {
+  const char* name;
+  bool chat_only;
+  bool any_bool;
+  bool value;  // the value honoured when !any_bool
+};
+constexpr ExtensionField kRouterExtensions[] = {
+    {"no_stop_trim", false, false, false},         {"skip_special_tokens", false, false, true},
+    {"return_hidden_states", false, false, false}, {"continue_final_message", true, false, false},
+    {"separate_reasoning", true, true, false},     {"stream_reasoning", true, true, false},
+    {"include_reasoning", true, true, false},
+};
+
+// nullopt when `key` is not a router extension field; else the error for a
+// value this server cannot honour (or no error: an empty ApiError message).
+std::optional<ApiError> router_extension(Endpoint e, const std::string& key, const json& value) {
+  for (const ExtensionField& f : kRouterExtensions) {
+    if (key != f.name || (f.chat_only && e != Endpoint::kChat)) continue;
+    if (value.is_null()) return ApiError{};
+    if (!value.is_boolean()) {
+      return bad(key, "'" + key + "' must be a boolean, not " + type_name(value));
+    }
+    if (!f.any_bool && value.get<bool>() != f.value) {
+      return bad(key, "'" + key + "' is only supported as " + (f.value ? "true" : "false"));
+    }
+    return ApiError{};
+  }
+  return std::nullopt;
+}
 }  // namespace
 
 json ApiError::to_json() const {
@@ -319,9 +354,12 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
     return bad("", std::string("the request body must be a JSON object, not ") + type_name(body));
   }
   for (const auto& [key, value] : body.items()) {
-    if (known_fields(endpoint).count(key) == 0) {
-      return bad(key, "unrecognized request argument supplied: " + key);
+    if (known_fields(endpoint).count(key) != 0) continue;
+    if (auto ext = router_extension(endpoint, key, value)) {
+      if (!ext->message.empty()) return *ext;
+      continue;
     }
+    return bad(key, "unrecognized request argument supplied: " + key);
   }
   ParsedRequest out;
   out.endpoint = endpoint;
