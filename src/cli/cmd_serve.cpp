@@ -21,6 +21,7 @@
 #include "cli/engine_options.h"
 #include "kv/prefix_index.h"
 #include "server/http_server.h"
+#include "server/kv_events.h"
 
 namespace kvstack::cli {
 namespace {
@@ -127,8 +128,17 @@ int run_serve(const std::vector<std::string>& argv) {
   specs.push_back({"model-id", 0, "NAME", "model name in the API (default: the file name)"});
   specs.push_back(
       {"chat-template", 0, "NAME", "override the template: chatml, llama3, mistral, gemma"});
-  specs.push_back({"kv-events", 0, "FILE",
-                   "append prefix-cache events (block stored/removed) to FILE as JSON lines"});
+  specs.push_back({"kv-events", 0, "FILE|tcp://*:PORT",
+                   "prefix-cache events (block stored/removed): appended to FILE as JSON lines, "
+                   "or published on a ZeroMQ PUB socket in vLLM's KV-events format (msgpack) "
+                   "when the value is a tcp://, ipc:// or inproc:// endpoint"});
+  specs.push_back({"kv-events-replay", 0, "tcp://*:PORT",
+                   "ZeroMQ ROUTER endpoint answering replay requests from the last "
+                   "--kv-events-buffer batches (vLLM's replay protocol)"});
+  specs.push_back({"kv-events-topic", 0, "TOPIC",
+                   "first frame of every event message (default "
+                   "empty)"});
+  specs.push_back({"kv-events-buffer", 0, "N", "event batches kept for replay (default 10000)"});
   specs.push_back({"shutdown-grace", 0, "S",
                    "seconds in-flight requests may finish after a signal (default 10)"});
   specs.push_back(help_option());
@@ -229,12 +239,43 @@ int run_serve(const std::vector<std::string>& argv) {
   }
   Scheduler& s = **sched;
   KvEventWriter events;
-  if (auto path = args->get("kv-events")) {
-    if (auto st = events.open(*path, **engine); !st.ok()) {
-      http.stop();
-      http_thread.join();
-      return fail("serve", st.error().message);
-    }
+  std::unique_ptr<server::KvEventPublisher> publisher;
+  const std::string events_arg = args->get_or("kv-events", "");
+  const bool zmq_events = events_arg.rfind("tcp://", 0) == 0 ||
+                          events_arg.rfind("ipc://", 0) == 0 ||
+                          events_arg.rfind("inproc://", 0) == 0;
+  auto fail_events = [&](const std::string& message) {
+    http.stop();
+    http_thread.join();
+    return fail("serve", message);
+  };
+  if (!zmq_events && (args->has("kv-events-replay") || args->has("kv-events-topic") ||
+                      args->has("kv-events-buffer"))) {
+    return fail_events("--kv-events-replay/-topic/-buffer need --kv-events tcp://HOST:PORT");
+  }
+  if (zmq_events) {
+    auto buffer = args->get_int("kv-events-buffer", 10000, 1, 1 << 24);
+    if (!buffer.ok()) return fail_events(buffer.error().message);
+    PrefixIndex* index = (*engine)->kv().index();
+    if (index == nullptr) return fail_events("--kv-events needs the prefix cache");
+    server::KvEventPublisherConfig pc;
+    pc.endpoint = events_arg;
+    pc.replay_endpoint = args->get_or("kv-events-replay", "");
+    pc.topic = args->get_or("kv-events-topic", "");
+    pc.replay_batches = *buffer;
+    pc.block_size = index->block_size();
+    auto p = server::KvEventPublisher::create(pc);
+    if (!p) return fail_events(p.error().message);
+    publisher = std::move(*p);
+    // Runs on the engine thread inside the index operation: push only queues.
+    auto st = (*engine)->kv().set_event_sink([pub = publisher.get(), index](const KvEvent& e) {
+      pub->push(e, index->namespace_digest(e.ns));
+    });
+    if (!st.ok()) return fail_events(st.error().message);
+    http.set_kv_events(publisher.get());
+  } else if (!events_arg.empty()) {
+    if (auto st = events.open(events_arg, **engine); !st.ok())
+      return fail_events(st.error().message);
   }
   std::thread engine_thread([&] { s.run(); });
   events.start(s);
@@ -281,6 +322,10 @@ int run_serve(const std::vector<std::string>& argv) {
   s.shutdown(/*drain=*/false);
   engine_thread.join();
   events.finish(**engine);  // the engine thread is gone: drain the rest here
+  if (publisher) {
+    (void)(*engine)->kv().set_event_sink({});
+    publisher.reset();  // publishes what is queued, closes the sockets
+  }
   pthread_kill(signal_thread.native_handle(), SIGUSR1);
   signal_thread.join();
   std::fprintf(stderr, "kvstack serve: stopped\n");

@@ -377,7 +377,8 @@ int64_t PrefixIndex::publish(NamespaceId ns, const BlockTable& table,
           .hash = key,
           .parent_hash = parent_hash,
           .n_tokens = static_cast<int32_t>(p),
-          .ns = ns});
+          .ns = ns,
+          .tokens = tokens_.data() + static_cast<size_t>(b) * p});
     if (tier_hooks_.on_publish) tier_hooks_.on_publish(b);
   }
   return j;
@@ -610,6 +611,7 @@ void PrefixIndex::emit(KvEvent e) {
     events_.pop_front();
     ++n_events_dropped_;
   }
+  e.tokens = nullptr;  // the queue outlives the block's token row
   events_.push_back(e);
 }
 
@@ -633,7 +635,8 @@ void PrefixIndex::replay_stored(const KvEventSink& sink) const {
           .hash = n.hash,
           .parent_hash = n.parent == kNullBlock ? Hash128{} : nodes_[n.parent].hash,
           .n_tokens = block_size_,
-          .ns = n.ns});
+          .ns = n.ns,
+          .tokens = tokens_.data() + static_cast<size_t>(b) * block_size_});
     push_children(n.first_child);
   }
 }

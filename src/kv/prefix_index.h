@@ -133,6 +133,9 @@ struct KvEvent {
   Hash128 parent_hash;  // zero for a top-level block
   int32_t n_tokens = 0;
   NamespaceId ns = kNoNamespace;
+  // kStored: the block's n_tokens token ids, valid only during a sink call
+  // (null in drain_events and for kRemoved).
+  const int32_t* tokens = nullptr;
 };
 
 // Receives each event synchronously, inside the pool operation that caused

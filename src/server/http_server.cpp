@@ -452,9 +452,49 @@ void HttpServer::routes() {
       std::lock_guard<std::mutex> lock(tpot_mu_);
       tpot = tpot_;
     }
+    std::string events;
+    if (kv_events_ != nullptr) {
+      const KvEventPublisherStats k = kv_events_->stats();
+      const std::string l = "{model_name=\"" + config_.model_id + "\"}";
+      auto counter = [&](const char* name, const char* help, int64_t v) {
+        events += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " counter\n" +
+                  name + l + " " + std::to_string(v) + "\n";
+      };
+      counter("kvstack:kv_events_published_total", "KV events published (--kv-events).",
+              k.n_events);
+      counter("kvstack:kv_event_batches_total", "KV event batches (messages) published.",
+              k.n_batches);
+      counter("kvstack:kv_events_dropped_total", "KV events dropped: the publisher queue was full.",
+              k.n_dropped);
+      counter("kvstack:kv_event_replay_requests_total", "KV event replay requests answered.",
+              k.n_replay_requests);
+    }
     res.set_content(prometheus_text(s->metrics(), pool, config_.model_id, &guard, &tpot) +
-                        kv_tiers_prometheus(tiers, "model_name=\"" + config_.model_id + "\""),
+                        kv_tiers_prometheus(tiers, "model_name=\"" + config_.model_id + "\"") +
+                        events,
                     "text/plain; version=0.0.4");
+  });
+
+  // The prefix cache's current blocks (what a KV-events subscriber should
+  // have rebuilt): hash, parent (zeros at the top) and namespace digest, hex.
+  h.Get("/v1/kv/blocks", [this](const httplib::Request& req, httplib::Response& res) {
+    if (!config_.admin_api_key.empty() &&
+        req.get_header_value("Authorization") != "Bearer " + config_.admin_api_key) {
+      send_error(res, api_error(403, "permission_error", "/v1/kv/blocks needs the admin key"));
+      return;
+    }
+    Scheduler* s = scheduler_.load();
+    json blocks = json::array();
+    (void)s->inspect([&](Engine& e) {
+      const PrefixIndex* index = e.kv().index();
+      if (index == nullptr) return;
+      index->replay_stored([&](const KvEvent& ev) {
+        blocks.push_back({{"hash", ev.hash.hex()},
+                          {"parent", ev.parent_hash.hex()},
+                          {"namespace", index->namespace_digest(ev.ns).hex()}});
+      });
+    });
+    res.set_content(dump(json{{"blocks", blocks}}), "application/json");
   });
 
   h.Get("/v1/kv/stats", [this](const httplib::Request& req, httplib::Response& res) {

@@ -3,6 +3,8 @@
 //   POST /v1/completions, POST /v1/chat/completions  (JSON or SSE stream)
 //   GET  /v1/models, GET /health, GET /metrics (Prometheus text),
 //   GET  /v1/kv/stats (pool and prefix-cache statistics, JSON)
+//   GET  /v1/kv/blocks (every cached block's hash, parent and namespace digest;
+//        admin key only when one is set: the KV-events consumers' check)
 // Errors use the OpenAI shape {"error": {message, type, param, code}} with
 // the HTTP status that fits (400 bad input, 401 bad API key, 404 unknown
 // model or route, 413 body too large, 429 queue full, 503 not ready or
@@ -38,6 +40,7 @@
 #include "core/result.h"
 #include "engine/scheduler.h"
 #include "server/connection_guard.h"
+#include "server/kv_events.h"
 #include "server/openai_protocol.h"
 #include "tokenizer/chat_template.h"
 
@@ -80,6 +83,10 @@ class HttpServer {
   // Stops accepting; listen() returns once in-flight handlers finished.
   void stop();
 
+  // Adds the KV event publisher's counters to /metrics. REQUIRES: called
+  // before listen(); `p` outlives the server.
+  void set_kv_events(const KvEventPublisher* p) { kv_events_ = p; }
+
   // Waits up to `timeout` until no completion handler runs (the last events
   // of cancelled streams written); true when none is left.
   bool wait_handlers(std::chrono::milliseconds timeout) const;
@@ -94,6 +101,7 @@ class HttpServer {
   int port_ = 0;
   std::atomic<Scheduler*> scheduler_{nullptr};
   const ChatTemplate* chat_ = nullptr;
+  const KvEventPublisher* kv_events_ = nullptr;
   std::atomic<uint64_t> next_id_{1};
   std::atomic<int> n_handlers_{0};  // completion handlers running
   mutable std::mutex tpot_mu_;
