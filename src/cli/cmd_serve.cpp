@@ -139,6 +139,9 @@ int run_serve(const std::vector<std::string>& argv) {
                    "first frame of every event message (default "
                    "empty)"});
   specs.push_back({"kv-events-buffer", 0, "N", "event batches kept for replay (default 10000)"});
+  specs.push_back({"kv-events-encoding", 0, "array|map",
+                   "events as positional arrays (vLLM's array_like msgspec structs, default) or as "
+                   "maps tagged by \"type\" (what vllm-router 0.1.17's kv_aware decoder reads)"});
   specs.push_back({"shutdown-grace", 0, "S",
                    "seconds in-flight requests may finish after a signal (default 10)"});
   specs.push_back(help_option());
@@ -250,8 +253,9 @@ int run_serve(const std::vector<std::string>& argv) {
     return fail("serve", message);
   };
   if (!zmq_events && (args->has("kv-events-replay") || args->has("kv-events-topic") ||
-                      args->has("kv-events-buffer"))) {
-    return fail_events("--kv-events-replay/-topic/-buffer need --kv-events tcp://HOST:PORT");
+                      args->has("kv-events-buffer") || args->has("kv-events-encoding"))) {
+    return fail_events(
+        "--kv-events-replay/-topic/-buffer/-encoding need --kv-events tcp://HOST:PORT");
   }
   if (zmq_events) {
     auto buffer = args->get_int("kv-events-buffer", 10000, 1, 1 << 24);
@@ -263,6 +267,11 @@ int run_serve(const std::vector<std::string>& argv) {
     pc.replay_endpoint = args->get_or("kv-events-replay", "");
     pc.topic = args->get_or("kv-events-topic", "");
     pc.replay_batches = *buffer;
+    const std::string enc = args->get_or("kv-events-encoding", "array");
+    if (enc != "array" && enc != "map") {
+      return fail_events("--kv-events-encoding: '" + enc + "' is not array or map");
+    }
+    pc.map_events = enc == "map";
     pc.block_size = index->block_size();
     auto p = server::KvEventPublisher::create(pc);
     if (!p) return fail_events(p.error().message);

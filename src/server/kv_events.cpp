@@ -111,31 +111,48 @@ std::string KvEventPublisher::encode(const std::vector<Pending>& batch) const {
   pk.pack_array(3);
   pk.pack_double(ts);
   pk.pack_array(static_cast<uint32_t>(batch.size()));
+  const bool map = config_.map_events;
+  // One field: its name first when events are maps.
+  auto key = [&](const char* name) {
+    if (map) pack_str(pk, name);
+  };
   for (const Pending& p : batch) {
-    if (p.kind == KvEvent::Kind::kStored) {
-      pk.pack_array(9);
-      pack_str(pk, "BlockStored");
-      pk.pack_array(1);
-      pack_hash(pk, p.hash);
+    const bool stored = p.kind == KvEvent::Kind::kStored;
+    const uint32_t n_fields = stored ? 9 : 3;  // tag included
+    if (map) {
+      pk.pack_map(n_fields);
+    } else {
+      pk.pack_array(n_fields);
+    }
+    key("type");
+    pack_str(pk, stored ? "BlockStored" : "BlockRemoved");
+    key("block_hashes");
+    pk.pack_array(1);
+    pack_hash(pk, p.hash);
+    if (stored) {
+      key("parent_block_hash");
       if (p.parent == Hash128{}) {
         pk.pack_nil();
       } else {
         pack_hash(pk, p.parent);
       }
+      key("token_ids");
       pk.pack_array(static_cast<uint32_t>(p.tokens.size()));
       for (int32_t t : p.tokens) pk.pack_int32(t);
+      key("block_size");
       pk.pack_int32(config_.block_size);
-      pk.pack_nil();  // lora_id
+      key("lora_id");
+      pk.pack_nil();
+      key("medium");
       pack_str(pk, "CPU");
-      pk.pack_nil();     // lora_name
-      pk.pack_array(1);  // extra_keys: one tuple per block
+      key("lora_name");
+      pk.pack_nil();
+      key("extra_keys");
+      pk.pack_array(1);  // one tuple per block
       pk.pack_array(1);
       pack_str(pk, p.ns_digest.hex());
     } else {
-      pk.pack_array(3);
-      pack_str(pk, "BlockRemoved");
-      pk.pack_array(1);
-      pack_hash(pk, p.hash);
+      key("medium");
       pack_str(pk, "CPU");
     }
   }

@@ -60,6 +60,11 @@ struct KvEventPublisherConfig {
   int64_t queue_capacity = 1 << 16;  // events pending for the publisher thread
   int64_t replay_batches = 10000;    // batches kept for replay
   int block_size = 16;               // tokens per block (BlockStored.block_size)
+  // false: events as positional arrays (vLLM's array_like structs, above);
+  // true: events as maps tagged by "type" ({"type": "BlockStored",
+  // "block_hashes": ..., ...}; vLLM without array_like, and what vllm-router
+  // 0.1.17's kv_index decoder requires). The batch stays [ts, events, rank].
+  bool map_events = false;
 };
 
 struct KvEventPublisherStats {

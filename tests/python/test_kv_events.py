@@ -58,7 +58,36 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     data_parallel_rank: Optional[int] = None
 
 
-DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+# The same events as maps tagged by "type" (--kv-events-encoding map; vLLM's
+# structs without array_like), in the positional batch.
+class MapEvent(msgspec.Struct, omit_defaults=True, tag_field="type"):
+    pass
+
+
+class MapBlockStored(MapEvent, tag="BlockStored"):
+    block_hashes: list[Union[int, bytes]]
+    parent_block_hash: Optional[Union[int, bytes]]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+    lora_name: Optional[str]
+    extra_keys: Optional[list[Optional[tuple]]] = None
+
+
+class MapBlockRemoved(MapEvent, tag="BlockRemoved"):
+    block_hashes: list[Union[int, bytes]]
+    medium: Optional[str]
+
+
+class MapKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[Union[MapBlockStored, MapBlockRemoved]]
+    data_parallel_rank: Optional[int] = None
+
+
+DECODERS = {"array": msgspec.msgpack.Decoder(KVEventBatch),
+            "map": msgspec.msgpack.Decoder(MapKVEventBatch)}
 PUB, REPLAY = 5557, 5558
 BLOCK = 16
 
@@ -70,7 +99,8 @@ def hexof(h) -> str:
 class Mirror:
     """The set of cached blocks, rebuilt from events: hash -> (parent, namespace)."""
 
-    def __init__(self):
+    def __init__(self, encoding: str):
+        self.decoder = DECODERS[encoding]
         self.blocks: dict[str, tuple[str, str]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.seqs: list[int] = []
@@ -80,10 +110,10 @@ class Mirror:
             return  # already applied (live and replayed overlap)
         assert not self.seqs or seq == self.seqs[-1] + 1, f"gap: {self.seqs[-1]} -> {seq}"
         self.seqs.append(seq)
-        batch = DECODER.decode(payload)
+        batch = self.decoder.decode(payload)
         assert batch.data_parallel_rank == 0 and batch.ts > 1e9
         for ev in batch.events:
-            if isinstance(ev, BlockStored):
+            if isinstance(ev, (BlockStored, MapBlockStored)):
                 assert len(ev.block_hashes) == 1 and ev.block_size == BLOCK
                 assert ev.medium == "CPU" and ev.lora_id is None and ev.lora_name is None
                 assert len(ev.token_ids) == BLOCK and len(ev.extra_keys) == 1
@@ -93,7 +123,7 @@ class Mirror:
                 assert h not in self.blocks, "stored twice"
                 self.blocks[h] = (parent, ev.extra_keys[0][0])
                 self.tokens[h] = list(ev.token_ids)
-            elif isinstance(ev, BlockRemoved):
+            elif isinstance(ev, (BlockRemoved, MapBlockRemoved)):
                 for b in ev.block_hashes:
                     assert self.blocks.pop(hexof(b), None) is not None, "removed an unknown block"
             else:
@@ -157,11 +187,13 @@ PROMPTS = [f"Story {i}: " + " ".join(["once upon a time there was a small villag
            + f" and then number {i} happened." for i in range(10)]
 
 
-def test_events_rebuild_the_cached_blocks_live_late_and_after_drops():
+@pytest.mark.parametrize("encoding", ["array", "map"])
+def test_events_rebuild_the_cached_blocks_live_late_and_after_drops(encoding):
     with Hosts(1) as hosts:
         h = hosts[0]
         with Worker(h, "--kv-cache-tokens", 512, "--kv-events", f"tcp://{h.addr}:{PUB}",
-                    "--kv-events-replay", f"tcp://{h.addr}:{REPLAY}") as w:
+                    "--kv-events-replay", f"tcp://{h.addr}:{REPLAY}",
+                    "--kv-events-encoding", encoding) as w:
             ctx = zmq.Context()
             live = ctx.socket(zmq.SUB)
             live.setsockopt(zmq.SUBSCRIBE, b"")
@@ -170,7 +202,7 @@ def test_events_rebuild_the_cached_blocks_live_late_and_after_drops():
             dropping.setsockopt(zmq.SUBSCRIBE, b"")
             dropping.connect(f"tcp://{h.addr}:{PUB}")
             time.sleep(0.5)  # PUB/SUB joins are asynchronous
-            live_m, drop_m = Mirror(), Mirror()
+            live_m, drop_m = Mirror(encoding), Mirror(encoding)
             if True:  # noqa: SIM108 (one block: the live subscriber's checks)
                 traffic(w, PROMPTS)  # 512 tokens hold ~3 prompts: evictions
                 traffic(w, PROMPTS[:2], salt="tenant-a")
@@ -208,7 +240,7 @@ def test_events_rebuild_the_cached_blocks_live_late_and_after_drops():
                 # A subscriber that lost messages 3..5 (and so ignores the rest).
                 drain(dropping, drop_m, skip=set(range(3, 6)))
             # The dropping mirror holds seqs 0..2 only; replay the rest.
-            late_m = Mirror()
+            late_m = Mirror(encoding)
             assert replay(ctx, h.addr, 0, late_m) == len(live_m.seqs)
             assert late_m.blocks == worker_blocks(w)
             assert drop_m.seqs == [0, 1, 2]
@@ -240,5 +272,7 @@ def test_bad_event_options_are_refused(tmp_path):
 
     p = serve("--kv-events-replay", "tcp://127.0.0.1:5999")
     assert p.returncode != 0 and "need --kv-events tcp://" in p.stderr
+    p = serve("--kv-events", "tcp://127.0.0.1:5999", "--kv-events-encoding", "json")
+    assert p.returncode != 0 and "--kv-events-encoding: 'json'" in p.stderr
     p = serve("--kv-events", "tcp://256.1.1.1:notaport")
     assert p.returncode != 0 and "--kv-events tcp://256.1.1.1:notaport" in p.stderr
