@@ -627,9 +627,9 @@ void HttpServer::routes() {
 
   // Bodies are read through a capped receiver: the limit holds for every
   // transfer encoding (Content-Length was checked by the guard already).
-  auto post = [this, &h](const char* path, Endpoint endpoint) {
-    h.Post(path, [this, endpoint](const httplib::Request&, httplib::Response& res,
-                                  const httplib::ContentReader& reader) {
+  auto post = [this, &h](const char* path, Endpoint endpoint, bool render_only = false) {
+    h.Post(path, [this, endpoint, render_only](const httplib::Request&, httplib::Response& res,
+                                               const httplib::ContentReader& reader) {
       std::string body;
       bool too_large = false;
       const bool ok = reader([&](const char* data, size_t n) {
@@ -652,7 +652,11 @@ void HttpServer::routes() {
                                   "encoding, or not received in time)"));
         return;
       }
-      completion(endpoint, body, res);
+      if (render_only) {
+        render(endpoint, body, res);
+      } else {
+        completion(endpoint, body, res);
+      }
     });
     // A POST without a body (Content-Length: 0) takes the plain handler.
     h.Post(path, [this, endpoint](const httplib::Request& req, httplib::Response& res) {
@@ -661,6 +665,54 @@ void HttpServer::routes() {
   };
   post("/v1/completions", Endpoint::kCompletions);
   post("/v1/chat/completions", Endpoint::kChat);
+  post("/v1/completions/render", Endpoint::kCompletions, true);
+  post("/v1/chat/completions/render", Endpoint::kChat, true);
+}
+
+ProtocolLimits HttpServer::protocol_limits(const Engine& engine) const {
+  ProtocolLimits limits;
+  limits.model_id = config_.model_id;
+  limits.model_aliases = config_.model_aliases;
+  limits.n_ctx = engine.model().config().n_ctx_train;
+  if (const Status rs = retention_supported(engine.layout()); !rs.ok()) {
+    limits.retention_unsupported = rs.error().message;
+  }
+  return limits;
+}
+
+// POST /v1/completions/render, /v1/chat/completions/render (vLLM's render
+// endpoints, which vllm-router's cache_aware and kv_aware policies call to
+// learn a request's prompt tokens): the request is parsed exactly as the
+// completion endpoint parses it (same errors) and nothing runs. Chat: one
+// object {"request_id", "token_ids", "model", ...}; completions: a list of
+// them, one per prompt. token_ids are the tokens the engine would prefill
+// (chat template applied, BOS as the model asks).
+void HttpServer::render(Endpoint endpoint, const std::string& body, httplib::Response& res) {
+  Scheduler* s = scheduler_.load();
+  const Engine& engine = s->engine();
+  auto parsed = parse_request(endpoint, body, engine.tokenizer(), chat_, protocol_limits(engine));
+  if (auto* e = std::get_if<ApiError>(&parsed)) {
+    send_error(res, *e);
+    return;
+  }
+  const ParsedRequest& p = std::get<ParsedRequest>(parsed);
+  const uint64_t id = next_id_.fetch_add(1);
+  auto one = [&](const std::vector<int32_t>& tokens, size_t k) {
+    return json{{"request_id", "render-" + std::to_string(id) + "-" + std::to_string(k)},
+                {"token_ids", tokens},
+                {"features", nullptr},
+                {"sampling_params",
+                 {{"max_tokens", p.seq.max_tokens < 0 ? json(nullptr) : json(p.seq.max_tokens)}}},
+                {"model", p.model.empty() ? config_.model_id : p.model},
+                {"stream", p.stream}};
+  };
+  if (endpoint == Endpoint::kChat) {
+    res.set_content(dump(one(p.seq.prompt, 0)), "application/json");
+    return;
+  }
+  json out = json::array({one(p.seq.prompt, 0)});
+  for (size_t k = 0; k < p.more_prompts.size(); ++k) out.push_back(one(p.more_prompts[k], k + 1));
+  res.set_content(dump(out), "application/json");
 }
 
 void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib::Response& res) {
@@ -670,14 +722,7 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
   Engine& engine = s->engine();
   const Tokenizer& tok = engine.tokenizer();
   const int64_t n_ctx = engine.model().config().n_ctx_train;
-  ProtocolLimits limits;
-  limits.model_id = config_.model_id;
-  limits.model_aliases = config_.model_aliases;
-  limits.n_ctx = n_ctx;
-  if (const Status rs = retention_supported(engine.layout()); !rs.ok()) {
-    limits.retention_unsupported = rs.error().message;
-  }
-  auto parsed = parse_request(endpoint, body, tok, chat_, limits);
+  auto parsed = parse_request(endpoint, body, tok, chat_, protocol_limits(engine));
   if (auto* e = std::get_if<ApiError>(&parsed)) {
     send_error(res, *e);
     return;

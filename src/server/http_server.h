@@ -94,6 +94,8 @@ class HttpServer {
  private:
   void routes();
   void completion(Endpoint endpoint, const std::string& body, httplib::Response& res);
+  void render(Endpoint endpoint, const std::string& body, httplib::Response& res);
+  ProtocolLimits protocol_limits(const Engine& engine) const;
   void observe_tpot(double seconds);
 
   ServerConfig config_;

@@ -6,11 +6,11 @@ Checked: the fields the router adds to every request parse (and non-default
 values are refused by name); /get_load has the shape the router reads and
 power_of_two steers around a busy worker; cache_aware, consistent_hash,
 power_of_two and round_robin all serve greedy outputs equal to a direct
-request (plain and streamed, completions and chat); session affinity
-(consistent_hash on x-session-id) sends repeated prefixes to the worker that
-holds them: its prefix-cache hit rate (usage.prompt_tokens_details.cached_tokens)
-beats round_robin's by a clear margin on a workload whose prefixes overflow
-one worker's cache.
+request (plain and streamed, completions and chat); the render endpoints
+return the prompt tokens; cache_aware sends repeated prefixes to the worker
+that holds them: its prefix-cache hit rate
+(usage.prompt_tokens_details.cached_tokens) beats round_robin's by a clear
+margin on a workload whose prefixes overflow one worker's cache.
 """
 import json
 import random
@@ -23,10 +23,11 @@ import requests
 from conftest import MODEL, run_kvstack
 from router_cluster import Hosts, Router, Worker, post, stream_text
 
-# Cache sized for 4 of the 5 documents of the hit-rate test (see there).
+# Cache sized for 4 of the 5 documents of the hit-rate test (see there) and
+# the blocks of the requests running beside them.
 DOC_BLOCKS = 10
 BLOCK = 16
-KV_TOKENS = 4 * DOC_BLOCKS * BLOCK
+KV_TOKENS = 40 * BLOCK
 
 
 @pytest.fixture(scope="module")
@@ -199,40 +200,72 @@ def _trim(docs: list[str], n_tokens: int) -> list[str]:
 
 
 def _hit_rate(router_url: str, docs: list[str], rounds: int) -> tuple[float, int, int]:
-    """Cycles through the documents `rounds` times, each request one document
-    (its first DOC_BLOCKS blocks of tokens) plus a question; returns cached /
-    prompt tokens over rounds 2.. (round 1 only fills the caches)."""
-    cached = prompt = 0
-    for r in range(rounds):
-        for i, d in enumerate(docs):
-            body = {"model": "kvstack", "prompt": d + f"\nQuestion {r}: what is word {i}?",
-                    "max_tokens": 1, "temperature": 0}
-            # The session a client names (vllm-router's affinity key): one per document.
-            r_ = requests.post(router_url + "/v1/completions", json=body, timeout=120,
-                               headers={"x-session-id": f"doc-{i}-{hash(d) & 0xffff}"})
-            assert r_.status_code == 200, r_.text
-            u = r_.json()["usage"]
-            if r > 0:
-                cached += u["prompt_tokens_details"]["cached_tokens"]
-                prompt += u["prompt_tokens"]
+    """One client per document, all sending at once each round (a barrier);
+    each request is its document plus a question. Returns cached / prompt
+    tokens over rounds 2.. (round 1 only fills the caches)."""
+    n = len(docs)
+    barrier = threading.Barrier(n)
+    usage = [[None] * rounds for _ in range(n)]
+    errors = []
+
+    def client(i):
+        try:
+            for r in range(rounds):
+                barrier.wait(timeout=60)
+                body = {"model": "kvstack", "prompt": docs[i] + f"\nQuestion {r}: what is word {i}?",
+                        "max_tokens": 1, "temperature": 0}
+                resp = requests.post(router_url + "/v1/completions", json=body, timeout=120)
+                assert resp.status_code == 200, resp.text
+                usage[i][r] = resp.json()["usage"]
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    cached = sum(usage[i][r]["prompt_tokens_details"]["cached_tokens"]
+                 for i in range(n) for r in range(1, rounds))
+    prompt = sum(usage[i][r]["prompt_tokens"] for i in range(n) for r in range(1, rounds))
     return cached / prompt, cached, prompt
 
 
-def test_session_affinity_beats_round_robin_on_hit_rate(cluster):
-    """Five documents of ~DOC_BLOCKS blocks each, cycled; each worker's cache
-    holds 4. Round robin sends every document to both workers, so each sees all
-    five in a cycle and LRU evicts every one before its next use;
-    consistent_hash on the client's x-session-id (one per document) keeps each
-    document on one worker. (cache_aware is not compared: vllm-router 0.1.17's
-    cache_aware tokenizes through the worker's vLLM /v1/*/render endpoint,
-    which kvstack does not serve, and without it sends every request to one
-    worker; see README, "Behind vllm-router".)"""
+def test_cache_aware_beats_round_robin_on_hit_rate(cluster):
+    """Five documents of ~DOC_BLOCKS blocks, one client each, all sending at
+    once, four rounds; a worker's cache holds about 4 documents. Round robin
+    moves every document between the workers from round to round, so each
+    worker cycles through all five and evicts (LRU) what it needs next;
+    cache_aware spreads the first round by load (in-flight requests) and then
+    sends each document to the worker whose tree holds its tokens (which it
+    learns from /v1/completions/render), where its blocks stay cached."""
     hosts, workers = cluster
     rates = {}
-    for seed, policy in ((1, "round_robin"), (2, "consistent_hash")):
+    for seed, policy in ((1, "round_robin"), (2, "cache_aware")):
         docs = _trim(_documents(seed, 5), DOC_BLOCKS * BLOCK - 8)
         with Router(hosts[2], [w.url for w in workers], policy) as router:
             rates[policy] = _hit_rate(router.url, docs, rounds=4)
         print(policy, "hit rate %.3f (%d / %d cached prompt tokens)" % rates[policy])
-    assert rates["consistent_hash"][0] > 0.6, rates
-    assert rates["consistent_hash"][0] > rates["round_robin"][0] + 0.4, rates
+    assert rates["cache_aware"][0] > 0.7, rates
+    assert rates["cache_aware"][0] > rates["round_robin"][0] + 0.3, rates
+
+
+def test_render_returns_the_prompt_tokens(cluster):
+    _, workers = cluster
+    base = workers[0].url
+    prompt = "The capital of France is"
+    toks = json.loads(run_kvstack("tokenize", "-m", MODEL, "-p", prompt).stdout)
+    got = post(base, "/v1/completions/render", {"model": "kvstack", "prompt": prompt})
+    assert isinstance(got, list) and len(got) == 1 and got[0]["token_ids"] == toks
+    two = post(base, "/v1/completions/render", {"prompt": [prompt, "Hi"]})
+    assert [g["token_ids"] for g in two][0] == toks and len(two) == 2
+    chat = post(base, "/v1/chat/completions/render",
+                {"messages": [{"role": "user", "content": "Hi"}], **ROUTER_CHAT_FIELDS})
+    # The tokens a chat completion prefills: its usage.prompt_tokens.
+    usage = _chat(base, "Hi")["usage"]
+    assert len(chat["token_ids"]) == usage["prompt_tokens"]
+    bad = requests.post(base + "/v1/completions/render", json={"prompt": "x", "top_p": 7},
+                        timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"
