@@ -216,8 +216,9 @@ void KvEventPublisher::run() {
         while (static_cast<int64_t>(replay_.size()) > config_.replay_batches) replay_.pop_front();
       }
     } catch (const zmq::error_t&) {
-      // A send refused (e.g. interrupted): the batch is lost; seq is not
-      // advanced, so a subscriber sees no gap it could replay.
+      // A send refused (e.g. interrupted): the batch is lost and counted as
+      // dropped; seq is not advanced (no gap a subscriber could replay).
+      n_dropped_.fetch_add(static_cast<int64_t>(batch.size()), std::memory_order_relaxed);
     }
     batch.clear();
   }

@@ -89,6 +89,7 @@ class MapKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
 DECODERS = {"array": msgspec.msgpack.Decoder(KVEventBatch),
             "map": msgspec.msgpack.Decoder(MapKVEventBatch)}
 PUB, REPLAY = 5557, 5558
+TOPICS = {"array": b"", "map": b"kvstack-w0"}  # the map run also sets --kv-events-topic
 BLOCK = 16
 
 
@@ -101,6 +102,7 @@ class Mirror:
 
     def __init__(self, encoding: str):
         self.decoder = DECODERS[encoding]
+        self.topic = TOPICS[encoding]
         self.blocks: dict[str, tuple[str, str]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.seqs: list[int] = []
@@ -134,7 +136,7 @@ def drain(sock, mirror: Mirror, quiet: float = 0.5, skip=()) -> None:
     """Applies messages until none arrives for `quiet` seconds; seqs in `skip` are dropped."""
     while sock.poll(int(quiet * 1000)):
         topic, seq, payload = sock.recv_multipart()
-        assert topic == b""
+        assert topic == mirror.topic
         s = int.from_bytes(seq, "big")
         if s in skip or (mirror.seqs and s != mirror.seqs[-1] + 1):
             continue  # lost; a subscriber that sees a gap waits for a replay
@@ -193,7 +195,9 @@ def test_events_rebuild_the_cached_blocks_live_late_and_after_drops(encoding):
         h = hosts[0]
         with Worker(h, "--kv-cache-tokens", 512, "--kv-events", f"tcp://{h.addr}:{PUB}",
                     "--kv-events-replay", f"tcp://{h.addr}:{REPLAY}",
-                    "--kv-events-encoding", encoding) as w:
+                    "--kv-events-encoding", encoding,
+                    *(["--kv-events-topic", TOPICS[encoding].decode()] if TOPICS[encoding] else [])
+                    ) as w:
             ctx = zmq.Context()
             live = ctx.socket(zmq.SUB)
             live.setsockopt(zmq.SUBSCRIBE, b"")
