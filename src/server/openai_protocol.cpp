@@ -188,6 +188,64 @@ const std::set<std::string>& known_fields(Endpoint e) {
   return e == Endpoint::kChat ? chat : completions;
 }
 
+// vLLM / vllm-router fields, checked by parse_router_fields.
+const std::set<std::string>& router_fields() {
+  static const std::set<std::string> f = {
+      "kv_transfer_params",  "min_tokens",           "no_stop_trim",
+      "skip_special_tokens", "return_hidden_states", "separate_reasoning",
+      "stream_reasoning",    "include_reasoning",    "continue_final_message"};
+  return f;
+}
+
+// Fields vllm-router (and vLLM clients) send with their defaults: accepted
+// when they ask for what kvstack does anyway, refused naming the field
+// otherwise; kv_transfer_params is kept for the PD agent.
+std::optional<ApiError> parse_router_fields(const json& body, ParsedRequest* out) {
+  auto flag_is = [&](const char* name, bool want) -> std::optional<ApiError> {
+    auto it = body.find(name);
+    if (it == body.end() || it->is_null()) return std::nullopt;
+    if (!it->is_boolean()) return bad(name, std::string("'") + name + "' must be a boolean");
+    if (it->get<bool>() != want) {
+      return bad(
+          name, std::string("'") + name + "': only " + (want ? "true" : "false") + " is supported");
+    }
+    return std::nullopt;
+  };
+  for (const auto& [name, want] : {std::pair<const char*, bool>{"no_stop_trim", false},
+                                   {"skip_special_tokens", true},
+                                   {"return_hidden_states", false},
+                                   {"continue_final_message", false}}) {
+    if (auto e = flag_is(name, want)) return e;
+  }
+  // Reasoning-output switches: nothing to separate (no reasoning parser).
+  for (const char* name : {"separate_reasoning", "stream_reasoning", "include_reasoning"}) {
+    auto it = body.find(name);
+    if (it != body.end() && !it->is_null() && !it->is_boolean()) {
+      return bad(name, std::string("'") + name + "' must be a boolean");
+    }
+  }
+  if (auto it = body.find("min_tokens"); it != body.end() && !it->is_null()) {
+    if (!it->is_number_integer() || it->get<int64_t>() < 0) {
+      return bad("min_tokens", "'min_tokens' must be a non-negative integer");
+    }
+    // min_tokens 1 with max_tokens 1 (vllm-router's prefill request) holds
+    // whatever is sampled; larger values would need EOS masking.
+    const auto mt = body.find("max_tokens");
+    const bool one = mt != body.end() && mt->is_number_integer() && mt->get<int64_t>() == 1;
+    if (it->get<int64_t>() > 1 || (it->get<int64_t>() == 1 && !one)) {
+      return bad("min_tokens",
+                 "'min_tokens' above 0 is not supported (except 1 with max_tokens 1)");
+    }
+  }
+  if (auto it = body.find("kv_transfer_params"); it != body.end() && !it->is_null()) {
+    if (!it->is_object()) {
+      return bad("kv_transfer_params", "'kv_transfer_params' must be an object");
+    }
+    out->kv_transfer_params = *it;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 json ApiError::to_json() const {
@@ -319,12 +377,13 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
     return bad("", std::string("the request body must be a JSON object, not ") + type_name(body));
   }
   for (const auto& [key, value] : body.items()) {
-    if (known_fields(endpoint).count(key) == 0) {
+    if (known_fields(endpoint).count(key) == 0 && router_fields().count(key) == 0) {
       return bad(key, "unrecognized request argument supplied: " + key);
     }
   }
   ParsedRequest out;
   out.endpoint = endpoint;
+  if (auto e = parse_router_fields(body, &out)) return *e;
   SeqRequest& q = out.seq;
   SamplingParams& s = q.sampling;
   // OpenAI defaults: temperature 1, top_p 1, no penalties.

@@ -301,10 +301,12 @@ void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
 }
 }  // namespace
 
-Status PullSession::read(std::span<uint8_t* const> dst, std::chrono::milliseconds timeout) {
+Status PullSession::read(std::span<uint8_t* const> dst, std::chrono::milliseconds timeout,
+                         size_t first) {
   const auto t0 = Clock::now();
   const auto deadline = t0 + timeout;
-  if (static_cast<int64_t>(dst.size()) != offer_.n_blocks) {
+  if (first > static_cast<size_t>(offer_.n_blocks) ||
+      static_cast<int64_t>(dst.size()) != offer_.n_blocks - static_cast<int64_t>(first)) {
     return make_error(Errc::kInternal,
                       "PullSession::read: destination count differs from the offer");
   }
@@ -338,13 +340,13 @@ Status PullSession::read(std::span<uint8_t* const> dst, std::chrono::millisecond
   int64_t n_bytes = 0;
   while (i < dst.size()) {
     size_t j = i + 1;
-    while (j < dst.size() && offer_.addrs[j] == offer_.addrs[j - 1] + bb &&
+    while (j < dst.size() && offer_.addrs[first + j] == offer_.addrs[first + j - 1] + bb &&
            dst[j] == dst[j - 1] + bb) {
       ++j;
     }
     ucp_request_param_t p{};
     const size_t len = (j - i) * bb;
-    ucs_status_ptr_t r = ucp_get_nbx(e, dst[i], len, offer_.addrs[i], rkey, &p);
+    ucs_status_ptr_t r = ucp_get_nbx(e, dst[i], len, offer_.addrs[first + i], rkey, &p);
     if (UCS_PTR_IS_ERR(r)) {
       for (ucs_status_ptr_t q : reqs) (void)wait_request(worker, q, deadline);
       return ucx_error("KV transfer: ucp_get_nbx", UCS_PTR_STATUS(r));
@@ -368,8 +370,7 @@ Status PullSession::read(std::span<uint8_t* const> dst, std::chrono::millisecond
     first_err = static_cast<ucs_status_t>(ep_error_.load());
   }
   if (first_err != UCS_OK) {
-    return ucx_error("KV transfer: reading " + std::to_string(offer_.n_blocks) + " blocks",
-                     first_err);
+    return ucx_error("KV transfer: reading " + std::to_string(dst.size()) + " blocks", first_err);
   }
   timings_.read_s = seconds_since(t0);
   timings_.n_bytes = n_bytes;

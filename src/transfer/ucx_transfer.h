@@ -145,10 +145,10 @@ class PullSession {
   PullSession& operator=(const PullSession&) = delete;
 
   const Offer& offer() const { return offer_; }
-  // Reads block i of the offer into dst[i] (offer().block_bytes bytes each)
-  // with one-sided gets, all before the deadline given at open() plus
-  // `timeout`. On error nothing in dst may be trusted.
-  Status read(std::span<uint8_t* const> dst, std::chrono::milliseconds timeout);
+  // Reads blocks [first, n_blocks) of the offer, block first + i into
+  // dst[i] (offer().block_bytes bytes each), with one-sided gets, all
+  // within `timeout`. On error nothing in dst may be trusted.
+  Status read(std::span<uint8_t* const> dst, std::chrono::milliseconds timeout, size_t first = 0);
   // Tells the server the pull ended (ok: verified); the lease ends.
   Status finish(bool ok);
   const PullTimings& timings() const { return timings_; }
