@@ -14,6 +14,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 
 #include "cli/args.h"
@@ -262,6 +263,9 @@ int run_serve(const std::vector<std::string>& argv) {
     pc.transfer_port = static_cast<int>(*transfer_port);
     pc.lease_timeout = std::chrono::milliseconds(static_cast<int64_t>(*lease_timeout * 1000));
     pc.transfer_timeout = std::chrono::milliseconds(static_cast<int64_t>(*transfer_timeout * 1000));
+    if (const char* stall = std::getenv("KVSTACK_TEST_PULL_STALL_MS")) {
+      pc.test_pull_stall = std::chrono::milliseconds(std::atoll(stall));
+    }
     auto agent = server::PdAgent::create(**engine, pc);
     if (!agent) {
       http.stop();

@@ -369,6 +369,7 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
   }
   const auto left = config_.transfer_timeout -
                     std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+  if (config_.test_pull_stall.count() > 0) std::this_thread::sleep_for(config_.test_pull_stall);
   std::vector<uint8_t*> want(dst.begin() + static_cast<std::ptrdiff_t>(k), dst.end());
   Status read = session.read(want, std::max(left, std::chrono::milliseconds(1)), k);
   // Every record: identity, the hash this worker gives these tokens in this
@@ -444,7 +445,7 @@ json pd_stats_json(const PdStats& s) {
               {"served_pulls", s.server.n_pulls},
               {"served_pulls_ok", s.server.n_pulls_ok},
               {"served_pulls_failed", s.server.n_pulls_failed},
-              {"bytes_served", s.server.n_bytes_offered},
+              {"bytes_offered", s.server.n_bytes_offered},
               {"pulls", s.n_pulls},
               {"pulls_ok", s.n_pulls_ok},
               {"pulls_failed", s.n_pulls_failed},
@@ -481,7 +482,8 @@ std::string pd_prometheus(const PdStats& s, const std::string& labels) {
        d(s.leases.n_cancelled));
   line("leases_expired_total", "counter", "Leases ended by --kv-lease-timeout",
        d(s.leases.n_expired));
-  line("bytes_served_total", "counter", "Payload bytes read by decode workers",
+  line("bytes_offered_total", "counter",
+       "Payload bytes of completed offers (decode workers read the blocks they do not cache)",
        d(s.server.n_bytes_offered));
   line("pulls_total", "counter", "Pulls started by this decode worker", d(s.n_pulls));
   line("pulls_failed_total", "counter", "Pulls that failed (the request got an error)",

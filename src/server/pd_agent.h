@@ -70,6 +70,10 @@ struct PdConfig {
   int transfer_port = 0;      // prefill: control port (0 = any free)
   std::chrono::milliseconds lease_timeout{30000};     // --kv-lease-timeout
   std::chrono::milliseconds transfer_timeout{10000};  // --kv-transfer-timeout: connect + read
+  // Tests (KVSTACK_TEST_PULL_STALL_MS, read at start-up): decode waits this
+  // long between the offer and the reads, so a test can kill the prefill
+  // worker mid-transfer.
+  std::chrono::milliseconds test_pull_stall{0};
 };
 
 // Counters of /metrics and /v1/kv/stats ("transfer"). Units: bytes, seconds.
