@@ -7,7 +7,8 @@ server as the reference: greedy output, usage and streaming through the
 router equal the reference's; the decode worker's cached_tokens are the
 pulled blocks. Failure injection: a lease that expires, a prefill worker
 killed mid-transfer, a frozen prefill worker, a client that disconnects, a
-layout mismatch, a retried decode request: each ends in a clear error or a
+layout mismatch, a retried decode request, a client retry through the router:
+each ends in a clear error or a
 correct answer within the timeouts, and afterwards neither side holds a
 block or a lease (pool and lease counters from /v1/kv/stats).
 """
@@ -302,36 +303,55 @@ def test_client_disconnects_at_the_decode_worker_and_at_the_router(cluster):
     decode.assert_clean(timeout=15)
 
 
-def test_prefill_killed_mid_transfer_or_frozen(hosts, cluster):
+def test_prefill_killed_mid_transfer_or_frozen_and_a_client_retry(hosts, cluster):
     _, _, both, _ = cluster
     # The decode worker waits 1.5 s between the offer and its reads, so the
     # prefill worker can be killed after the offer and before the data.
     stall = Worker(hosts[1], "decode", port=8001, env={"KVSTACK_TEST_PULL_STALL_MS": "1500"})
-    victim = Worker(hosts[2], "prefill", extra=["--kv-transfer-host", hosts[2].addr])
+    victim_flags = ["--kv-transfer-host", hosts[2].addr, "--kv-transfer-port", "8100"]
+    victim = Worker(hosts[2], "prefill", extra=victim_flags)
+    router = Router(victim, stall)
+    ref = both.post("/v1/completions", completion(PROMPTS[3])).json()
     try:
-        params = prefill_request(victim, PROMPTS[3])
         result = {}
 
-        def pull():
+        def request():
             t0 = time.time()
-            result["r"] = stall.post("/v1/completions",
-                                     completion(PROMPTS[3], kv_transfer_params=params))
+            result["r"] = router.post("/v1/completions", completion(PROMPTS[3]))
             result["t"] = time.time() - t0
 
-        th = threading.Thread(target=pull)
+        th = threading.Thread(target=request)
         th.start()
-        time.sleep(0.7)  # offer received, reads not started
+        deadline = time.time() + 20  # until the offer exists
+        while victim.stats()["transfer"]["offers"] == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # offer received by the decode worker, reads not started
         victim.stop(signal.SIGKILL)
         th.join(30)
         assert not th.is_alive()
         r = result["r"]
+        # vllm-router passes the decode worker's error through (it does not
+        # retry a PD stage): an error, never text from unverified K/V.
         assert r.status_code == 502, r.text
         assert r.json()["error"]["code"] == "kv_transfer_failed"
-        assert result["t"] < 1.5 + TRANSFER_S + 3
+        assert result["t"] < 1.5 + TRANSFER_S + 5
+        stall.assert_clean()
+        # The client retries through the router once the prefill worker is
+        # back: a new prefill, a new lease, the right answer.
+        victim = Worker(hosts[2], "prefill", extra=victim_flags)
+        deadline = time.time() + 30
+        while True:
+            r = router.post("/v1/completions", completion(PROMPTS[3]))
+            if r.status_code == 200 or time.time() > deadline:
+                break
+            time.sleep(0.5)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref["choices"][0]["text"]
+        assert stall.stats()["transfer"]["blocks_pulled"] > 0
+        victim.assert_clean()
         stall.assert_clean()
         # A frozen prefill worker: the decode worker gives up after its
         # transfer timeout, with an error and no block held.
-        victim = Worker(hosts[2], "prefill", extra=["--kv-transfer-host", hosts[2].addr])
         params = prefill_request(victim, PROMPTS[0])
         victim.proc.send_signal(signal.SIGSTOP)
         t0 = time.time()
@@ -344,9 +364,10 @@ def test_prefill_killed_mid_transfer_or_frozen(hosts, cluster):
         stall.assert_clean()
         # The same decode worker still serves correct output afterwards.
         ok = stall.post("/v1/completions", completion(PROMPTS[0])).json()
-        ref = both.post("/v1/completions", completion(PROMPTS[0])).json()
-        assert ok["choices"][0]["text"] == ref["choices"][0]["text"]
+        ref0 = both.post("/v1/completions", completion(PROMPTS[0])).json()
+        assert ok["choices"][0]["text"] == ref0["choices"][0]["text"]
     finally:
+        router.stop()
         victim.stop(signal.SIGKILL)
         stall.stop()
 
