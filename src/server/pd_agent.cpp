@@ -414,7 +414,11 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
   stats_.last_read_s = t.read_s;
   stats_.pull_seconds += stats_.last_pull_s;
   stats_.read_seconds += t.read_s;
-  stats_.last_bandwidth = t.read_s > 0 ? static_cast<double>(t.n_bytes) / t.read_s : 0;
+  stats_.last_get_s = t.get_s;
+  stats_.last_wireup_s = t.wireup_s;
+  stats_.last_n_gets = t.n_gets;
+  stats_.last_bytes = t.n_bytes;
+  stats_.last_bandwidth = t.get_s > 0 ? static_cast<double>(t.n_bytes) / t.get_s : 0;
   return pin;
 }
 
@@ -458,6 +462,10 @@ json pd_stats_json(const PdStats& s) {
               {"read_seconds", s.read_seconds},
               {"last_pull_seconds", s.last_pull_s},
               {"last_read_seconds", s.last_read_s},
+              {"last_get_seconds", s.last_get_s},
+              {"last_wireup_seconds", s.last_wireup_s},
+              {"last_gets", s.last_n_gets},
+              {"last_read_bytes", s.last_bytes},
               {"last_read_bytes_per_second", s.last_bandwidth}};
 }
 

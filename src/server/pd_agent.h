@@ -98,7 +98,11 @@ struct PdStats {
   double read_seconds = 0;           // of which UCX reads
   double last_pull_s = 0;
   double last_read_s = 0;
-  double last_bandwidth = 0;  // bytes/s of the last read
+  double last_wireup_s = 0;   // endpoint connection of the last read
+  double last_get_s = 0;      // the gets alone (no worker / endpoint set-up)
+  int64_t last_n_gets = 0;    // get operations of the last read (contiguous runs)
+  int64_t last_bytes = 0;     // payload bytes of the last read
+  double last_bandwidth = 0;  // bytes/s of the last read's gets
 };
 nlohmann::json pd_stats_json(const PdStats& s);
 std::string pd_prometheus(const PdStats& s, const std::string& labels);

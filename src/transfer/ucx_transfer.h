@@ -127,7 +127,9 @@ struct Offer {
 
 struct PullTimings {
   double connect_s = 0;  // control connect + PULL/OFFER
-  double read_s = 0;     // UCX endpoint + rkey + every get completed
+  double read_s = 0;     // UCX worker + endpoint + rkey + every get completed
+  double wireup_s = 0;   // of which the endpoint's connection (a 1-byte get + flush)
+  double get_s = 0;      // of which the data gets: first issued .. flush completed
   int64_t n_gets = 0;    // get operations (contiguous blocks are coalesced)
   int64_t n_bytes = 0;
 };
