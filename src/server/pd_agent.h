@@ -128,7 +128,8 @@ class PulledPrefix {
 
 class PdAgent {
  public:
-  // REQUIRES: called before the engine thread starts (registers the pool);
+  // REQUIRES: called before the engine thread starts (registers the pool;
+  // decode: writes every pool page once, so that pulls do not page-fault);
   // the engine outlives the agent.
   static Result<std::unique_ptr<PdAgent>> create(Engine& engine, const PdConfig& config);
   ~PdAgent();  // stop() first

@@ -3,6 +3,7 @@
 #include <poll.h>
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -11,6 +12,8 @@ namespace kvstack::transfer {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+constexpr size_t kMaxGetBytes = 4u << 20;
 
 Error ucx_error(const std::string& what, ucs_status_t st) {
   return make_error(Errc::kIo, what + ": " + ucs_status_string(st));
@@ -40,6 +43,17 @@ ucs_status_t wait_request(ucp_worker_h worker, ucs_status_ptr_t req, Clock::time
   }
   ucp_request_free(req);
   return st;
+}
+
+// Largest single get (bytes); KVSTACK_TRANSFER_GET_BYTES overrides it for
+// measurements (read once).
+size_t get_chunk_bytes() {
+  static const size_t v = [] {
+    const char* e = std::getenv("KVSTACK_TRANSFER_GET_BYTES");
+    const long long n = e != nullptr ? std::atoll(e) : 0;
+    return n > 0 ? static_cast<size_t>(n) : kMaxGetBytes;
+  }();
+  return v;
 }
 
 }  // namespace
@@ -366,16 +380,22 @@ Status PullSession::read(std::span<uint8_t* const> dst, std::chrono::millisecond
            dst[j] == dst[j - 1] + bb) {
       ++j;
     }
-    ucp_request_param_t p{};
+    // Each run is cut into gets of at most kMaxGetBytes, all issued before
+    // any is waited for (UCX pipelines them).
     const size_t len = (j - i) * bb;
-    ucs_status_ptr_t r = ucp_get_nbx(e, dst[i], len, offer_.addrs[first + i], rkey, &p);
-    if (UCS_PTR_IS_ERR(r)) {
-      for (ucs_status_ptr_t q : reqs) (void)wait_request(worker, q, deadline);
-      return ucx_error("KV transfer: ucp_get_nbx", UCS_PTR_STATUS(r));
+    const size_t max_get = get_chunk_bytes();
+    for (size_t off = 0; off < len; off += max_get) {
+      ucp_request_param_t p{};
+      const size_t n = std::min(max_get, len - off);
+      ucs_status_ptr_t r = ucp_get_nbx(e, dst[i] + off, n, offer_.addrs[first + i] + off, rkey, &p);
+      if (UCS_PTR_IS_ERR(r)) {
+        for (ucs_status_ptr_t q : reqs) (void)wait_request(worker, q, deadline);
+        return ucx_error("KV transfer: ucp_get_nbx", UCS_PTR_STATUS(r));
+      }
+      if (r != nullptr) reqs.push_back(r);
+      timings_.n_gets++;
     }
-    if (r != nullptr) reqs.push_back(r);
     n_bytes += static_cast<int64_t>(len);
-    timings_.n_gets++;
     i = j;
   }
   // Completion of every get, then a flush so the data is in place.
