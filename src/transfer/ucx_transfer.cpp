@@ -338,6 +338,12 @@ Status PullSession::read(std::span<uint8_t* const> dst, std::chrono::millisecond
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
   ucp_worker_h worker = nullptr;
   ucs_status_t st = ucp_worker_create(ctx, &wp, &worker);
+  if (st != UCS_OK) {
+    // Seen once at start-up (UCS_ERR_NO_DEVICE from the TCP transport's
+    // interface scan, not reproduced since): one more try before failing.
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    st = ucp_worker_create(ctx, &wp, &worker);
+  }
   if (st != UCS_OK) return ucx_error("KV transfer: ucp_worker_create", st);
   worker_ = worker;
   ucp_ep_params_t ep{};

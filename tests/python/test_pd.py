@@ -81,8 +81,8 @@ class Worker:
                 raise RuntimeError(f"{role} worker did not start:\n" + "".join(self.log))
             time.sleep(0.1)
 
-    def stats(self):
-        return requests.get(self.base + "/v1/kv/stats", timeout=10).json()
+    def stats(self, **params):
+        return requests.get(self.base + "/v1/kv/stats", params=params, timeout=10).json()
 
     def post(self, path, body, timeout=60, **kw):
         return requests.post(self.base + path, json=body, timeout=timeout, **kw)
@@ -199,6 +199,12 @@ def test_pd_output_usage_and_streaming_match_a_single_server(hosts, cluster):
         # reports the prefill's cached_tokens in usage, so ask the worker).
         hit = decode.stats()["prefix_cache"]["namespace"]["hit_tokens"] - hits
         assert hit == (n - 1) // P * P, prompt
+    # A tenant's cache_salt names the same namespace on both workers.
+    salted = completion(PROMPTS[0], cache_salt="tenant-a")
+    hits = decode.stats(cache_salt="tenant-a")["prefix_cache"]["namespace"]["hit_tokens"]
+    got = router.post("/v1/completions", salted).json()
+    assert got["choices"][0]["text"] == both.post("/v1/completions", salted).json()["choices"][0]["text"]
+    assert decode.stats(cache_salt="tenant-a")["prefix_cache"]["namespace"]["hit_tokens"] - hits == P
     # Chat, and streaming through the router.
     chat = {"model": "kvstack", "messages": [{"role": "user", "content": PROMPTS[1]}],
             "max_tokens": 10, "temperature": 0}
