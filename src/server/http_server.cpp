@@ -688,6 +688,8 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
         const Error& e = pulled.error();
         if (e.code == Errc::kInvalidArgument) {
           send_error(res, api_error(400, "invalid_request_error", e.message, "kv_transfer_params"));
+        } else if (e.code == Errc::kOutOfBlocks) {
+          send_error(res, api_error_from(e));  // 503 kv_cache_full: retry later
         } else {
           send_error(res, api_error(502, "server_error", e.message, "", "kv_transfer_failed"));
         }
