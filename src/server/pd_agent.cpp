@@ -114,6 +114,10 @@ Result<std::unique_ptr<PdAgent>> PdAgent::create(Engine& engine, const PdConfig&
   a->ucx_ = std::move(*ucx);
   a->stats_.transports = a->ucx_->transports();
   if (config.role == PdRole::kDecode) {
+    auto puller = transfer::UcxPuller::create(*a->ucx_);
+    if (!puller)
+      return make_error(puller.error().code, std::string(flag) + ": " + puller.error().message);
+    a->puller_ = std::move(*puller);
     // Pulled blocks land in pool pages the decode worker has never written:
     // fault the whole (still free, contents meaningless) pool in now, not
     // page by page inside the transfer (measured in docs/benchmarks.md).
@@ -163,6 +167,7 @@ void PdAgent::stop() {
   if (reaper_.joinable()) reaper_.join();
   leases_.end_all();
   server_.reset();  // no puller reads the pool past here
+  puller_.reset();  // closes the decode side's endpoints
   if (sched_ == nullptr ||
       !sched_->inspect([this](Engine&) { (void)leases_.drain_ended(); }).ok()) {
     (void)leases_.drain_ended();  // the engine thread has returned
@@ -303,12 +308,14 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
       stats_.n_layout_mismatches++;
     }
     // End the producer's lease now rather than at its timeout.
-    if (auto sess = transfer::PullSession::open(*ucx_, host, port, id, config_.transfer_timeout)) {
+    if (auto sess = transfer::PullSession::open(*ucx_, host, port, id, config_.transfer_timeout,
+                                                puller_.get())) {
       (void)(*sess)->finish(false);
     }
     return failed(make_error(Errc::kInvalidArgument, "kv_transfer_params: " + mismatch));
   }
-  auto sess = transfer::PullSession::open(*ucx_, host, port, id, config_.transfer_timeout);
+  auto sess =
+      transfer::PullSession::open(*ucx_, host, port, id, config_.transfer_timeout, puller_.get());
   if (!sess) return failed(sess.error());
   transfer::PullSession& session = **sess;
   const transfer::Offer& o = session.offer();

@@ -176,6 +176,7 @@ class PdAgent {
   std::unique_ptr<transfer::UcxContext> ucx_;
   transfer::LeaseTable leases_;
   std::unique_ptr<transfer::TransferServer> server_;
+  std::unique_ptr<transfer::UcxPuller> puller_;  // decode: one endpoint per prefill worker
   Scheduler* sched_ = nullptr;
   std::thread reaper_;
   std::atomic<bool> stop_{false};

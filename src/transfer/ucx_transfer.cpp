@@ -56,6 +56,10 @@ size_t get_chunk_bytes() {
   return v;
 }
 
+bool same_bytes(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size()) == 0);
+}
+
 }  // namespace
 
 // ---- UcxContext ----
@@ -255,15 +259,66 @@ void TransferServer::serve(Socket conn) {
   fail(true);
 }
 
+// ---- UcxPuller ----
+
+Result<std::unique_ptr<UcxPuller>> UcxPuller::create(UcxContext& ucx) {
+  auto p = std::unique_ptr<UcxPuller>(new UcxPuller());
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // one pull at a time (mu_)
+  ucp_worker_h worker = nullptr;
+  const ucs_status_t st = ucp_worker_create(static_cast<ucp_context_h>(ucx.handle()), &wp, &worker);
+  if (st != UCS_OK) return ucx_error("KV transfer: ucp_worker_create", st);
+  p->worker_ = worker;
+  return p;
+}
+
+void UcxPuller::drop_locked(const std::string& addr) {
+  auto it = peers_.find(addr);
+  if (it == peers_.end()) return;
+  auto worker = static_cast<ucp_worker_h>(worker_);
+  Peer& peer = *it->second;
+  if (peer.rkey != nullptr) ucp_rkey_destroy(static_cast<ucp_rkey_h>(peer.rkey));
+  if (peer.ep != nullptr) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    (void)wait_request(worker, ucp_ep_close_nbx(static_cast<ucp_ep_h>(peer.ep), &p),
+                       Clock::now() + std::chrono::milliseconds(1000));
+  }
+  peers_.erase(it);
+}
+
+UcxPuller::~UcxPuller() {
+  std::lock_guard<std::mutex> lock(mu_);
+  while (!peers_.empty()) {
+    const std::string addr = peers_.begin()->first;
+    drop_locked(addr);
+  }
+  if (worker_ != nullptr) ucp_worker_destroy(static_cast<ucp_worker_h>(worker_));
+}
+
+int64_t UcxPuller::n_endpoints_created() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return n_created_;
+}
+
+size_t UcxPuller::n_peers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peers_.size();
+}
+
 // ---- PullSession ----
 
 Result<std::unique_ptr<PullSession>> PullSession::open(UcxContext& ucx, const std::string& host,
                                                        int port, uint64_t transfer_id,
-                                                       std::chrono::milliseconds timeout) {
+                                                       std::chrono::milliseconds timeout,
+                                                       UcxPuller* puller) {
   const auto t0 = Clock::now();
   const auto deadline = t0 + timeout;
   auto s = std::unique_ptr<PullSession>(new PullSession());
   s->ucx_ = &ucx;
+  s->puller_ = puller;
   s->timeout_ = timeout;
   const std::string where = host + ":" + std::to_string(port);
   auto c = Socket::connect(host, port, timeout);
@@ -332,35 +387,92 @@ Status PullSession::read(std::span<uint8_t* const> dst, std::chrono::millisecond
     return make_error(Errc::kInternal,
                       "PullSession::read: destination count differs from the offer");
   }
-  auto ctx = static_cast<ucp_context_h>(ucx_->handle());
-  ucp_worker_params_t wp{};
-  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
   ucp_worker_h worker = nullptr;
-  ucs_status_t st = ucp_worker_create(ctx, &wp, &worker);
-  if (st != UCS_OK) {
-    // Seen once at start-up (UCS_ERR_NO_DEVICE from the TCP transport's
-    // interface scan, not reproduced since): one more try before failing.
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    st = ucp_worker_create(ctx, &wp, &worker);
-  }
-  if (st != UCS_OK) return ucx_error("KV transfer: ucp_worker_create", st);
-  worker_ = worker;
-  ucp_ep_params_t ep{};
-  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ep.address = reinterpret_cast<const ucp_address_t*>(worker_addr_.data());
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ep.err_handler.cb = on_ep_error;
-  ep.err_handler.arg = &ep_error_;
   ucp_ep_h e = nullptr;
-  st = ucp_ep_create(worker, &ep, &e);
-  if (st != UCS_OK) return ucx_error("KV transfer: ucp_ep_create", st);
-  ep_ = e;
   ucp_rkey_h rkey = nullptr;
-  st = ucp_ep_rkey_unpack(e, rkey_buf_.data(), &rkey);
-  if (st != UCS_OK) return ucx_error("KV transfer: ucp_ep_rkey_unpack", st);
-  rkey_ = rkey;
+  std::atomic<int>* ep_error = &ep_error_;
+  std::unique_lock<std::mutex> lock;
+  const std::string peer_key(worker_addr_.begin(), worker_addr_.end());
+  if (puller_ != nullptr) {
+    lock = std::unique_lock<std::mutex>(puller_->mu_);
+    worker = static_cast<ucp_worker_h>(puller_->worker_);
+    auto it = puller_->peers_.find(peer_key);
+    if (it != puller_->peers_.end() &&
+        (it->second->error.load() != 0 || !same_bytes(it->second->rkey_buf, rkey_buf_))) {
+      puller_->drop_locked(peer_key);  // its peer failed, or it restarted its pool
+      it = puller_->peers_.end();
+    }
+    if (it == puller_->peers_.end()) {
+      if (puller_->peers_.size() >= UcxPuller::kMaxPeers) {
+        const std::string oldest = puller_->peers_.begin()->first;
+        puller_->drop_locked(oldest);
+      }
+      auto peer = std::make_unique<UcxPuller::Peer>();
+      ucp_ep_params_t ep{};
+      ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.address = reinterpret_cast<const ucp_address_t*>(worker_addr_.data());
+      ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      ep.err_handler.cb = on_ep_error;
+      ep.err_handler.arg = &peer->error;
+      ucp_ep_h pe = nullptr;
+      ucs_status_t st = ucp_ep_create(worker, &ep, &pe);
+      if (st != UCS_OK) return ucx_error("KV transfer: ucp_ep_create", st);
+      peer->ep = pe;
+      peer->rkey_buf = rkey_buf_;
+      it = puller_->peers_.emplace(peer_key, std::move(peer)).first;
+      puller_->n_created_++;
+      ucp_rkey_h rk = nullptr;
+      st = ucp_ep_rkey_unpack(pe, rkey_buf_.data(), &rk);
+      if (st != UCS_OK) {
+        puller_->drop_locked(peer_key);
+        return ucx_error("KV transfer: ucp_ep_rkey_unpack", st);
+      }
+      it->second->rkey = rk;
+    }
+    e = static_cast<ucp_ep_h>(it->second->ep);
+    rkey = static_cast<ucp_rkey_h>(it->second->rkey);
+    ep_error = &it->second->error;
+  } else {
+    auto ctx = static_cast<ucp_context_h>(ucx_->handle());
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    ucs_status_t st = ucp_worker_create(ctx, &wp, &worker);
+    if (st != UCS_OK) {
+      // Seen once at start-up (UCS_ERR_NO_DEVICE from the TCP transport's
+      // interface scan, not reproduced since): one more try before failing.
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      st = ucp_worker_create(ctx, &wp, &worker);
+    }
+    if (st != UCS_OK) return ucx_error("KV transfer: ucp_worker_create", st);
+    worker_ = worker;
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(worker_addr_.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = on_ep_error;
+    ep.err_handler.arg = &ep_error_;
+    st = ucp_ep_create(worker, &ep, &e);
+    if (st != UCS_OK) return ucx_error("KV transfer: ucp_ep_create", st);
+    ep_ = e;
+    st = ucp_ep_rkey_unpack(e, rkey_buf_.data(), &rkey);
+    if (st != UCS_OK) return ucx_error("KV transfer: ucp_ep_rkey_unpack", st);
+    rkey_ = rkey;
+  }
+  const Status data = read_data(worker, e, rkey, ep_error, dst, first, deadline);
+  if (!data.ok() && puller_ != nullptr) puller_->drop_locked(peer_key);
+  if (data.ok()) timings_.read_s = seconds_since(t0);
+  return data;
+}
+
+Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::atomic<int>* ep_error,
+                              std::span<uint8_t* const> dst, size_t first,
+                              Clock::time_point deadline) {
+  auto worker = static_cast<ucp_worker_h>(worker_h);
+  auto e = static_cast<ucp_ep_h>(ep_h);
+  auto rkey = static_cast<ucp_rkey_h>(rkey_h);
   // Endpoints connect lazily (TCP: at the first operation): a one-byte get
   // and a flush first, so that the timed gets below measure the data path
   // and the connection set-up is reported apart (wireup_s).
@@ -414,13 +526,12 @@ Status PullSession::read(std::span<uint8_t* const> dst, std::chrono::millisecond
     ucp_request_param_t p{};
     first_err = wait_request(worker, ucp_ep_flush_nbx(e, &p), deadline);
   }
-  if (first_err == UCS_OK && ep_error_.load() != 0) {
-    first_err = static_cast<ucs_status_t>(ep_error_.load());
+  if (first_err == UCS_OK && ep_error->load() != 0) {
+    first_err = static_cast<ucs_status_t>(ep_error->load());
   }
   if (first_err != UCS_OK) {
     return ucx_error("KV transfer: reading " + std::to_string(dst.size()) + " blocks", first_err);
   }
-  timings_.read_s = seconds_since(t0);
   timings_.get_s = seconds_since(t_get);
   timings_.n_bytes = n_bytes;
   return {};

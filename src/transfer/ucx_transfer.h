@@ -31,6 +31,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -134,14 +135,50 @@ struct PullTimings {
   int64_t n_bytes = 0;
 };
 
+// Decode side: one UCX worker and, per prefill worker (its worker address),
+// an endpoint and the unpacked rkey, kept across pulls so that a pull does
+// not pay a worker, a TCP connection and a wireup each time. Pulls through
+// one puller run one at a time (its mutex is held for a whole read). An
+// endpoint whose peer failed, or whose read failed, is dropped (the next
+// pull connects again); at most kMaxPeers are kept.
+// Thread-safety: safe from any thread. Lifetime: outlives its sessions.
+class UcxPuller {
+ public:
+  static constexpr size_t kMaxPeers = 64;
+  static Result<std::unique_ptr<UcxPuller>> create(UcxContext& ucx);
+  ~UcxPuller();  // closes every endpoint, destroys the worker
+  UcxPuller(const UcxPuller&) = delete;
+  UcxPuller& operator=(const UcxPuller&) = delete;
+  int64_t n_endpoints_created() const;
+  size_t n_peers() const;
+
+ private:
+  friend class PullSession;
+  struct Peer {
+    void* ep = nullptr;    // ucp_ep_h
+    void* rkey = nullptr;  // ucp_rkey_h
+    std::vector<uint8_t> rkey_buf;
+    std::atomic<int> error{0};  // ucs_status_t from the endpoint's error handler
+  };
+  UcxPuller() = default;
+  void drop_locked(const std::string& addr);
+  mutable std::mutex mu_;
+  void* worker_ = nullptr;                              // ucp_worker_h
+  std::map<std::string, std::unique_ptr<Peer>> peers_;  // by worker address bytes
+  int64_t n_created_ = 0;
+};
+
 class PullSession {
  public:
   // Connects to the server's control port and asks for `transfer_id`.
   // Errors: kIo (unreachable, timed out, closed), kNotFound (the lease is
   // unknown or ended), kBusy (already pulled), kCorruptFile (bad frames).
+  // With `puller`, read() uses its worker and cached endpoint; without, a
+  // worker and an endpoint of its own (released by the session).
   static Result<std::unique_ptr<PullSession>> open(UcxContext& ucx, const std::string& host,
                                                    int port, uint64_t transfer_id,
-                                                   std::chrono::milliseconds timeout);
+                                                   std::chrono::milliseconds timeout,
+                                                   UcxPuller* puller = nullptr);
   ~PullSession();  // releases rkey, endpoint, worker; closes the connection
   PullSession(const PullSession&) = delete;
   PullSession& operator=(const PullSession&) = delete;
@@ -158,11 +195,15 @@ class PullSession {
  private:
   PullSession() = default;
   void close_ucx();
+  // The gets of read() on a connected endpoint (handles are ucp_*_h).
+  Status read_data(void* worker, void* ep, void* rkey, std::atomic<int>* ep_error,
+                   std::span<uint8_t* const> dst, size_t first, Clock::time_point deadline);
   Socket conn_;
   Offer offer_;
   std::vector<uint8_t> worker_addr_;
   std::vector<uint8_t> rkey_buf_;
   UcxContext* ucx_ = nullptr;
+  UcxPuller* puller_ = nullptr;
   void* worker_ = nullptr;  // ucp_worker_h
   void* ep_ = nullptr;      // ucp_ep_h
   void* rkey_ = nullptr;    // ucp_rkey_h

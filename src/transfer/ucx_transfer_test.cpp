@@ -85,6 +85,44 @@ TEST_F(UcxTransfer, PullsExactBytesAndCompletesTheLease) {
   EXPECT_EQ(again.error().code, Errc::kNotFound);
 }
 
+TEST_F(UcxTransfer, PullerKeepsOneEndpointPerPeerAcrossPulls) {
+  auto puller = UcxPuller::create(*ucx);
+  ASSERT_TRUE(puller.ok()) << puller.error().message;
+  for (int round = 0; round < 3; ++round) {
+    const std::vector<int32_t> ids = {round, 10 + round};
+    const uint64_t id = lease(ids);
+    auto s =
+        PullSession::open(*ucx, "127.0.0.1", server->port(), id, milliseconds(3000), puller->get());
+    ASSERT_TRUE(s.ok()) << s.error().message;
+    std::vector<uint8_t> local(2 * kBlockBytes, 0);
+    std::vector<uint8_t*> dst = {local.data(), local.data() + kBlockBytes};
+    ASSERT_TRUE((*s)->read(dst, milliseconds(3000)).ok());
+    for (size_t i = 0; i < 2; ++i) {
+      ASSERT_EQ(0, std::memcmp(dst[i], pool.data() + ids[i] * kBlockBytes, kBlockBytes));
+    }
+    ASSERT_TRUE((*s)->finish(true).ok());
+  }
+  EXPECT_EQ((*puller)->n_endpoints_created(), 1);
+  EXPECT_EQ((*puller)->n_peers(), 1u);
+  // Another server (a restarted prefill worker: another worker address).
+  server.reset();
+  TransferServerConfig c;
+  c.host = "127.0.0.1";
+  c.io_timeout = milliseconds(3000);
+  auto s2 = TransferServer::create(*ucx, leases, pool.data(), pool.size(), c);
+  ASSERT_TRUE(s2.ok());
+  server = std::move(*s2);
+  const uint64_t id = lease({7});
+  auto s =
+      PullSession::open(*ucx, "127.0.0.1", server->port(), id, milliseconds(3000), puller->get());
+  ASSERT_TRUE(s.ok());
+  std::vector<uint8_t> local(kBlockBytes, 0);
+  std::vector<uint8_t*> dst = {local.data()};
+  ASSERT_TRUE((*s)->read(dst, milliseconds(3000)).ok());
+  EXPECT_EQ(0, std::memcmp(dst[0], pool.data() + 7 * kBlockBytes, kBlockBytes));
+  EXPECT_EQ((*puller)->n_endpoints_created(), 2);
+}
+
 TEST_F(UcxTransfer, PullerThatGoesAwayCancelsTheLease) {
   const uint64_t id = lease({0, 1});
   {
