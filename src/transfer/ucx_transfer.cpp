@@ -461,7 +461,7 @@ Status PullSession::read(std::span<uint8_t* const> dst, std::chrono::millisecond
     if (st != UCS_OK) return ucx_error("KV transfer: ucp_ep_rkey_unpack", st);
     rkey_ = rkey;
   }
-  const Status data = read_data(worker, e, rkey, ep_error, dst, first, deadline);
+  Status data = read_data(worker, e, rkey, ep_error, dst, first, deadline);
   if (!data.ok() && puller_ != nullptr) puller_->drop_locked(peer_key);
   if (data.ok()) timings_.read_s = seconds_since(t0);
   return data;

@@ -32,7 +32,7 @@ class UcxTransfer : public ::testing::Test {
   }
 
   // A lease over blocks `ids` of the fake pool.
-  uint64_t lease(std::vector<int32_t> ids, milliseconds timeout = milliseconds(5000)) {
+  uint64_t lease(const std::vector<int32_t>& ids, milliseconds timeout = milliseconds(5000)) {
     Lease l;
     for (int32_t b : ids) {
       l.block_ids.push_back(b);
