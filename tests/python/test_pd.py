@@ -305,7 +305,13 @@ def test_client_disconnects_at_the_decode_worker_and_at_the_router(cluster):
     for _ in r.iter_lines():
         break
     r.close()
-    prefill.assert_clean(timeout=LEASE_S + 3)
+    # And one that leaves the router while the prefill worker still
+    # computes: whatever lease that prefill makes nobody pulls; it expires.
+    long_prompt = " ".join(f"item{i}" for i in range(250))  # ~950 tokens: ~1 s of prefill
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        router.post("/v1/completions", completion(long_prompt, 20), timeout=0.2)
+    time.sleep(0.5)
+    prefill.assert_clean(timeout=LEASE_S + 15)
     decode.assert_clean(timeout=15)
 
 
