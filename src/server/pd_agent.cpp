@@ -344,8 +344,10 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
     Sequence seq = e.kv().new_sequence(ns);
     const size_t local = idx->chain(ns, prompt, o.n_tokens).size();
     if (local > 0) {
+      // Not a client's query: the request's own lookup counts the hit.
       const int64_t a = seq.adopt_cached_prefix(
-          std::span<const int32_t>(prompt.data(), local * static_cast<size_t>(P) + 1));
+          std::span<const int32_t>(prompt.data(), local * static_cast<size_t>(P) + 1),
+          /*count_stats=*/false);
       if (a % P != 0) {
         seq.release();
       } else {
