@@ -68,12 +68,29 @@ PulledPrefix::~PulledPrefix() {
   if (!s_->inspect([this](Engine&) { seq_.reset(); }).ok()) seq_.reset();
 }
 
-Status PulledPrefix::commit(const std::vector<int32_t>& prompt, size_t k, size_t n) {
-  const auto P = static_cast<size_t>(seq_->table().pool().block_size());
+Status PulledPrefix::commit(const std::vector<int32_t>& prompt, size_t k, size_t n,
+                            const std::vector<size_t>& group_first) {
+  BlockTable& t = seq_->table();
+  const auto P = static_cast<size_t>(t.pool().block_size());
   if (seq_->length() != static_cast<int64_t>(k * P)) {
     return make_error(Errc::kInternal, "PulledPrefix::commit: adopted length differs");
   }
-  seq_->table().commit(static_cast<int64_t>((n - k) * P));
+  t.commit(static_cast<int64_t>((n - k) * P));
+  // Window groups: the blocks before group_first were reserved but not
+  // transferred (no query at n P sees them); drop them before publishing,
+  // so that only transferred blocks become checkpoints.
+  (void)t.drop_invisible();
+  for (int g = 1; g < t.n_groups(); ++g) {
+    const auto ids = t.group(g).ids();
+    for (size_t i = k; i < group_first[static_cast<size_t>(g)] && i < ids.size(); ++i) {
+      if (ids[i] != kNullBlock) {
+        seq_->release();  // nothing was published
+        return make_error(Errc::kInternal, "KV transfer: group " + std::to_string(g) +
+                                               " still holds block " + std::to_string(i) +
+                                               ", which was not transferred");
+      }
+    }
+  }
   seq_->on_committed(std::span<const int32_t>(prompt).subspan(k * P, (n - k) * P));
   return {};
 }
@@ -89,12 +106,6 @@ Result<std::unique_ptr<PdAgent>> PdAgent::create(Engine& engine, const PdConfig&
                       std::string(flag) +
                           " needs the prefix cache (the transferred prefix is "
                           "published there): drop --no-prefix-cache");
-  }
-  if (pool.n_groups() != 1) {
-    return make_error(Errc::kUnsupported,
-                      std::string(flag) + ": this model has " + std::to_string(pool.n_groups()) +
-                          " KV groups (sliding-window layers); the transfer supports "
-                          "single-group models only");
   }
   if (pool.layout().has_kivi()) {
     return make_error(Errc::kUnsupported, std::string(flag) +
@@ -147,6 +158,13 @@ PdAgent::~PdAgent() {
   stop();
 }
 
+void PdAgent::release(std::vector<transfer::Lease> ended) {
+  // Deepest block first, as a prefix match releases its chain.
+  for (transfer::Lease& l : ended) {
+    while (!l.refs.empty()) l.refs.pop_back();
+  }
+}
+
 void PdAgent::start(Scheduler& s) {
   sched_ = &s;
   if (config_.role == PdRole::kPrefill) reaper_ = std::thread([this] { reap_loop(); });
@@ -156,7 +174,7 @@ void PdAgent::reap_loop() {
   while (!stop_.load()) {
     (void)leases_.expire();
     if (leases_.stats().n_pending_release > 0) {
-      if (!sched_->inspect([this](Engine&) { (void)leases_.drain_ended(); }).ok()) break;
+      if (!sched_->inspect([this](Engine&) { release(leases_.drain_ended()); }).ok()) break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -169,8 +187,8 @@ void PdAgent::stop() {
   server_.reset();  // no puller reads the pool past here
   puller_.reset();  // closes the decode side's endpoints
   if (sched_ == nullptr ||
-      !sched_->inspect([this](Engine&) { (void)leases_.drain_ended(); }).ok()) {
-    (void)leases_.drain_ended();  // the engine thread has returned
+      !sched_->inspect([this](Engine&) { release(leases_.drain_ended()); }).ok()) {
+    release(leases_.drain_ended());  // the engine thread has returned
   }
 }
 
@@ -181,6 +199,7 @@ Result<json> PdAgent::offer(Scheduler& s, const std::vector<int32_t>& prompt,
   }
   transfer::Lease lease;
   std::vector<std::string> hashes;
+  std::vector<int> groups;
   const Status ran = s.inspect([&](Engine& e) {
     PrefixIndex* idx = e.kv().index();
     BlockPool& pool = e.pool();
@@ -188,24 +207,37 @@ Result<json> PdAgent::offer(Scheduler& s, const std::vector<int32_t>& prompt,
     const int64_t max_tokens = (static_cast<int64_t>(prompt.size()) - 1) / P * P;
     if (max_tokens <= 0) return;
     const NamespaceId ns = e.kv().namespace_for(cache_salt);
-    const std::vector<int32_t> nodes = idx->chain(ns, prompt, max_tokens);
+    // The longest prefix every KV group can serve (hybrid models: window
+    // groups' checkpoints too); records in transfer order: the n nodes, then
+    // per group g >= 1 its blocks [group_first, n) (transfer_layout()).
+    PrefixMatch m = idx->match(ns, prompt, max_tokens, /*find_partial=*/false, {},
+                               /*count_stats=*/false);
     lease.header_bytes = block_record_header_bytes(static_cast<int32_t>(P));
     lease.block_bytes = pool.block_bytes();
-    lease.headers.resize(nodes.size() * static_cast<size_t>(lease.header_bytes));
-    for (size_t i = 0; i < nodes.size(); ++i) {
-      const int32_t b = nodes[i];
-      lease.refs.push_back(pool.ref_block(BlockId{b}));
-      lease.block_ids.push_back(b);
+    auto add = [&](BlockRef ref, int g) {
+      const int32_t b = ref.id().value;
       uint8_t* data = pool.block_data(BlockId{b});
-      lease.addrs.push_back(reinterpret_cast<uint64_t>(data));
       const CachedBlockInfo info = idx->cached_block_info(b);
+      const size_t at = lease.headers.size();
+      lease.headers.resize(at + static_cast<size_t>(lease.header_bytes));
       write_block_record_header(
-          record_id_, {info.ns_digest, info.hash, info.parent_hash, 0}, info.tokens,
+          record_id_, {info.ns_digest, info.hash, info.parent_hash, g}, info.tokens,
           std::span<const uint8_t>(data, static_cast<size_t>(lease.block_bytes)),
-          lease.headers.data() + i * static_cast<size_t>(lease.header_bytes));
-      hashes.push_back(info.hash.hex());
+          lease.headers.data() + at);
+      lease.refs.push_back(std::move(ref));
+      lease.block_ids.push_back(b);
+      lease.addrs.push_back(reinterpret_cast<uint64_t>(data));
+      groups.push_back(g);
+      if (g == 0) hashes.push_back(info.hash.hex());
+    };
+    const size_t n = m.blocks.size();
+    for (BlockRef& r : m.blocks) add(std::move(r), 0);
+    for (size_t g = 1; g <= m.group_blocks.size() && n > 0; ++g) {
+      for (BlockRef& r : m.group_blocks[g - 1]) add(std::move(r), static_cast<int>(g));
     }
-    lease.n_tokens = static_cast<int64_t>(nodes.size()) * P;
+    m.blocks.clear();
+    m.group_blocks.clear();
+    lease.n_tokens = static_cast<int64_t>(n) * P;
   });
   if (!ran.ok()) return ran.error();
   if (lease.block_ids.empty()) {
@@ -231,6 +263,7 @@ Result<json> PdAgent::offer(Scheduler& s, const std::vector<int32_t>& prompt,
               {"remote_transfer_id", id},
               {"remote_block_ids", ids},
               {"remote_block_hashes", hashes},
+              {"remote_block_groups", groups},
               {"n_tokens", n_tokens},
               {"block_size", record_id_.block_size},
               {"block_bytes", record_id_.payload_bytes},
@@ -321,19 +354,41 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
   const transfer::Offer& o = session.offer();
   const int64_t P = record_id_.block_size;
   if (o.block_bytes != record_id_.payload_bytes ||
-      o.header_bytes != block_record_header_bytes(static_cast<int32_t>(P)) ||
-      o.n_tokens != o.n_blocks * P || o.n_tokens > static_cast<int64_t>(prompt.size()) - 1) {
+      o.header_bytes != block_record_header_bytes(static_cast<int32_t>(P)) || o.n_tokens % P != 0 ||
+      o.n_tokens > static_cast<int64_t>(prompt.size()) - 1) {
     (void)session.finish(false);
     return failed(
         make_error(Errc::kCorruptFile, "KV transfer: the offer does not fit this request (" +
                                            std::to_string(o.n_tokens) + " tokens for a " +
                                            std::to_string(prompt.size()) + "-token prompt)"));
   }
-  const auto n = static_cast<size_t>(o.n_blocks);
+  const auto n = static_cast<size_t>(o.n_tokens / P);
+  // The records' order (offer()): the n nodes, then per KV group g >= 1 its
+  // blocks [group_first[g], n), those a query at n P can see.
+  const BlockPool& pool = engine_.pool();
+  std::vector<size_t> group_first(static_cast<size_t>(pool.n_groups()), 0);
+  std::vector<std::pair<int, size_t>> recs;  // (group, logical block) per record
+  for (size_t i = 0; i < n; ++i) recs.emplace_back(0, i);
+  for (int g = 1; g < pool.n_groups(); ++g) {
+    const KvGroup& gr = pool.group(g);
+    const auto L = static_cast<int64_t>(n) * P;
+    const size_t f =
+        gr.drops_blocks ? static_cast<size_t>(std::max<int64_t>(0, L - gr.window + 1) / P) : 0;
+    group_first[static_cast<size_t>(g)] = f;
+    for (size_t i = f; i < n; ++i) recs.emplace_back(g, i);
+  }
+  if (static_cast<int64_t>(recs.size()) != o.n_blocks) {
+    (void)session.finish(false);
+    return failed(
+        make_error(Errc::kCorruptFile, "KV transfer: the offer has " + std::to_string(o.n_blocks) +
+                                           " block records; this worker's KV groups need " +
+                                           std::to_string(recs.size()) + " for " +
+                                           std::to_string(o.n_tokens) + " tokens"));
+  }
   // Engine thread: adopt what this worker already caches, reserve blocks
   // for the rest, compute the hashes the records must carry.
   std::unique_ptr<PulledPrefix> pin;
-  std::vector<uint8_t*> dst(n, nullptr);
+  std::vector<uint8_t*> dst(recs.size(), nullptr);
   std::vector<Hash128> expect(n);
   Hash128 ns_digest;
   size_t k = 0;
@@ -363,8 +418,16 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
     if (k < n) {
       reserved = seq.table().reserve(static_cast<int64_t>(n - k) * P);
       if (reserved.ok()) {
-        const auto ids = seq.table().ids();
-        for (size_t i = k; i < n; ++i) dst[i] = e.pool().block_data(BlockId{ids[i]});
+        for (size_t r = 0; r < recs.size(); ++r) {
+          const auto [g, i] = recs[r];
+          if (i < k) continue;
+          const int32_t b = seq.table().group(g).ids()[i];
+          if (b == kNullBlock) {
+            reserved = make_error(Errc::kInternal, "KV transfer: no block reserved for a record");
+            break;
+          }
+          dst[r] = e.pool().block_data(BlockId{b});
+        }
       }
     }
     pin = std::make_unique<PulledPrefix>(s, std::move(seq));
@@ -387,24 +450,31 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
   const auto left = config_.transfer_timeout -
                     std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
   if (config_.test_pull_stall.count() > 0) std::this_thread::sleep_for(config_.test_pull_stall);
-  std::vector<uint8_t*> want(dst.begin() + static_cast<std::ptrdiff_t>(k), dst.end());
-  Status read = session.read(want, std::max(left, std::chrono::milliseconds(1)), k);
-  // Every record: identity, the hash this worker gives these tokens in this
-  // namespace, the token ids, and the payload checksum.
-  std::string why;
-  for (size_t i = k; i < n && read.ok(); ++i) {
-    const uint8_t* h = o.headers.data() + i * static_cast<size_t>(o.header_bytes);
-    BlockRecordKey key{ns_digest, expect[i], i == 0 ? Hash128{} : expect[i - 1], 0};
+  std::vector<size_t> want_recs;
+  std::vector<uint8_t*> want;
+  for (size_t r = 0; r < recs.size(); ++r) {
+    if (recs[r].second < k) continue;
+    want_recs.push_back(r);
+    want.push_back(dst[r]);
+  }
+  Status read = session.read_records(want_recs, want, std::max(left, std::chrono::milliseconds(1)));
+  // Every record: identity, group, the hash this worker gives these tokens
+  // in this namespace, the token ids, and the payload checksum.
+  for (size_t j = 0; j < want_recs.size() && read.ok(); ++j) {
+    const auto [g, i] = recs[want_recs[j]];
+    const uint8_t* h = o.headers.data() + want_recs[j] * static_cast<size_t>(o.header_bytes);
+    BlockRecordKey key{ns_digest, expect[i], i == 0 ? Hash128{} : expect[i - 1], g};
     BlockRecordCheck c =
         check_block_record(record_id_, key, std::span<const int32_t>(prompt).subspan(i * P, P), h);
     if (c == BlockRecordCheck::kOk) {
       c = check_block_payload(
-          h, std::span<const uint8_t>(dst[i], static_cast<size_t>(record_id_.payload_bytes)));
+          h, std::span<const uint8_t>(want[j], static_cast<size_t>(record_id_.payload_bytes)));
     }
     if (c != BlockRecordCheck::kOk) {
-      read = make_error(Errc::kCorruptFile, "KV transfer: block " + std::to_string(i) +
-                                                " failed its record check (" +
-                                                block_record_check_name(c) + ")");
+      read =
+          make_error(Errc::kCorruptFile, "KV transfer: block " + std::to_string(i) + " of group " +
+                                             std::to_string(g) + " failed its record check (" +
+                                             block_record_check_name(c) + ")");
     }
   }
   if (!read.ok()) {
@@ -414,7 +484,8 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
   }
   // Publish like a local prefill: commit the slots, record the tokens.
   Status published;
-  const Status ran2 = s.inspect([&](Engine&) { published = pin->commit(prompt, k, n); });
+  const Status ran2 =
+      s.inspect([&](Engine&) { published = pin->commit(prompt, k, n, group_first); });
   if (!ran2.ok() || !published.ok()) {
     (void)session.finish(false);
     pin.reset();
@@ -424,7 +495,7 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
   const transfer::PullTimings& t = session.timings();
   std::lock_guard<std::mutex> lock(mu_);
   stats_.n_pulls_ok++;
-  stats_.n_blocks_pulled += static_cast<int64_t>(n - k);
+  stats_.n_blocks_pulled += static_cast<int64_t>(want_recs.size());
   stats_.n_blocks_local += static_cast<int64_t>(k);
   stats_.n_bytes_pulled += t.n_bytes;
   stats_.last_pull_s = seconds_since(t0);

@@ -31,9 +31,13 @@
 //   every block it allocated and fails the request with an error (HTTP
 //   502, code kv_transfer_failed): never tokens from unverified K/V.
 //
-// Limits: single-KV-group models without KIVI residuals (hybrid window
-// models and KIVI formats are refused at start-up: create() says so); the
-// whole prefix moves after the prefill (no layer-wise streaming).
+// KV groups (hybrid window models): the offer carries, after the n nodes,
+// each other group's blocks [group_first, n) (the prefix index's rule for
+// a hit of n P tokens); the decode worker reserves blocks in every group,
+// fills those, drops the window blocks no query can see and publishes the
+// rest as checkpoints. Limits: KIVI formats (an f16 residual outside the
+// blocks) are refused at start-up; the whole prefix moves after the
+// prefill (no layer-wise streaming).
 //
 // Thread-safety: offer() and pull() run on HTTP handler threads; they touch
 // the engine only through Scheduler::inspect. A reaper thread ends expired
@@ -118,8 +122,10 @@ class PulledPrefix {
   PulledPrefix& operator=(const PulledPrefix&) = delete;
   int64_t n_tokens() const { return seq_ ? seq_->length() : 0; }
   // Engine thread: commits the reserved blocks [k, n) (their bytes in
-  // place) and publishes them as the continuation of prompt[0, k P).
-  Status commit(const std::vector<int32_t>& prompt, size_t k, size_t n);
+  // place; window group g holds only [group_first[g], n): the rest is
+  // dropped first) and publishes them as the continuation of prompt[0, k P).
+  Status commit(const std::vector<int32_t>& prompt, size_t k, size_t n,
+                const std::vector<size_t>& group_first);
 
  private:
   Scheduler* s_;
@@ -167,6 +173,8 @@ class PdAgent {
  private:
   explicit PdAgent(Engine& engine, PdConfig config) : engine_(engine), config_(std::move(config)) {}
   void reap_loop();
+  // Drops ended leases' references (pool owner's thread), children first.
+  static void release(std::vector<transfer::Lease> ended);
   Status check_offer(const nlohmann::json& params) const;
 
   Engine& engine_;

@@ -380,12 +380,29 @@ void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
 
 Status PullSession::read(std::span<uint8_t* const> dst, std::chrono::milliseconds timeout,
                          size_t first) {
-  const auto t0 = Clock::now();
-  const auto deadline = t0 + timeout;
   if (first > static_cast<size_t>(offer_.n_blocks) ||
       static_cast<int64_t>(dst.size()) != offer_.n_blocks - static_cast<int64_t>(first)) {
     return make_error(Errc::kInternal,
                       "PullSession::read: destination count differs from the offer");
+  }
+  std::vector<size_t> records(dst.size());
+  for (size_t i = 0; i < records.size(); ++i) records[i] = first + i;
+  return read_records(records, dst, timeout);
+}
+
+Status PullSession::read_records(std::span<const size_t> records, std::span<uint8_t* const> dst,
+                                 std::chrono::milliseconds timeout) {
+  const auto t0 = Clock::now();
+  const auto deadline = t0 + timeout;
+  if (records.size() != dst.size()) {
+    return make_error(Errc::kInternal, "PullSession::read_records: one destination per record");
+  }
+  for (size_t i = 0; i < records.size(); ++i) {
+    if (records[i] >= static_cast<size_t>(offer_.n_blocks) ||
+        (i > 0 && records[i] <= records[i - 1])) {
+      return make_error(Errc::kInternal,
+                        "PullSession::read_records: records out of range or order");
+    }
   }
   ucp_worker_h worker = nullptr;
   ucp_ep_h e = nullptr;
@@ -461,14 +478,14 @@ Status PullSession::read(std::span<uint8_t* const> dst, std::chrono::millisecond
     if (st != UCS_OK) return ucx_error("KV transfer: ucp_ep_rkey_unpack", st);
     rkey_ = rkey;
   }
-  Status data = read_data(worker, e, rkey, ep_error, dst, first, deadline);
+  Status data = read_data(worker, e, rkey, ep_error, records, dst, deadline);
   if (!data.ok() && puller_ != nullptr) puller_->drop_locked(peer_key);
   if (data.ok()) timings_.read_s = seconds_since(t0);
   return data;
 }
 
 Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::atomic<int>* ep_error,
-                              std::span<uint8_t* const> dst, size_t first,
+                              std::span<const size_t> records, std::span<uint8_t* const> dst,
                               Clock::time_point deadline) {
   auto worker = static_cast<ucp_worker_h>(worker_h);
   auto e = static_cast<ucp_ep_h>(ep_h);
@@ -480,8 +497,8 @@ Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::ato
     const auto t_w = Clock::now();
     uint8_t probe = 0;
     ucp_request_param_t p{};
-    ucs_status_t ws =
-        wait_request(worker, ucp_get_nbx(e, &probe, 1, offer_.addrs[first], rkey, &p), deadline);
+    ucs_status_t ws = wait_request(
+        worker, ucp_get_nbx(e, &probe, 1, offer_.addrs[records[0]], rkey, &p), deadline);
     if (ws == UCS_OK) ws = wait_request(worker, ucp_ep_flush_nbx(e, &p), deadline);
     if (ws != UCS_OK) return ucx_error("KV transfer: connecting to the prefill worker", ws);
     timings_.wireup_s = seconds_since(t_w);
@@ -494,7 +511,8 @@ Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::ato
   int64_t n_bytes = 0;
   while (i < dst.size()) {
     size_t j = i + 1;
-    while (j < dst.size() && offer_.addrs[first + j] == offer_.addrs[first + j - 1] + bb &&
+    while (j < dst.size() && records[j] == records[j - 1] + 1 &&
+           offer_.addrs[records[j]] == offer_.addrs[records[j - 1]] + bb &&
            dst[j] == dst[j - 1] + bb) {
       ++j;
     }
@@ -505,7 +523,8 @@ Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::ato
     for (size_t off = 0; off < len; off += max_get) {
       ucp_request_param_t p{};
       const size_t n = std::min(max_get, len - off);
-      ucs_status_ptr_t r = ucp_get_nbx(e, dst[i] + off, n, offer_.addrs[first + i] + off, rkey, &p);
+      ucs_status_ptr_t r =
+          ucp_get_nbx(e, dst[i] + off, n, offer_.addrs[records[i]] + off, rkey, &p);
       if (UCS_PTR_IS_ERR(r)) {
         for (ucs_status_ptr_t q : reqs) (void)wait_request(worker, q, deadline);
         return ucx_error("KV transfer: ucp_get_nbx", UCS_PTR_STATUS(r));

@@ -188,6 +188,10 @@ class PullSession {
   // dst[i] (offer().block_bytes bytes each), with one-sided gets, all
   // within `timeout`. On error nothing in dst may be trusted.
   Status read(std::span<uint8_t* const> dst, std::chrono::milliseconds timeout, size_t first = 0);
+  // The same for the offer's records `records` (ascending), record
+  // records[i] into dst[i].
+  Status read_records(std::span<const size_t> records, std::span<uint8_t* const> dst,
+                      std::chrono::milliseconds timeout);
   // Tells the server the pull ended (ok: verified); the lease ends.
   Status finish(bool ok);
   const PullTimings& timings() const { return timings_; }
@@ -197,7 +201,8 @@ class PullSession {
   void close_ucx();
   // The gets of read() on a connected endpoint (handles are ucp_*_h).
   Status read_data(void* worker, void* ep, void* rkey, std::atomic<int>* ep_error,
-                   std::span<uint8_t* const> dst, size_t first, Clock::time_point deadline);
+                   std::span<const size_t> records, std::span<uint8_t* const> dst,
+                   Clock::time_point deadline);
   Socket conn_;
   Offer offer_;
   std::vector<uint8_t> worker_addr_;

@@ -55,10 +55,10 @@ def free_port():
 class Worker:
     """`kvstack serve` on a test host (or the root namespace when host is None)."""
 
-    def __init__(self, host, role, port=8000, extra=(), env=None):
+    def __init__(self, host, role, port=8000, extra=(), env=None, model=MODEL):
         self.addr = host.addr if host else "127.0.0.1"
         self.port = port if host else free_port()
-        cmd = [KVSTACK_BIN, "serve", "-m", MODEL, "--host", self.addr, "--port", str(self.port),
+        cmd = [KVSTACK_BIN, "serve", "-m", model, "--host", self.addr, "--port", str(self.port),
                "--threads", "1", "--kv-cache-mem", "48M", "--role", role,
                "--kv-lease-timeout", str(LEASE_S), "--kv-transfer-timeout", str(TRANSFER_S),
                *extra]
@@ -382,6 +382,52 @@ def test_prefill_killed_mid_transfer_or_frozen_and_a_client_retry(hosts, cluster
         router.stop()
         victim.stop(signal.SIGKILL)
         stall.stop()
+
+
+GEMMA3 = SOURCE_DIR / "models" / "gemma-3-270m-q4_k_m.gguf"
+
+
+def test_hybrid_model_moves_every_kv_group(hosts):
+    """Gemma 3 (one full-attention and five 512-token window KV groups): the
+    offer carries every group's blocks a query at the prefix length sees; a
+    prompt past the window makes the decode worker drop the window blocks
+    before it (never transferred) and still generate what one server does."""
+    if not GEMMA3.exists():
+        pytest.skip("Gemma 3 model not fetched (scripts/setup.sh model)")
+    flags = ["--kv-cache-mem", "96M"]
+    pre = Worker(hosts[0], "prefill", port=8002, model=GEMMA3,
+                 extra=[*flags, "--kv-transfer-host", hosts[0].addr, "--kv-transfer-port", "8102"])
+    dec = Worker(hosts[1], "decode", port=8002, model=GEMMA3, extra=flags)
+    both = Worker(None, "both", model=GEMMA3, extra=flags)
+    router = Router(pre, dec)
+    try:
+        groups = dec.stats()["pool"]["groups"]
+        assert len(groups) > 1 and any(g["window"] > 0 for g in groups)
+        long_prompt = " ".join(f"w{i}" for i in range(200)) + " and then"  # > 512 tokens
+        expect_blocks = 0
+        for prompt in (PROMPTS[0], long_prompt):
+            ref = both.post("/v1/completions", completion(prompt, 10)).json()
+            hits = dec.stats()["prefix_cache"]["namespace"]["hit_tokens"]
+            got = router.post("/v1/completions", completion(prompt, 10))
+            assert got.status_code == 200, got.text
+            assert got.json()["choices"][0]["text"] == ref["choices"][0]["text"], prompt[:40]
+            n = ref["usage"]["prompt_tokens"]
+            assert dec.stats()["prefix_cache"]["namespace"]["hit_tokens"] - hits == (n - 1) // P * P
+            # Its nodes, plus each window group's blocks a query at the
+            # prefix length can see (the full-attention group 0 is the nodes).
+            n_blocks = (n - 1) // P
+            for g in groups[1:]:
+                first = max(0, n_blocks * P - g["window"] + 1) // P if g["window"] else 0
+                expect_blocks += n_blocks - first
+            expect_blocks += n_blocks
+        assert n > 528  # the window groups dropped blocks
+        tr = dec.assert_clean()["transfer"]
+        assert tr["blocks_pulled"] == expect_blocks
+        assert pre.assert_clean()["transfer"]["leases_completed"] == 2
+    finally:
+        router.stop()
+        for w in (pre, dec, both):
+            w.stop()
 
 
 def test_router_rewritten_fields_are_accepted_and_bad_values_named(cluster):
