@@ -14,6 +14,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 
 #include "cli/args.h"
@@ -144,6 +145,20 @@ int run_serve(const std::vector<std::string>& argv) {
                    "maps tagged by \"type\" (what vllm-router 0.1.17's kv_aware decoder reads)"});
   specs.push_back({"shutdown-grace", 0, "S",
                    "seconds in-flight requests may finish after a signal (default 10)"});
+  specs.push_back({"role", 0, "ROLE",
+                   "prefill, decode or both (default both): a disaggregated worker behind "
+                   "vllm-router --vllm-pd-disaggregation (see README, 'Prefill/decode "
+                   "disaggregation')"});
+  specs.push_back({"kv-lease-timeout", 0, "S",
+                   "prefill: seconds a finished prefill keeps its blocks pinned for the decode "
+                   "worker's pull (default 30)"});
+  specs.push_back({"kv-transfer-host", 0, "ADDR",
+                   "prefill: numeric address decode workers reach the transfer port at "
+                   "(default: --host)"});
+  specs.push_back({"kv-transfer-port", 0, "N",
+                   "prefill: TCP port of the transfer control channel (default 0: any free)"});
+  specs.push_back({"kv-transfer-timeout", 0, "S",
+                   "bound on one transfer: connect, offer and every UCX read (default 10)"});
   specs.push_back(help_option());
   auto args = Args::parse(argv, specs);
   if (!args) return fail("serve", args.error().message);
@@ -173,6 +188,16 @@ int run_serve(const std::vector<std::string>& argv) {
   auto grace = args->get_double("shutdown-grace", 10, 0, 3600);
   auto request_timeout = args->get_double("request-timeout", 30, 0.1, 3600);
   auto per_client = args->get_int("max-conns-per-client", 0, 0, 1 << 20);
+  auto role = server::parse_pd_role(args->get_or("role", "both"));
+  if (!role) return fail("serve", role.error().message);
+  auto lease_timeout = args->get_double("kv-lease-timeout", 30, 0.01, 86400);
+  auto transfer_timeout = args->get_double("kv-transfer-timeout", 10, 0.01, 3600);
+  auto transfer_port = args->get_int("kv-transfer-port", 0, 0, 65535);
+  for (const Status& st : {lease_timeout.ok() ? Status() : Status(lease_timeout.error()),
+                           transfer_timeout.ok() ? Status() : Status(transfer_timeout.error()),
+                           transfer_port.ok() ? Status() : Status(transfer_port.error())}) {
+    if (!st.ok()) return fail("serve", st.error().message);
+  }
   for (const Status& st : {port.ok() ? Status() : Status(port.error()),
                            max_seqs.ok() ? Status() : Status(max_seqs.error()),
                            max_batch.ok() ? Status() : Status(max_batch.error()),
@@ -241,6 +266,28 @@ int run_serve(const std::vector<std::string>& argv) {
     return fail("serve", sched.error().message);
   }
   Scheduler& s = **sched;
+  // --role prefill/decode: the transfer agent registers the pool with UCX
+  // before the engine thread starts (server/pd_agent.h).
+  std::unique_ptr<server::PdAgent> pd;
+  if (*role != server::PdRole::kBoth) {
+    server::PdConfig pc;
+    pc.role = *role;
+    pc.transfer_host = args->get_or("kv-transfer-host", hc.host);
+    pc.transfer_port = static_cast<int>(*transfer_port);
+    pc.lease_timeout = std::chrono::milliseconds(static_cast<int64_t>(*lease_timeout * 1000));
+    pc.transfer_timeout = std::chrono::milliseconds(static_cast<int64_t>(*transfer_timeout * 1000));
+    if (const char* stall = std::getenv("KVSTACK_TEST_PULL_STALL_MS")) {
+      pc.test_pull_stall = std::chrono::milliseconds(std::atoll(stall));
+    }
+    auto agent = server::PdAgent::create(**engine, pc);
+    if (!agent) {
+      http.stop();
+      http_thread.join();
+      return fail("serve", agent.error().message);
+    }
+    pd = std::move(*agent);
+    http.set_pd(pd.get());
+  }
   KvEventWriter events;
   std::unique_ptr<server::KvEventPublisher> publisher;
   const std::string events_arg = args->get_or("kv-events", "");
@@ -288,6 +335,15 @@ int run_serve(const std::vector<std::string>& argv) {
   }
   std::thread engine_thread([&] { s.run(); });
   events.start(s);
+  if (pd) {
+    pd->start(s);
+    std::fprintf(stderr, "kvstack serve: role %s, engine id %s%s (UCX transports: %s)\n",
+                 server::pd_role_name(pd->role()), pd->engine_id().c_str(),
+                 pd->role() == server::PdRole::kPrefill
+                     ? (", KV transfer on " + pd->stats_endpoint()).c_str()
+                     : "",
+                 pd->stats().transports.c_str());
+  }
   http.attach(&s, tmpl ? &*tmpl : nullptr);
   std::fprintf(stderr,
                "kvstack serve: ready on http://%s:%d (model '%s', max %d sequences, %lld "
@@ -330,6 +386,7 @@ int run_serve(const std::vector<std::string>& argv) {
   http_thread.join();
   s.shutdown(/*drain=*/false);
   engine_thread.join();
+  if (pd) pd->stop();       // ends every lease; the engine thread is gone
   events.finish(**engine);  // the engine thread is gone: drain the rest here
   if (publisher) {
     (void)(*engine)->kv().set_event_sink({});

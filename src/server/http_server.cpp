@@ -469,9 +469,10 @@ void HttpServer::routes() {
       counter("kvstack:kv_event_replay_requests_total", "KV event replay requests answered.",
               k.n_replay_requests);
     }
+    const std::string labels = "model_name=\"" + config_.model_id + "\"";
     res.set_content(prometheus_text(s->metrics(), pool, config_.model_id, &guard, &tpot) +
-                        kv_tiers_prometheus(tiers, "model_name=\"" + config_.model_id + "\"") +
-                        events,
+                        kv_tiers_prometheus(tiers, labels) + events +
+                        (pd_ != nullptr ? pd_prometheus(pd_->stats(), labels) : std::string()),
                     "text/plain; version=0.0.4");
   });
 
@@ -622,6 +623,8 @@ void HttpServer::routes() {
                         {"recomputed_tokens", m.n_recomputed_tokens},
                         {"requests_finished", m.n_requests_finished},
                         {"requests_failed", m.n_requests_failed}};
+    // Prefill/decode transfer (pd_agent.h): leases, pulls, bytes, times.
+    if (pd_ != nullptr) out["transfer"] = pd_stats_json(pd_->stats());
     res.set_content(dump(out), "application/json");
   });
 
@@ -768,6 +771,45 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
       return;
     }
   }
+  // Prefill/decode disaggregation (pd_agent.h). Decode: the pulled prefix
+  // is published before the request is submitted and held (`pin`) until
+  // its first event, when the scheduler holds its own references.
+  auto pin = std::make_shared<std::unique_ptr<PulledPrefix>>();
+  bool offer_kv = false;
+  if (pd_ != nullptr && p->kv_transfer_params.is_object()) {
+    const json& kp = p->kv_transfer_params;
+    auto is_true = [&](const char* k) {
+      auto it = kp.find(k);
+      return it != kp.end() && it->is_boolean() && it->get<bool>();
+    };
+    if (pd_->role() == PdRole::kDecode && is_true("do_remote_prefill")) {
+      if (prompts.size() != 1) {
+        send_error(res, api_error(400, "invalid_request_error",
+                                  "do_remote_prefill needs exactly one prompt", "prompt"));
+        return;
+      }
+      auto pulled = pd_->pull(*s, kp, p->seq.prompt, p->seq.cache_salt);
+      if (!pulled) {
+        const Error& e = pulled.error();
+        if (e.code == Errc::kInvalidArgument) {
+          send_error(res, api_error(400, "invalid_request_error", e.message, "kv_transfer_params"));
+        } else if (e.code == Errc::kOutOfBlocks) {
+          send_error(res, api_error_from(e));  // 503 kv_cache_full: retry later
+        } else {
+          send_error(res, api_error(502, "server_error", e.message, "", "kv_transfer_failed"));
+        }
+        return;
+      }
+      *pin = std::move(*pulled);
+    } else if (pd_->role() == PdRole::kPrefill && is_true("do_remote_decode")) {
+      if (p->stream) {
+        send_error(res, api_error(400, "invalid_request_error",
+                                  "do_remote_decode needs \"stream\": false", "stream"));
+        return;
+      }
+      offer_kv = true;
+    }
+  }
   std::vector<std::shared_ptr<RequestHandle>> handles;
   for (const auto& prompt : prompts) {
     SeqRequest q = p->seq;
@@ -798,6 +840,7 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
     while (!done) {
       std::vector<SeqEvent> evs;
       group->wait(&evs, std::chrono::milliseconds(50));
+      if (!evs.empty()) pin->reset();  // admitted: the request holds the prefix now
       // Every 50 ms, tokens arriving or not: is the client still there? If
       // not, nobody waits for the answer: free the request's blocks (the
       // scheduler drops it within one step, queued or running).
@@ -854,6 +897,12 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
     json out = {{"id", id},           {"object", chat ? "chat.completion" : "text_completion"},
                 {"created", created}, {"model", p->model},
                 {"choices", arr},     {"usage", usage_json(usage)}};
+    if (offer_kv) {
+      // The prompt's blocks are published now: pin them for the decode worker.
+      auto kp = pd_->offer(*s, p->seq.prompt, p->seq.cache_salt);
+      out["kv_transfer_params"] =
+          kp ? *kp : json{{"do_remote_prefill", false}, {"reason", kp.error().message}};
+    }
     res.set_content(dump(out), "application/json");
     return;
   }
@@ -867,7 +916,7 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
   res.set_chunked_content_provider(
       "text/event-stream",
       [this, count, h, p, state, finished, id, created, chat, endpoint, tokp, echo_lps, texts,
-       clock, n_per_prompt](size_t, httplib::DataSink& sink) {
+       clock, n_per_prompt, pin](size_t, httplib::DataSink& sink) {
         auto send = [&](const json& j) {
           const std::string line = "data: " + dump(j) + "\n\n";
           return sink.write(line.data(), line.size());
@@ -907,6 +956,7 @@ void HttpServer::completion(Endpoint endpoint, const std::string& body, httplib:
         }
         std::vector<SeqEvent> evs;
         h->wait(&evs, std::chrono::milliseconds(100));
+        if (!evs.empty()) pin->reset();
         for (SeqEvent& ev : evs) {
           ChoiceOut& c = (*state)[ev.index];
           clock->on_event(ev);

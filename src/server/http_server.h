@@ -42,6 +42,7 @@
 #include "server/connection_guard.h"
 #include "server/kv_events.h"
 #include "server/openai_protocol.h"
+#include "server/pd_agent.h"
 #include "tokenizer/chat_template.h"
 
 namespace kvstack::server {
@@ -77,6 +78,9 @@ class HttpServer {
   // 503 "loading"). REQUIRES: scheduler (and its engine) and chat outlive the
   // server; chat may be null (then /v1/chat/completions answers 400).
   void attach(Scheduler* scheduler, const ChatTemplate* chat);
+  // The PD agent of a --role prefill/decode server (pd_agent.h); null for
+  // --role both. REQUIRES: set before attach(); outlives the server.
+  void set_pd(PdAgent* agent) { pd_ = agent; }
 
   // Serves until stop(). REQUIRES: bind() succeeded.
   void listen();
@@ -104,6 +108,7 @@ class HttpServer {
   std::atomic<Scheduler*> scheduler_{nullptr};
   const ChatTemplate* chat_ = nullptr;
   const KvEventPublisher* kv_events_ = nullptr;
+  PdAgent* pd_ = nullptr;
   std::atomic<uint64_t> next_id_{1};
   std::atomic<int> n_handlers_{0};  // completion handlers running
   mutable std::mutex tpot_mu_;

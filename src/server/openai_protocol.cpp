@@ -203,8 +203,8 @@ struct ExtensionField {
 constexpr ExtensionField kRouterExtensions[] = {
     {"no_stop_trim", false, false, false},         {"skip_special_tokens", false, false, true},
     {"return_hidden_states", false, false, false}, {"continue_final_message", true, false, false},
-    {"separate_reasoning", true, true, false},     {"stream_reasoning", true, true, false},
-    {"include_reasoning", true, true, false},
+    {"separate_reasoning", false, true, false},    {"stream_reasoning", false, true, false},
+    {"include_reasoning", false, true, false},
 };
 
 // nullopt when `key` is not a router extension field; else the error for a
@@ -223,6 +223,35 @@ std::optional<ApiError> router_extension(Endpoint e, const std::string& key, con
   }
   return std::nullopt;
 }
+
+// vLLM fields beside the router extensions: min_tokens (vllm-router's
+// prefill request sends 1 with max_tokens 1) and kv_transfer_params (kept
+// for the PD agent).
+bool is_pd_field(const std::string& key) { return key == "min_tokens" || key == "kv_transfer_params"; }
+
+std::optional<ApiError> parse_router_fields(const json& body, ParsedRequest* out) {
+  if (auto it = body.find("min_tokens"); it != body.end() && !it->is_null()) {
+    if (!it->is_number_integer() || it->get<int64_t>() < 0) {
+      return bad("min_tokens", "'min_tokens' must be a non-negative integer");
+    }
+    // min_tokens 1 with max_tokens 1 (vllm-router's prefill request) holds
+    // whatever is sampled; larger values would need EOS masking.
+    const auto mt = body.find("max_tokens");
+    const bool one = mt != body.end() && mt->is_number_integer() && mt->get<int64_t>() == 1;
+    if (it->get<int64_t>() > 1 || (it->get<int64_t>() == 1 && !one)) {
+      return bad("min_tokens",
+                 "'min_tokens' above 0 is not supported (except 1 with max_tokens 1)");
+    }
+  }
+  if (auto it = body.find("kv_transfer_params"); it != body.end() && !it->is_null()) {
+    if (!it->is_object()) {
+      return bad("kv_transfer_params", "'kv_transfer_params' must be an object");
+    }
+    out->kv_transfer_params = *it;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 json ApiError::to_json() const {
@@ -354,7 +383,7 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
     return bad("", std::string("the request body must be a JSON object, not ") + type_name(body));
   }
   for (const auto& [key, value] : body.items()) {
-    if (known_fields(endpoint).count(key) != 0) continue;
+    if (known_fields(endpoint).count(key) != 0 || is_pd_field(key)) continue;
     if (auto ext = router_extension(endpoint, key, value)) {
       if (!ext->message.empty()) return *ext;
       continue;
@@ -363,6 +392,7 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
   }
   ParsedRequest out;
   out.endpoint = endpoint;
+  if (auto e = parse_router_fields(body, &out)) return *e;
   SeqRequest& q = out.seq;
   SamplingParams& s = q.sampling;
   // OpenAI defaults: temperature 1, top_p 1, no penalties.

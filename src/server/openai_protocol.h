@@ -51,6 +51,9 @@ struct ParsedRequest {
   // one a scheduler request like seq; choice index = prompt * n + choice).
   std::vector<std::vector<int32_t>> more_prompts;
   std::vector<std::string> more_prompt_texts;  // for echo
+  // vLLM's disaggregation object (an object, or null when absent): read by
+  // the PD agent (pd_agent.h) of a --role prefill/decode server.
+  nlohmann::json kv_transfer_params;
 };
 
 // Prompts in one /v1/completions request at most.

@@ -1,0 +1,195 @@
+// PdAgent: prefill/decode disaggregation behind vllm-router (issue 21 item
+// 1; kv-cache-spec.md section 10). `kvstack serve --role prefill|decode`
+// creates one; `--role both` (the default) has none and computes every
+// request locally, ignoring kv_transfer_params.
+//
+// Flow (vllm-router --vllm-pd-disaggregation; see docs/architecture.md):
+//   1. the router sends the request to a prefill worker with max_tokens 1
+//      and kv_transfer_params {do_remote_decode: true}. The worker runs it
+//      as usual (its prompt's full blocks are published in its prefix
+//      cache), then offer(): it pins the published blocks covering the
+//      first floor((T - 1) / P) * P prompt tokens under a lease
+//      (transfer/lease_table.h; ends on a verified pull, on cancellation or
+//      after --kv-lease-timeout) and answers with kv_transfer_params:
+//      {do_remote_prefill: true, remote_engine_id, remote_host,
+//       remote_port (the transfer control port), remote_transfer_id,
+//       remote_block_ids, remote_block_hashes, n_tokens, block_size,
+//       block_bytes, kv_format, model_digest, format_digest, ...}.
+//   2. the router copies that object into the decode request. A decode
+//      worker's pull() checks the cache identity and layout against its
+//      own (a mismatch is a clear error; no layout conversion is done, so
+//      conversions stay 0), adopts whatever prefix it already caches, lets
+//      its own pool allocate blocks for the rest (producer block ids mean
+//      nothing here), reads them over UCX (transfer/ucx_transfer.h),
+//      verifies every block record (block_record.h: identity, chained hash
+//      of the expected tokens, payload checksum) and publishes the blocks
+//      in its prefix cache as a local prefill would. Only then is the
+//      request submitted: the scheduler's prefix lookup hits the pulled
+//      blocks, computes the remaining < P + 1 prompt tokens itself (the
+//      last prompt token always, for its logits) and decodes.
+//   A failed pull (peer gone, lease ended, timeout, bad record) releases
+//   every block it allocated and fails the request with an error (HTTP
+//   502, code kv_transfer_failed): never tokens from unverified K/V.
+//
+// KV groups (hybrid window models): the offer carries, after the n nodes,
+// each other group's blocks [group_first, n) (the prefix index's rule for
+// a hit of n P tokens); the decode worker reserves blocks in every group,
+// fills those, drops the window blocks no query can see and publishes the
+// rest as checkpoints. Limits: KIVI formats (an f16 residual outside the
+// blocks) are refused at start-up; the whole prefix moves after the
+// prefill (no layer-wise streaming).
+//
+// Thread-safety: offer() and pull() run on HTTP handler threads; they touch
+// the engine only through Scheduler::inspect. A reaper thread ends expired
+// leases and drops ended leases' block references on the engine thread.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/result.h"
+#include "engine/scheduler.h"
+#include "kv/block_record.h"
+#include "transfer/lease_table.h"
+#include "transfer/ucx_transfer.h"
+
+namespace kvstack::server {
+
+enum class PdRole : uint8_t { kBoth, kPrefill, kDecode };
+const char* pd_role_name(PdRole r);
+// "prefill" / "decode" / "both"; kInvalidArgument naming --role otherwise.
+Result<PdRole> parse_pd_role(const std::string& s);
+
+struct PdConfig {
+  PdRole role = PdRole::kBoth;
+  std::string transfer_host;  // prefill: address advertised and listened on (numeric IPv4)
+  int transfer_port = 0;      // prefill: control port (0 = any free)
+  std::chrono::milliseconds lease_timeout{30000};     // --kv-lease-timeout
+  std::chrono::milliseconds transfer_timeout{10000};  // --kv-transfer-timeout: connect + read
+  // Tests (KVSTACK_TEST_PULL_STALL_MS, read at start-up): decode waits this
+  // long between the offer and the reads, so a test can kill the prefill
+  // worker mid-transfer.
+  std::chrono::milliseconds test_pull_stall{0};
+};
+
+// Counters of /metrics and /v1/kv/stats ("transfer"). Units: bytes, seconds.
+struct PdStats {
+  PdRole role = PdRole::kBoth;
+  std::string transports;
+  // prefill
+  transfer::LeaseStats leases;
+  transfer::TransferServerStats server;
+  int64_t n_offers = 0;        // kv_transfer_params with do_remote_prefill returned
+  int64_t n_offers_empty = 0;  // prompt shorter than a block + 1: nothing to pin
+  // decode
+  int64_t n_pulls = 0;  // pulls started
+  int64_t n_pulls_ok = 0;
+  int64_t n_pulls_failed = 0;
+  int64_t n_blocks_pulled = 0;
+  int64_t n_blocks_local = 0;  // offered blocks this worker already cached (not pulled)
+  int64_t n_bytes_pulled = 0;
+  int64_t n_layout_mismatches = 0;   // refused: another model, format or block geometry
+  int64_t n_layout_conversions = 0;  // always 0: no conversion path (mismatch is an error)
+  double pull_seconds = 0;           // sum over successful pulls (offer + read + verify + publish)
+  double read_seconds = 0;           // of which UCX reads
+  double last_pull_s = 0;
+  double last_read_s = 0;
+  double last_wireup_s = 0;   // endpoint connection of the last read
+  double last_get_s = 0;      // the gets alone (no worker / endpoint set-up)
+  int64_t last_n_gets = 0;    // get operations of the last read (contiguous runs)
+  int64_t last_bytes = 0;     // payload bytes of the last read
+  double last_bandwidth = 0;  // bytes/s of the last read's gets
+};
+nlohmann::json pd_stats_json(const PdStats& s);
+std::string pd_prometheus(const PdStats& s, const std::string& labels);
+
+// The decode side's hold on pulled blocks between their publish and the
+// request's admission (which takes its own references): released on the
+// engine thread by the destructor.
+class PulledPrefix {
+ public:
+  PulledPrefix(Scheduler& s, Sequence seq) : s_(&s), seq_(std::move(seq)) {}
+  ~PulledPrefix();
+  PulledPrefix(const PulledPrefix&) = delete;
+  PulledPrefix& operator=(const PulledPrefix&) = delete;
+  int64_t n_tokens() const { return seq_ ? seq_->length() : 0; }
+  // Engine thread: commits the reserved blocks [k, n) (their bytes in
+  // place; window group g holds only [group_first[g], n): the rest is
+  // dropped first) and publishes them as the continuation of prompt[0, k P).
+  Status commit(const std::vector<int32_t>& prompt, size_t k, size_t n,
+                const std::vector<size_t>& group_first);
+
+ private:
+  Scheduler* s_;
+  std::optional<Sequence> seq_;
+};
+
+class PdAgent {
+ public:
+  // REQUIRES: called before the engine thread starts (registers the pool;
+  // decode: writes every pool page once, so that pulls do not page-fault);
+  // the engine outlives the agent.
+  static Result<std::unique_ptr<PdAgent>> create(Engine& engine, const PdConfig& config);
+  ~PdAgent();  // stop() first
+  PdAgent(const PdAgent&) = delete;
+  PdAgent& operator=(const PdAgent&) = delete;
+
+  // Starts the reaper (prefill). REQUIRES: s outlives stop().
+  void start(Scheduler& s);
+  // Ends every lease and drops their references (through s, or directly
+  // when the engine thread has returned). Idempotent.
+  void stop();
+
+  PdRole role() const { return config_.role; }
+  const std::string& engine_id() const { return engine_id_; }
+  // "host:port" of the transfer control listener (prefill), else "".
+  std::string stats_endpoint() const {
+    return server_ ? server_->host() + ":" + std::to_string(server_->port()) : std::string();
+  }
+
+  // Prefill: pins the published prefix of `prompt` in the namespace of
+  // `cache_salt` (SeqRequest::cache_salt) and returns the response's
+  // kv_transfer_params.
+  Result<nlohmann::json> offer(Scheduler& s, const std::vector<int32_t>& prompt,
+                               const std::string& cache_salt);
+
+  // Decode: pulls and publishes the prefix `params` describes. Errors:
+  // kInvalidArgument (params malformed, or identity/layout mismatch),
+  // kIo / kNotFound / kBusy / kCorruptFile (transfer failed).
+  Result<std::unique_ptr<PulledPrefix>> pull(Scheduler& s, const nlohmann::json& params,
+                                             const std::vector<int32_t>& prompt,
+                                             const std::string& cache_salt);
+
+  PdStats stats() const;
+
+ private:
+  explicit PdAgent(Engine& engine, PdConfig config) : engine_(engine), config_(std::move(config)) {}
+  void reap_loop();
+  // Drops ended leases' references (pool owner's thread), children first.
+  static void release(std::vector<transfer::Lease> ended);
+  Status check_offer(const nlohmann::json& params) const;
+
+  Engine& engine_;
+  PdConfig config_;
+  std::string engine_id_;
+  BlockRecordIdentity record_id_;
+  std::unique_ptr<transfer::UcxContext> ucx_;
+  transfer::LeaseTable leases_;
+  std::unique_ptr<transfer::TransferServer> server_;
+  std::unique_ptr<transfer::UcxPuller> puller_;  // decode: one endpoint per prefill worker
+  Scheduler* sched_ = nullptr;
+  std::thread reaper_;
+  std::atomic<bool> stop_{false};
+  mutable std::mutex mu_;  // stats_
+  PdStats stats_;
+};
+
+}  // namespace kvstack::server
