@@ -105,7 +105,7 @@ void rope_yarn_rows(float* x, int64_t n_rows, int64_t stride, int64_t rows_per_p
 std::string deepseek2_kernel_summary(const ModelConfig& c, bool latent) {
   const ModelConfig::Mla& m = c.mla;
   const std::string lat = std::to_string(m.kv_lora_rank) + "+" + std::to_string(m.qk_rope);
-  std::string s = latent ? "mla: latent cache, absorbed attention (scalar), " + lat +
+  std::string s = latent ? "mla: latent cache, absorbed attention, " + lat +
                                " per token shared by " + std::to_string(c.n_heads) + " heads ("
                          : "mla: expanded to per-head K/V (" + std::to_string(c.n_heads) +
                                " heads, cached " + std::to_string(c.head_dim) +

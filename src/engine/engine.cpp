@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "attention/mla_attention.h"
 #include "core/check.h"
 
 namespace kvstack {
@@ -71,10 +72,11 @@ Result<KvLayout> engine_kv_layout(const ModelConfig& c, const EngineConfig& conf
       return make_error(Errc::kInvalidArgument, "--kv-mla latent: the model (" + c.arch +
                                                     ") has no latent attention (deepseek2 only)");
     }
-    if (kv_dtype_is_quantized(config.key_dtype()) || config.value_dtype() != config.key_dtype() ||
-        config.kv_rotation != KvRotation::kNone || config.kv_center) {
+    if (!mla_latent_dtype_supported(config.key_dtype()) ||
+        config.value_dtype() != config.key_dtype() || config.kv_rotation != KvRotation::kNone ||
+        config.kv_center) {
       return make_error(Errc::kUnsupported,
-                        "--kv-mla latent: supports one float KV dtype (f32, f16, bf16) and no "
+                        "--kv-mla latent: supports one KV dtype (f32, f16, bf16, int8) and no "
                         "--kv-rotate / --kv-center");
     }
     for (int l = 0; l < c.n_layers; ++l) {
