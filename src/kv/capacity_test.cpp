@@ -145,6 +145,34 @@ TEST(Capacity, Mla) {
   EXPECT_NEAR(r.attention.flop_per_byte, 278528.0 / 1152.0, 1e-9);
 }
 
+TEST(Capacity, DeepSeekMlaPresets) {
+  // (d_c + d_R) x 2 B = 1152 B per layer and token (f16) for every DeepSeek MLA
+  // model; layers 60 / 27 / 61, heads 128 / 16 / 128, hidden 5120 / 2048 / 7168.
+  struct Want {
+    const char* id;
+    int64_t layers, heads, hidden, vocab;
+  };
+  for (const Want& w :
+       {Want{"deepseek-v2", 60, 128, 5120, 102400}, Want{"deepseek-v2-lite", 27, 16, 2048, 102400},
+        Want{"DeepSeek-V3", 61, 128, 7168, 129280}}) {
+    const ModelArch a = preset(w.id);
+    ASSERT_EQ(static_cast<int64_t>(a.layers.size()), w.layers) << w.id;
+    EXPECT_EQ(a.layers[0].kind, LayerKind::kMla) << w.id;
+    EXPECT_EQ(a.layers[0].n_q_heads, w.heads) << w.id;
+    EXPECT_EQ(a.layers[0].mla_latent, 512) << w.id;
+    EXPECT_EQ(a.layers[0].mla_rope_dim, 64) << w.id;
+    EXPECT_EQ(a.hidden, w.hidden) << w.id;
+    EXPECT_EQ(a.vocab, w.vocab) << w.id;
+    EXPECT_NE(a.source.find("config.json"), std::string::npos) << w.id;
+    PlanResult r = run(input_for(a, {1000}));
+    EXPECT_EQ(r.kv_bytes_per_token_int, static_cast<uint64_t>(w.layers) * 1152u) << w.id;
+    // int8: 576 codes + one f16 scale per row (the engine's int8 latent).
+    EXPECT_EQ(run(input_for(a, {1000}, "int8")).kv_payload_bytes,
+              1000u * static_cast<uint64_t>(w.layers) * 578u)
+        << w.id;
+  }
+}
+
 TEST(Capacity, TailWasteOneAboveBlockBoundary) {
   // SmolLM2-135M, f16, P = 16: block = 30 layers x (K 3x16x64x2 = 6144 + V 6144) = 368640.
   PlanInput in = input_for(preset("smollm2-135m"), {17, 33, 16});
