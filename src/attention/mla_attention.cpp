@@ -51,10 +51,16 @@ inline const uint8_t* meta_at(const PagedKvLayerView& v, const AttnSeq& s, int32
          static_cast<int64_t>(j % v.block_size) * v.k_meta_slot_stride;
 }
 
-// Keys [k0, k1) of one query row.
+// Prefill: up to this many consecutive query rows of a sequence share each
+// decoded key tile (the cache is streamed once per group, not per row).
+constexpr int32_t kRowGroup = 4;
+
+// Keys [k0, k1) of query rows row .. row + n_rows - 1 (row r sees keys up to
+// n_past + r only); a split piece is one row.
 struct Piece {
   int32_t seq = 0, row = 0, k0 = 0, k1 = 0;
   int32_t part = -1;  // partial-state slot when the row is split, else -1
+  int32_t n_rows = 1;
 };
 
 struct Scratch {
@@ -150,6 +156,10 @@ Status mla_attention_isa(Isa isa, const PagedKvLayerView& view, const MlaAttnPar
   int64_t n_rows = 0;
   for (const AttnSeq& s : seqs) n_rows += std::max(s.n_new, 0);
   const int64_t want = 4LL * n_threads;
+  // Rows per piece when no row is split: groups of kRowGroup while that
+  // still leaves two pieces per thread.
+  const auto group = static_cast<int32_t>(
+      n_rows < want ? 1 : std::clamp<int64_t>(n_rows / (2LL * n_threads), 1, kRowGroup));
   std::vector<Piece> pieces;
   struct SplitRow {
     int32_t seq, row, first_part, n_parts;
@@ -158,6 +168,13 @@ Status mla_attention_isa(Isa isa, const PagedKvLayerView& view, const MlaAttnPar
   int32_t n_parts = 0;
   for (size_t si = 0; si < seqs.size(); ++si) {
     const AttnSeq& s = seqs[si];
+    if (group > 1) {
+      for (int32_t r = 0; r < s.n_new; r += group) {
+        const int32_t g = std::min(group, s.n_new - r);
+        pieces.push_back(Piece{static_cast<int32_t>(si), r, 0, s.n_past + r + g, -1, g});
+      }
+      continue;
+    }
     for (int32_t r = 0; r < s.n_new; ++r) {
       const int32_t n_keys = s.n_past + r + 1;
       int32_t split = 1;
@@ -190,19 +207,33 @@ Status mla_attention_isa(Isa isa, const PagedKvLayerView& view, const MlaAttnPar
 
   auto run_piece = [&](const Piece& pc, Scratch& sc) {
     const AttnSeq& s = seqs[static_cast<size_t>(pc.seq)];
-    const float* q = s.q + static_cast<int64_t>(pc.row) * H * d;
-    for (int h = 0; h < H; ++h) {
-      float* qd = sc.q.data() + static_cast<size_t>(h) * dpad;
-      std::copy_n(q + static_cast<int64_t>(h) * d, d, qd);
-      std::fill(qd + d, qd + dpad, 0.0f);
+    const int R = pc.n_rows;
+    for (int rr = 0; rr < R; ++rr) {
+      const float* q = s.q + static_cast<int64_t>(pc.row + rr) * H * d;
+      for (int h = 0; h < H; ++h) {
+        float* qd = sc.q.data() + (static_cast<size_t>(rr) * H + h) * dpad;
+        std::copy_n(q + static_cast<int64_t>(h) * d, d, qd);
+        std::fill(qd + d, qd + dpad, 0.0f);
+      }
     }
-    float* m = pc.part >= 0 ? part_m.data() + static_cast<size_t>(pc.part) * H : sc.m.data();
-    float* l = pc.part >= 0 ? part_l.data() + static_cast<size_t>(pc.part) * H : sc.l.data();
-    float* acc =
-        pc.part >= 0 ? part_acc.data() + static_cast<size_t>(pc.part) * H * dcpad : sc.acc.data();
-    std::fill_n(m, H, -INFINITY);
-    std::fill_n(l, H, 0.0f);
-    std::fill_n(acc, static_cast<size_t>(H) * dcpad, 0.0f);
+    // Row rr's state: m/l [H], acc [H][dcpad] (a split piece: its part's).
+    auto m_of = [&](int rr) {
+      return pc.part >= 0 ? part_m.data() + static_cast<size_t>(pc.part) * H
+                          : sc.m.data() + static_cast<size_t>(rr) * H;
+    };
+    auto l_of = [&](int rr) {
+      return pc.part >= 0 ? part_l.data() + static_cast<size_t>(pc.part) * H
+                          : sc.l.data() + static_cast<size_t>(rr) * H;
+    };
+    auto acc_of = [&](int rr) {
+      return pc.part >= 0 ? part_acc.data() + static_cast<size_t>(pc.part) * H * dcpad
+                          : sc.acc.data() + static_cast<size_t>(rr) * H * dcpad;
+    };
+    for (int rr = 0; rr < R; ++rr) {
+      std::fill_n(m_of(rr), H, -INFINITY);
+      std::fill_n(l_of(rr), H, 0.0f);
+      std::fill_n(acc_of(rr), static_cast<size_t>(H) * dcpad, 0.0f);
+    }
     for (int32_t k = pc.k0; k < pc.k1; k += kMlaTile) {
       const int n = std::min<int32_t>(kMlaTile, pc.k1 - k);
       for (int j = 0; j < n; ++j) {
@@ -210,16 +241,25 @@ Status mla_attention_isa(Isa isa, const PagedKvLayerView& view, const MlaAttnPar
         sc.metas[static_cast<size_t>(j)] = meta_at(view, s, k + j);
       }
       fns->decode(view.dtype, sc.rows.data(), sc.metas.data(), n, d, dpad, sc.buf.data());
-      fns->scores(sc.q.data(), sc.buf.data(), H, n, dpad, p.scale, sc.s.data());
-      fns->softmax(sc.s.data(), H, n, m, l, sc.f.data());
-      fns->accum(sc.s.data(), sc.buf.data(), H, n, dpad, dcpad, sc.f.data(), acc);
+      for (int rr = 0; rr < R; ++rr) {
+        // Causal: row pc.row + rr sees keys < n_past + row + rr + 1.
+        const int nv = std::min<int32_t>(n, s.n_past + pc.row + rr + 1 - k);
+        if (nv <= 0) continue;
+        const float* q = sc.q.data() + static_cast<size_t>(rr) * H * dpad;
+        fns->scores(q, sc.buf.data(), H, nv, dpad, p.scale, sc.s.data());
+        fns->softmax(sc.s.data(), H, nv, m_of(rr), l_of(rr), sc.f.data());
+        fns->accum(sc.s.data(), sc.buf.data(), H, nv, dpad, dcpad, sc.f.data(), acc_of(rr));
+      }
     }
     if (pc.part >= 0) return;
-    float* out = s.out + static_cast<int64_t>(pc.row) * H * dc;
-    for (int h = 0; h < H; ++h) {
-      const float inv = 1.0f / l[h];
-      const float* a = acc + static_cast<size_t>(h) * dcpad;
-      for (int i = 0; i < dc; ++i) out[static_cast<int64_t>(h) * dc + i] = a[i] * inv;
+    for (int rr = 0; rr < R; ++rr) {
+      float* out = s.out + static_cast<int64_t>(pc.row + rr) * H * dc;
+      const float* l = l_of(rr);
+      for (int h = 0; h < H; ++h) {
+        const float inv = 1.0f / l[h];
+        const float* a = acc_of(rr) + static_cast<size_t>(h) * dcpad;
+        for (int i = 0; i < dc; ++i) out[static_cast<int64_t>(h) * dc + i] = a[i] * inv;
+      }
     }
   };
   auto scratch = [&]() -> Scratch& {
@@ -227,13 +267,13 @@ Status mla_attention_isa(Isa isa, const PagedKvLayerView& view, const MlaAttnPar
     auto grow = [](std::vector<float>& v, size_t n) {
       if (v.size() < n) v.resize(n);
     };
-    grow(sc.q, static_cast<size_t>(H) * dpad);
+    grow(sc.q, static_cast<size_t>(kRowGroup) * H * dpad);
     grow(sc.buf, static_cast<size_t>(kMlaTile) * dpad);
     grow(sc.s, static_cast<size_t>(H) * kMlaTile);
-    grow(sc.m, static_cast<size_t>(H));
-    grow(sc.l, static_cast<size_t>(H));
+    grow(sc.m, static_cast<size_t>(kRowGroup) * H);
+    grow(sc.l, static_cast<size_t>(kRowGroup) * H);
     grow(sc.f, static_cast<size_t>(H));
-    grow(sc.acc, static_cast<size_t>(H) * dcpad);
+    grow(sc.acc, static_cast<size_t>(kRowGroup) * H * dcpad);
     if (sc.rows.size() < static_cast<size_t>(kMlaTile)) {
       sc.rows.resize(kMlaTile);
       sc.metas.resize(kMlaTile);

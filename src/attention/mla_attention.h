@@ -16,9 +16,9 @@
 // Kernels: a scalar reference (mla_attention_reference) and AVX2 / AVX-512
 // tile kernels (mla_attention_simd.cpp) chosen at run time from best_isa()
 // (KVSTACK_ISA caps it). The SIMD path decodes each tile of 16 keys once
-// into an L1 buffer that all H heads read, and splits a decode row along its
-// keys (partial max/sum/accumulator merged) when there are fewer rows than
-// threads. Float32 accumulation on both; mla_attention_test holds the SIMD
+// into an L1 buffer that all H heads (and up to 4 consecutive prefill rows)
+// read, and splits a decode row along its keys (partial max/sum/accumulator
+// merged) when there are fewer rows than threads. Float32 accumulation on both; mla_attention_test holds the SIMD
 // path to the reference and both to an unabsorbed float64 recomputation.
 // Thread-safety: reentrant; parallel over pieces of (sequence, query row,
 // key range) on the pool.
