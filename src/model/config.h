@@ -111,13 +111,18 @@ struct ModelConfig {
   // last storing layer (index < n_layers - N) with the same window.
   // layer_kv_source[l]: that layer, or l for a storing layer; layer_kv_index[l]:
   // the KV layout's layer holding l's K/V (storing layers in order, a shared
-  // layer its source's). Both [n_layers]; assign_kv_sharing() fills them.
+  // layer its source's). Both [n_layers]; assign_kv_sharing() fills them (a
+  // config built by hand, with both empty, shares nothing).
   int shared_kv_layers = 0;
   std::vector<int> layer_kv_source;
   std::vector<int> layer_kv_index;
-  bool stores_kv(int layer) const { return layer_kv_source[static_cast<size_t>(layer)] == layer; }
-  int kv_source(int layer) const { return layer_kv_source[static_cast<size_t>(layer)]; }
-  int kv_index(int layer) const { return layer_kv_index[static_cast<size_t>(layer)]; }
+  int kv_source(int layer) const {
+    return layer_kv_source.empty() ? layer : layer_kv_source[static_cast<size_t>(layer)];
+  }
+  bool stores_kv(int layer) const { return kv_source(layer) == layer; }
+  int kv_index(int layer) const {
+    return layer_kv_index.empty() ? layer : layer_kv_index[static_cast<size_t>(layer)];
+  }
   int n_kv_layers() const { return n_layers - shared_kv_layers; }
 
   int n_gqa() const { return n_heads / n_kv_heads; }
