@@ -9,14 +9,26 @@
 // one latent for H heads, nothing replicated). Causal like paged_attention:
 // query row r of a sequence sees positions 0 .. n_past + r.
 //
-// Scalar float32 kernel (f32/f16/bf16 latent rows); the engine's float64
-// test (engine/deepseek2_latent_test.cpp) holds it to the unabsorbed formula.
-// Thread-safety: reentrant; parallel over (sequence, query row) on the pool.
+// Latent rows are stored as f32, f16, bf16 or int8 (KvDtype::kInt8: d_c + d_R
+// codes and one f16 scale per token row, kv_codec.h; dequantized tile by
+// tile inside the kernel, never into a copy of the cache).
+//
+// Kernels: a scalar reference (mla_attention_reference) and AVX2 / AVX-512
+// tile kernels (mla_attention_simd.cpp) chosen at run time from best_isa()
+// (KVSTACK_ISA caps it). The SIMD path decodes each tile of 16 keys once
+// into an L1 buffer that all H heads (and up to 4 consecutive prefill rows)
+// read, and splits a decode row along its keys (partial max/sum/accumulator
+// merged) when there are fewer rows than threads. Float32 accumulation on both; mla_attention_test holds the SIMD
+// path to the reference and both to an unabsorbed float64 recomputation.
+// Thread-safety: reentrant; parallel over pieces of (sequence, query row,
+// key range) on the pool.
 #pragma once
 
 #include <span>
+#include <string>
 
 #include "attention/paged_attention.h"
+#include "core/cpu_features.h"
 #include "core/result.h"
 #include "core/thread_pool.h"
 #include "kv/kv_view.h"
@@ -33,8 +45,25 @@ struct MlaAttnParams {
 // seqs[i].q: [n_new, H, d_c + d_R] (absorbed q_lat then q_rope per head);
 // seqs[i].out: [n_new, H, d_c]. The latent rows of all n_past + n_new
 // positions must be written. kInvalidArgument when the view is not a latent
-// layer of d_c + d_R elements; kUnsupported for a quantized latent dtype.
+// layer of d_c + d_R elements; kUnsupported for a latent dtype other than
+// f32, f16, bf16, int8. Runs the best kernel best_isa() allows.
 Status mla_attention(const PagedKvLayerView& view, const MlaAttnParams& p,
                      std::span<const AttnSeq> seqs, ThreadPool* pool);
+
+// The same on the kernel of `isa` (kAvx512 falls back to kAvx2, and either to
+// the reference when the CPU lacks it); for tests and benchmarks.
+Status mla_attention_isa(Isa isa, const PagedKvLayerView& view, const MlaAttnParams& p,
+                         std::span<const AttnSeq> seqs, ThreadPool* pool);
+
+// Scalar reference (same contract): one (sequence, query row) at a time,
+// rows decoded with kv_decode_row, float32 online softmax.
+Status mla_attention_reference(const PagedKvLayerView& view, const MlaAttnParams& p,
+                               std::span<const AttnSeq> seqs, ThreadPool* pool);
+
+// Latent dtypes the kernels read: f32, f16, bf16, int8.
+bool mla_latent_dtype_supported(KvDtype dtype);
+
+// "<dtype> <isa>" of the kernel mla_attention() runs now, e.g. "int8 avx512".
+std::string mla_attention_kernel_name(KvDtype dtype);
 
 }  // namespace kvstack

@@ -273,6 +273,23 @@ Result<ModelArch> arch_from_gguf(const std::string& path, std::vector<std::strin
       l.window = w;
     }
   }
+  // Cross-layer KV sharing (model/config.h): the last N layers read the last
+  // storing layer of their kind and window and store nothing.
+  if (auto shared = f.get_i64(a + "attention.shared_kv_layers"); shared && *shared > 0) {
+    const auto first = static_cast<int64_t>(n) - *shared;
+    for (int64_t i = std::max<int64_t>(first, 0); i < static_cast<int64_t>(n); ++i) {
+      LayerSpec& l = m.layers[static_cast<size_t>(i)];
+      for (int64_t s = first - 1; s >= 0; --s) {
+        const LayerSpec& src = m.layers[static_cast<size_t>(s)];
+        if (src.kind == l.kind && src.window == l.window) {
+          l.kv_source = s;
+          break;
+        }
+      }
+    }
+    notes->push_back("GGUF attention.shared_kv_layers " + std::to_string(*shared) +
+                     ": the last layers read an earlier layer's KV and store none");
+  }
   if (auto ffn = per_layer(f, a + "feed_forward_length", n, int64_t{0})) {
     m.ffn = *std::max_element(ffn->begin(), ffn->end());
   }
@@ -458,7 +475,7 @@ void print_table(const PlanInput& in, const PlanResult& r, const Out& o, const O
   for (const auto& g : r.layer_groups) {
     std::string label = std::to_string(g.n_layers) + " x " + capacity::layer_kind_name(g.kind);
     if (g.kind == LayerKind::kWindow) label += "(" + std::to_string(g.window) + ")";
-    label += " layers";
+    label += g.shared ? " layers, shared KV" : " layers";
     row(label.c_str(), fmt_double(g.bytes_per_token) + " B/token/layer" +
                            (g.exact ? "" : " (amortised)") + ", workload " +
                            o.bytes(g.payload_bytes));
@@ -626,9 +643,10 @@ std::string to_json(const PlanInput& in, const PlanResult& r, const Omitted& omi
     char buf[256];
     std::snprintf(buf, sizeof(buf),
                   "%s{\"kind\": \"%s\", \"window\": %" PRId64 ", \"n_layers\": %" PRId64
-                  ", \"bytes_per_token_per_layer\": %.9g, \"payload_bytes\": %" PRIu64 "}",
+                  ", \"bytes_per_token_per_layer\": %.9g, \"payload_bytes\": %" PRIu64
+                  ", \"shared_kv\": %s}",
                   groups.size() > 1 ? ", " : "", capacity::layer_kind_name(g.kind), g.window,
-                  g.n_layers, g.bytes_per_token, g.payload_bytes);
+                  g.n_layers, g.bytes_per_token, g.payload_bytes, g.shared ? "true" : "false");
     groups += buf;
   }
   j.raw("layer_groups", groups + "]");

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "attention/mla_attention.h"
 #include "attention/paged_attention.h"
 #include "cli/text_input.h"
 #include "core/units.h"
@@ -38,7 +39,7 @@ std::vector<OptionSpec> engine_options() {
       {"kv-mla", 0, "MODE",
        "deepseek2 KV cache: expanded (per-head K/V, the default) or latent (one row of "
        "kv_lora_rank + rope dims per layer and token, attention with absorbed up-projections; "
-       "f32/f16/bf16)"},
+       "f32/f16/bf16/int8)"},
       {"kv-rotate", 0, "",
        "rotate queries, keys and values per head (normalized Walsh-Hadamard with fixed random "
        "signs) before K/V are stored, and each attention output back: spreads outlier channels "
@@ -174,7 +175,10 @@ Result<EngineConfig> engine_config_from(const Args& args) {
     return make_error(Errc::kInvalidArgument,
                       "give --kv-center (or --kv-center-text) or --no-kv-center, not both");
   }
-  const KvQualityDefaults q = kv_quality_defaults(c.key_dtype(), c.value_dtype());
+  // An MLA latent cache (--kv-mla latent) is neither rotated nor centred: no
+  // defaults for it (an explicit --kv-rotate / --kv-center is an error).
+  const KvQualityDefaults q =
+      c.kv_mla_latent ? KvQualityDefaults{} : kv_quality_defaults(c.key_dtype(), c.value_dtype());
   // The rotation default applies only where the model allows it; an explicit
   // --kv-rotate on such a model is an error from Engine::create.
   const bool rotate = args.flag("kv-rotate") || (q.rotate && !args.flag("no-kv-rotate") &&
@@ -288,11 +292,12 @@ Result<std::unique_ptr<Engine>> load_engine(const Args& args, bool quiet) {
       }
     }
     types.push_back(model.output().type);
-    // An MLA latent deployment runs mla_attention's scalar kernel; every
-    // other layout names what attention's own kernel selection picks.
-    std::string kernels = "matmul: " + matmul_kernel_summary(types) + "; attention: " +
-                          (cfg->kv_mla_latent ? std::string("mla-latent scalar")
-                                              : attention_kernel_summary((*engine)->layout()));
+    // An MLA latent deployment names mla_attention's kernel ("mla-latent
+    // f16 avx512"); every other layout what attention's own selection picks.
+    std::string kernels =
+        "matmul: " + matmul_kernel_summary(types) + "; attention: " +
+        (cfg->kv_mla_latent ? "mla-latent " + mla_attention_kernel_name(cfg->key_dtype())
+                            : attention_kernel_summary((*engine)->layout()));
     if (model.config().arch == "deepseek2")
       kernels += "; " + deepseek2_kernel_summary(model.config(), cfg->kv_mla_latent);
     std::fprintf(stderr,

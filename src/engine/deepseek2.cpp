@@ -105,7 +105,7 @@ void rope_yarn_rows(float* x, int64_t n_rows, int64_t stride, int64_t rows_per_p
 std::string deepseek2_kernel_summary(const ModelConfig& c, bool latent) {
   const ModelConfig::Mla& m = c.mla;
   const std::string lat = std::to_string(m.kv_lora_rank) + "+" + std::to_string(m.qk_rope);
-  std::string s = latent ? "mla: latent cache, absorbed attention (scalar), " + lat +
+  std::string s = latent ? "mla: latent cache, absorbed attention, " + lat +
                                " per token shared by " + std::to_string(c.n_heads) + " heads ("
                          : "mla: expanded to per-head K/V (" + std::to_string(c.n_heads) +
                                " heads, cached " + std::to_string(c.head_dim) +
@@ -199,9 +199,14 @@ Status Deepseek2Layers::latent_attention(int layer, std::span<const StepSeq> bat
   rope_yarn_rows(qfull_.data() + nope, n_tok * H, dqk, H, pos, c);
   rope_yarn_rows(rows_.data() + r, n_tok, dl, 1, pos, c);
 
-  // W_kvb in f32 once: rows h*(nope+v) + i (i < nope) are W_UK,h, then W_UV,h.
-  if (wkv_b_f32_.empty()) wkv_b_f32_.resize(static_cast<size_t>(c.n_layers));
+  // W_kvb in f32 once: rows h*(nope+v) + i (i < nope) are W_UK,h, then W_UV,h;
+  // and W_UK,h^T [r][nope] per head, so both up-projections are matmuls.
+  if (wkv_b_f32_.empty()) {
+    wkv_b_f32_.resize(static_cast<size_t>(c.n_layers));
+    wuk_t_f32_.resize(static_cast<size_t>(c.n_layers));
+  }
   std::vector<float>& wb = wkv_b_f32_[static_cast<size_t>(layer)];
+  std::vector<float>& wkt = wuk_t_f32_[static_cast<size_t>(layer)];
   if (wb.empty()) {
     const WeightView& kvb = w.mla.wkv_b;
     wb.resize(static_cast<size_t>(kvb.n_out * kvb.n_in));
@@ -210,21 +215,37 @@ Status Deepseek2Layers::latent_attention(int layer, std::span<const StepSeq> bat
       dequantize_row(kvb.type, kvb.data + static_cast<size_t>(i) * rb, wb.data() + i * kvb.n_in,
                      kvb.n_in);
     }
-  }
-  // Absorb W_UK into the query: q_abs,h = [W_UK,h^T q_nope,h ; q_rope,h].
-  q_abs_.resize(n * static_cast<size_t>(H * dl));
-  for (int64_t t = 0; t < n_tok; ++t) {
+    wkt.resize(static_cast<size_t>(H * r * nope));
     for (int64_t hh = 0; hh < H; ++hh) {
-      const float* qh = qfull_.data() + (t * H + hh) * dqk;
-      float* qa = q_abs_.data() + (t * H + hh) * dl;
-      std::fill_n(qa, r, 0.0f);
-      const float* wk = wb.data() + hh * (nope + vd) * r;
       for (int64_t i = 0; i < nope; ++i) {
-        const float qi = qh[i];
-        const float* wrow = wk + i * r;
-        for (int64_t j = 0; j < r; ++j) qa[j] += qi * wrow[j];
+        for (int64_t j = 0; j < r; ++j) {
+          wkt[static_cast<size_t>((hh * r + j) * nope + i)] =
+              wb[static_cast<size_t>((hh * (nope + vd) + i) * r + j)];
+        }
       }
-      std::copy_n(qh + nope, rope, qa + r);
+    }
+  }
+  auto f32_view = [](const float* data, int64_t n_out, int64_t n_in) {
+    return WeightView{.type = GgmlType::kF32,
+                      .data = reinterpret_cast<const uint8_t*>(data),
+                      .n_in = n_in,
+                      .n_out = n_out};
+  };
+  // Absorb W_UK into the query: q_abs,h = [W_UK,h^T q_nope,h ; q_rope,h], one
+  // f32 matmul per head over the tokens (gathered to contiguous rows).
+  q_abs_.resize(n * static_cast<size_t>(H * dl));
+  head_in_.resize(n * static_cast<size_t>(std::max(nope, r)));
+  head_out_.resize(n * static_cast<size_t>(std::max(r, vd)));
+  for (int64_t hh = 0; hh < H; ++hh) {
+    for (int64_t t = 0; t < n_tok; ++t) {
+      std::copy_n(qfull_.data() + (t * H + hh) * dqk, nope, head_in_.data() + t * nope);
+    }
+    matmul(f32_view(wkt.data() + hh * r * nope, r, nope), head_in_.data(), n_tok, head_out_.data(),
+           &threads_);
+    for (int64_t t = 0; t < n_tok; ++t) {
+      float* qa = q_abs_.data() + (t * H + hh) * dl;
+      std::copy_n(head_out_.data() + t * r, r, qa);
+      std::copy_n(qfull_.data() + (t * H + hh) * dqk + nope, rope, qa + r);
     }
   }
 
@@ -263,17 +284,15 @@ Status Deepseek2Layers::latent_attention(int layer, std::span<const StepSeq> bat
                          .rope_dim = m.qk_rope,
                          .scale = c.attn_scale};
   KV_TRY_STATUS(mla_attention(view, ap, seqs, &threads_));
-  // W_UV after the weighted sum: out_h = W_UV,h o_lat,h.
-  for (int64_t t = 0; t < n_tok; ++t) {
-    for (int64_t hh = 0; hh < H; ++hh) {
-      const float* ol = o_lat_.data() + (t * H + hh) * r;
-      const float* wv = wb.data() + (hh * (nope + vd) + nope) * r;
-      float* o = out + (t * H + hh) * vd;
-      for (int64_t k = 0; k < vd; ++k) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < r; ++j) acc += wv[k * r + j] * ol[j];
-        o[k] = acc;
-      }
+  // W_UV after the weighted sum: out_h = W_UV,h o_lat,h (a matmul per head).
+  for (int64_t hh = 0; hh < H; ++hh) {
+    for (int64_t t = 0; t < n_tok; ++t) {
+      std::copy_n(o_lat_.data() + (t * H + hh) * r, r, head_in_.data() + t * r);
+    }
+    matmul(f32_view(wb.data() + (hh * (nope + vd) + nope) * r, vd, r), head_in_.data(), n_tok,
+           head_out_.data(), &threads_);
+    for (int64_t t = 0; t < n_tok; ++t) {
+      std::copy_n(head_out_.data() + t * vd, vd, out + (t * H + hh) * vd);
     }
   }
   return {};

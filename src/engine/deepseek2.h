@@ -98,8 +98,10 @@ class Deepseek2Layers {
   std::vector<float> qa_, qfull_, kva_, lat_, kv_;  // MLA workspace
   MoeScratch moe_;
   std::vector<float> q_abs_, rows_, o_lat_;  // latent path: [n,H,dc+dR], [n,dc+dR], [n,H,dc]
-  // Per layer, wkv_b in f32 ([H * (nope + v)][kv_lora]), built on first latent use.
-  std::vector<std::vector<float>> wkv_b_f32_;
+  // Per layer, wkv_b in f32 ([H * (nope + v)][kv_lora]) and W_UK,h^T per head
+  // ([H][kv_lora][nope]), built on first latent use.
+  std::vector<std::vector<float>> wkv_b_f32_, wuk_t_f32_;
+  std::vector<float> head_in_, head_out_;  // one head's rows gathered for a matmul
 };
 
 }  // namespace kvstack

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "attention/mla_attention.h"
 #include "core/check.h"
 
 namespace kvstack {
@@ -24,10 +25,12 @@ Result<CacheIdentity> engine_cache_identity(const Model& model, const EngineConf
     id.weights_digest = *digest;
   }
   const ModelConfig& c = model.config();
-  id.arch_revision = c.arch + ";" + kForwardRevision + ";L=" + std::to_string(c.n_layers) +
-                     ";E=" + std::to_string(c.n_embd) + ";H=" + std::to_string(c.n_heads) +
-                     ";Hkv=" + std::to_string(c.n_kv_heads) + ";d=" + std::to_string(c.head_dim) +
-                     ";eps=" + std::to_string(c.norm_eps) + ";bias=" + std::to_string(c.qkv_bias);
+  id.arch_revision =
+      c.arch + ";" + kForwardRevision + ";L=" + std::to_string(c.n_layers) +
+      ";E=" + std::to_string(c.n_embd) + ";H=" + std::to_string(c.n_heads) +
+      ";Hkv=" + std::to_string(c.n_kv_heads) + ";d=" + std::to_string(c.head_dim) +
+      ";eps=" + std::to_string(c.norm_eps) + ";bias=" + std::to_string(c.qkv_bias) +
+      (c.shared_kv_layers > 0 ? ";shared=" + std::to_string(c.shared_kv_layers) : std::string());
   id.kv_format = kv_format_key(layout);
   id.kv_transform = kv_rotation_key(config.kv_rotation);
   if (center != nullptr) {
@@ -71,10 +74,11 @@ Result<KvLayout> engine_kv_layout(const ModelConfig& c, const EngineConfig& conf
       return make_error(Errc::kInvalidArgument, "--kv-mla latent: the model (" + c.arch +
                                                     ") has no latent attention (deepseek2 only)");
     }
-    if (kv_dtype_is_quantized(config.key_dtype()) || config.value_dtype() != config.key_dtype() ||
-        config.kv_rotation != KvRotation::kNone || config.kv_center) {
+    if (!mla_latent_dtype_supported(config.key_dtype()) ||
+        config.value_dtype() != config.key_dtype() || config.kv_rotation != KvRotation::kNone ||
+        config.kv_center) {
       return make_error(Errc::kUnsupported,
-                        "--kv-mla latent: supports one float KV dtype (f32, f16, bf16) and no "
+                        "--kv-mla latent: supports one KV dtype (f32, f16, bf16, int8) and no "
                         "--kv-rotate / --kv-center");
     }
     for (int l = 0; l < c.n_layers; ++l) {
@@ -85,7 +89,9 @@ Result<KvLayout> engine_kv_layout(const ModelConfig& c, const EngineConfig& conf
     }
     return KvLayout::create(std::move(layers), config.block_size);
   }
-  for (int l = 0; l < c.n_layers; ++l) {
+  // Cross-layer KV sharing: the shared layers (the last ones) store nothing.
+  layers.resize(static_cast<size_t>(c.n_kv_layers()));
+  for (int l = 0; l < c.n_kv_layers(); ++l) {
     layers[static_cast<size_t>(l)] = KvLayerSpec{.kind = KvLayerKind::kStandard,
                                                  .n_kv_heads = c.n_kv_heads,
                                                  .head_dim_k = c.head_dim,

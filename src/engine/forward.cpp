@@ -127,11 +127,15 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   const LayerWeights& w = model_.layers()[l];
   const int64_t q_dim = static_cast<int64_t>(c.n_heads) * c.head_dim;
   const int64_t kv_dim = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
+  // Cross-layer KV sharing (config.h): a shared layer computes only q and
+  // attends over its source layer's K/V (KV layout layer kl), writing nothing.
+  const bool shared = !c.stores_kv(l);
+  const int kl = c.kv_index(l);
 
   // Attention block.
   rms_norm(x_.data(), w.attn_norm, n_tok, c.n_embd, c.norm_eps, h_.data());
   // deepseek2 with a latent KV layer (--kv-mla latent): forward_deepseek2.cpp.
-  if (deepseek2_ && batch.front().table->pool().layer_view(l).v == nullptr) {
+  if (deepseek2_ && batch.front().table->pool().layer_view(kl).v == nullptr) {
     return mla_latent_layer(l, batch, n_tok);
   }
   // Q, K and V in one pass when their types allow (one activation
@@ -139,6 +143,8 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   if (deepseek2_) {
     // MLA: latent -> per-head K/V rows, RoPE (YaRN) on the decoupled parts.
     deepseek2_->qkv(l, h_.data(), n_tok, pos_.data(), q_.data(), k_.data(), v_.data());
+  } else if (shared) {
+    matmul(w.wq, h_.data(), n_tok, q_.data(), &threads_);
   } else if (matmul_can_fuse(w.wq, w.wk) && matmul_can_fuse(w.wq, w.wv)) {
     const WeightView qkv[3] = {w.wq, w.wk, w.wv};
     float* const out[3] = {q_.data(), k_.data(), v_.data()};
@@ -148,9 +154,14 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
     matmul(w.wk, h_.data(), n_tok, k_.data(), &threads_);
     matmul(w.wv, h_.data(), n_tok, v_.data(), &threads_);
   }
+  // A shared layer's k_/v_ are not computed: everything on them below is
+  // skipped (n_kv_tok = 0 rows).
+  const int64_t n_kv_tok = shared ? 0 : n_tok;
   if (w.bq != nullptr) {
     for (int64_t t = 0; t < n_tok; ++t) {
       add(q_.data() + t * q_dim, w.bq, q_.data() + t * q_dim, q_dim);
+    }
+    for (int64_t t = 0; t < n_kv_tok; ++t) {
       add(k_.data() + t * kv_dim, w.bk, k_.data() + t * kv_dim, kv_dim);
       add(v_.data() + t * kv_dim, w.bv, v_.data() + t * kv_dim, kv_dim);
     }
@@ -158,7 +169,10 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   if (w.attn_q_norm != nullptr) {
     // gemma3: RMSNorm over each head's head_dim values of q and k, before RoPE.
     rms_norm(q_.data(), w.attn_q_norm, n_tok * c.n_heads, c.head_dim, c.norm_eps, q_.data());
-    rms_norm(k_.data(), w.attn_k_norm, n_tok * c.n_kv_heads, c.head_dim, c.norm_eps, k_.data());
+    if (n_kv_tok > 0) {
+      rms_norm(k_.data(), w.attn_k_norm, n_kv_tok * c.n_kv_heads, c.head_dim, c.norm_eps,
+               k_.data());
+    }
   }
   if (!deepseek2_) {
     const RopeParams rp{.style = c.rope_neox ? RopeStyle::kNeox : RopeStyle::kNormal,
@@ -166,13 +180,13 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
                         .freq_base = c.rope_base(l),
                         .freq_scale = c.rope_scale(l)};
     rope(q_.data(), pos_.data(), n_tok, c.n_heads, c.head_dim, rp);
-    rope(k_.data(), pos_.data(), n_tok, c.n_kv_heads, c.head_dim, rp);
+    if (n_kv_tok > 0) rope(k_.data(), pos_.data(), n_kv_tok, c.n_kv_heads, c.head_dim, rp);
   }
   // --kv-center: every key of a head moves by the same mu, so each query's
   // scores shift by one constant (q.mu), which softmax removes.
   if (key_center_ != nullptr) {
     const float* mu = key_center_->layer(l);
-    for (int64_t t = 0; t < n_tok; ++t) {
+    for (int64_t t = 0; t < n_kv_tok; ++t) {
       float* kr = k_.data() + t * kv_dim;
       for (int64_t i = 0; i < kv_dim; ++i) kr[i] -= mu[i];
     }
@@ -180,13 +194,13 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   // --kv-rotate: q.k is unchanged; K and V are stored (quantized) in the
   // rotated basis, and the attention output is rotated back below.
   kv_rotate(rotation_, q_.data(), n_tok * c.n_heads, c.head_dim);
-  kv_rotate(rotation_, k_.data(), n_tok * c.n_kv_heads, c.head_dim);
-  kv_rotate(rotation_, v_.data(), n_tok * c.n_kv_heads, c.head_dim);
+  kv_rotate(rotation_, k_.data(), n_kv_tok * c.n_kv_heads, c.head_dim);
+  kv_rotate(rotation_, v_.data(), n_kv_tok * c.n_kv_heads, c.head_dim);
 
   // Check every sequence's rows before writing any of them.
-  const PagedKvLayerView view = batch.front().table->pool().layer_view(l);
+  const PagedKvLayerView view = batch.front().table->pool().layer_view(kl);
   int64_t row = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
+  for (size_t i = 0; i < batch.size() && !shared; ++i) {
     const auto n = static_cast<int64_t>(batch[i].tokens.size());
     const Status st = kv_validate_rows(view, batch[i].table->length(), k_.data() + row * kv_dim,
                                        v_.data() + row * kv_dim, n);
@@ -204,21 +218,23 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   row = 0;
   for (const StepSeq& s : batch) {
     const auto n = static_cast<int64_t>(s.tokens.size());
-    s.table->write(l, s.table->length(), k_.data() + row * kv_dim, v_.data() + row * kv_dim, n);
+    if (!shared) {
+      s.table->write(l, s.table->length(), k_.data() + row * kv_dim, v_.data() + row * kv_dim, n);
+    }
     // SnapKV (kv/retention.h): the table keeps its prompt's last queries.
-    if (n > 1 && s.table->wants_queries()) {
+    if (n > 1 && !shared && s.table->wants_queries()) {
       s.table->observe_queries(
           l, s.table->length(), q_.data() + row * q_dim, n,
           {.n_q_heads = c.n_heads, .head_dim = c.head_dim, .scale = c.attn_scale});
     }
     // Layer l's group table: entries before the window may be kNullBlock
     // (never read: the kernels start at the first visible key).
-    const std::span<const int32_t> ids = s.table->ids_for_layer(l);
+    const std::span<const int32_t> ids = s.table->ids_for_layer(kl);
     seqs.push_back(AttnSeq{.block_table = ids.data(),
                            .n_blocks = static_cast<int32_t>(ids.size()),
                            // Resident slots (retention compacts them;
                            // RoPE above used logical positions).
-                           .n_past = static_cast<int32_t>(s.table->resident_length(l)),
+                           .n_past = static_cast<int32_t>(s.table->resident_length(kl)),
                            .n_new = static_cast<int32_t>(n),
                            .q = q_.data() + row * q_dim,
                            .out = attn_.data() + row * q_dim});
@@ -234,7 +250,7 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
     // KIVI: each sequence's newest tokens are read from its f16 residual.
     std::vector<KvResidualView> residuals;
     residuals.reserve(batch.size());
-    for (const StepSeq& s : batch) residuals.push_back(s.table->residual_view(l));
+    for (const StepSeq& s : batch) residuals.push_back(s.table->residual_view(kl));
     st = paged_attention_kivi(view, ap, seqs, residuals, &threads_);
   } else {
     st = paged_attention(view, ap, seqs, &threads_);

@@ -105,7 +105,9 @@ Result<KeyCenter> calibrate_key_center(const Model& model, ThreadPool& threads,
   std::vector<float> k(static_cast<size_t>(n) * kc.kv_dim), v(k.size());
   kc.mean.resize(static_cast<size_t>(kc.n_layers) * kc.kv_dim);
   for (int l = 0; l < kc.n_layers; ++l) {
-    read_kv((*pool)->layer_view(l), table.ids_for_layer(l), 0, n, k.data(), v.data());
+    // A shared layer (cross-layer KV sharing) stores nothing: its source's keys.
+    const int kl = model.config().kv_index(l);
+    read_kv((*pool)->layer_view(kl), table.ids_for_layer(kl), 0, n, k.data(), v.data());
     for (int i = 0; i < kc.kv_dim; ++i) {
       double sum = 0.0;
       for (int64_t t = 0; t < n; ++t) sum += k[static_cast<size_t>(t) * kc.kv_dim + i];

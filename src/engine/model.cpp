@@ -147,7 +147,10 @@ Status Model::set_layer_windows(std::vector<int> windows) {
                         "layer windows: layer " + std::to_string(l) + " has a negative window");
     }
   }
-  config_.layer_window = std::move(windows);
+  ModelConfig c = config_;
+  c.layer_window = std::move(windows);
+  KV_TRY_STATUS(assign_kv_sharing(c));  // shared layers read a layer of their window
+  config_ = std::move(c);
   return {};
 }
 

@@ -46,6 +46,7 @@ int64_t token_group(const GroupSpec& g, int64_t block_size) {
 }
 
 int n_streams(const LayerSpec& l, const KvFormat& f, Stream out[2]) {
+  if (l.kv_source >= 0) return 0;  // reads another layer's K/V, stores none
   if (l.kind == LayerKind::kMla) {
     out[0] = {1, l.mla_latent + l.mla_rope_dim, f.key, f.bits};
     return 1;
@@ -497,6 +498,17 @@ Status validate_arch(const ModelArch& a) {
   for (size_t i = 0; i < a.layers.size(); ++i) {
     const LayerSpec& l = a.layers[i];
     const std::string at = who + ": layer " + std::to_string(i) + ": ";
+    if (l.kv_source >= 0) {
+      const auto s = static_cast<size_t>(l.kv_source);
+      if (s >= i || a.layers[s].kv_source >= 0 || a.layers[s].kind != l.kind ||
+          a.layers[s].window != l.window || a.layers[s].n_kv_heads != l.n_kv_heads ||
+          a.layers[s].head_dim_k != l.head_dim_k || a.layers[s].head_dim_v != l.head_dim_v) {
+        return make_error(Errc::kInvalidArgument,
+                          at + "shares the KV of layer " + std::to_string(l.kv_source) +
+                              ", which is not an earlier storing layer of the same kind, window "
+                              "and shape");
+      }
+    }
     if (l.n_q_heads <= 0) return make_error(Errc::kInvalidArgument, at + "query heads must be > 0");
     if (l.head_dim_k <= 0 || l.head_dim_v <= 0) {
       return make_error(Errc::kInvalidArgument, at + "head dim must be > 0");
@@ -888,10 +900,11 @@ Result<PlanResult> plan(const PlanInput& in) {
       r.kv_bytes_per_token_exact = r.kv_bytes_per_token_exact && exact;
       const uint64_t lb = layer_workload_bytes(l, f, seqs, s, p);
       auto it = std::find_if(r.layer_groups.begin(), r.layer_groups.end(), [&](const auto& g) {
-        return g.kind == l.kind && g.window == l.window && g.bytes_per_token == bpt;
+        return g.kind == l.kind && g.window == l.window && g.bytes_per_token == bpt &&
+               g.shared == (l.kv_source >= 0);
       });
       if (it == r.layer_groups.end()) {
-        r.layer_groups.push_back({l.kind, l.window, 1, bpt, exact, lb});
+        r.layer_groups.push_back({l.kind, l.window, 1, bpt, exact, lb, l.kv_source >= 0});
       } else {
         ++it->n_layers;
         it->payload_bytes += lb;
@@ -973,9 +986,12 @@ Result<PlanResult> plan(const PlanInput& in) {
     }
   }
 
-  // Decode: every cached element of every sequence is read once per step.
+  // Decode: every cached element of every sequence is read once per step, a
+  // shared layer's source once more (for it).
   {
-    const uint64_t kv_read = payload_hist(rank_arch, f, seqs, 0, p);
+    ModelArch read_arch = rank_arch;
+    for (auto& l : read_arch.layers) l.kv_source = -1;
+    const uint64_t kv_read = payload_hist(read_arch, f, seqs, 0, p);
     AttentionIntensity ai;
     for (const auto& l : in.arch.layers) {
       const double per_tok =
@@ -987,7 +1003,9 @@ Result<PlanResult> plan(const PlanInput& in) {
             per_tok * static_cast<double>(layer_kept_tokens(l, t)) * static_cast<double>(n);
       }
     }
-    ai.kv_bytes_read = payload_hist(in.arch, f, seqs, 0, p);
+    ModelArch read_all = in.arch;
+    for (auto& l : read_all.layers) l.kv_source = -1;
+    ai.kv_bytes_read = payload_hist(read_all, f, seqs, 0, p);
     ai.flop_per_byte =
         ai.kv_bytes_read ? ai.flops_per_step / static_cast<double>(ai.kv_bytes_read) : 0;
     r.attention = ai;

@@ -47,6 +47,11 @@ struct LayerSpec {
   int64_t head_dim_v = 0;    // d_v: per-head value width
   int64_t mla_latent = 0;    // d_c (kMla)
   int64_t mla_rope_dim = 0;  // d_R (kMla)
+  // Cross-layer KV sharing (YOCO / Gemma 3n): >= 0 when this layer attends
+  // over layer kv_source's K/V and stores none (0 bytes; its decode still
+  // reads the source's K/V). REQUIRES an earlier storing layer of the same
+  // kind, window and shape.
+  int64_t kv_source = -1;
 };
 
 struct ModelArch {
@@ -207,6 +212,7 @@ struct LayerGroupFigure {
   double bytes_per_token = 0;  // per layer
   bool exact = true;
   uint64_t payload_bytes = 0;  // for the whole workload, all layers of this group
+  bool shared = false;         // layers reading another layer's K/V (kv_source >= 0)
 };
 
 // One KV group of the engine's pool (kv_groups.h): layers of one retention

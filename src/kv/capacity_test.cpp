@@ -145,6 +145,67 @@ TEST(Capacity, Mla) {
   EXPECT_NEAR(r.attention.flop_per_byte, 278528.0 / 1152.0, 1e-9);
 }
 
+TEST(Capacity, CrossLayerSharedKvStoresNothingButIsRead) {
+  // SmolLM2-135M with its last 10 of 30 layers reading layer 19's K/V: 20
+  // storing layers x 768 B per token (f16), the shared ones 0 B; decode reads
+  // all 30 layers' worth (the shared layers read their source again).
+  ModelArch a = preset("smollm2-135m");
+  const PlanResult full = run(input_for(a, {1000}));
+  for (size_t i = 20; i < 30; ++i) a.layers[i].kv_source = 19;
+  PlanInput in = input_for(a, {1000, 33});
+  in.workload.block_size = 16;
+  const PlanResult r = run(in);
+  EXPECT_EQ(r.kv_bytes_per_token_int, 20u * 768u);
+  EXPECT_EQ(r.kv_payload_bytes, 1033u * 20u * 768u);
+  ASSERT_TRUE(r.paging.has_value());
+  EXPECT_EQ(r.paging->block_bytes, 20u * 2u * 3u * 16u * 64u * 2u);
+  ASSERT_EQ(r.layer_groups.size(), 2u);
+  EXPECT_FALSE(r.layer_groups[0].shared);
+  EXPECT_EQ(r.layer_groups[0].n_layers, 20);
+  EXPECT_TRUE(r.layer_groups[1].shared);
+  EXPECT_EQ(r.layer_groups[1].n_layers, 10);
+  EXPECT_EQ(r.layer_groups[1].payload_bytes, 0u);
+  EXPECT_EQ(full.kv_bytes_per_token_int, 30u * 768u);
+  const PlanResult one = run(input_for(a, {1000}));
+  EXPECT_DOUBLE_EQ(one.attention.flops_per_step, full.attention.flops_per_step);
+  EXPECT_EQ(one.attention.kv_bytes_read, full.attention.kv_bytes_read);
+  // A layer may only share an earlier storing layer of its own kind and shape.
+  a.layers[25].kv_source = 26;
+  EXPECT_FALSE(validate_arch(a).ok());
+  a.layers[25].kv_source = 19;
+  a.layers[19].kind = LayerKind::kWindow;
+  a.layers[19].window = 64;
+  EXPECT_FALSE(validate_arch(a).ok());
+}
+
+TEST(Capacity, DeepSeekMlaPresets) {
+  // (d_c + d_R) x 2 B = 1152 B per layer and token (f16) for every DeepSeek MLA
+  // model; layers 60 / 27 / 61, heads 128 / 16 / 128, hidden 5120 / 2048 / 7168.
+  struct Want {
+    const char* id;
+    int64_t layers, heads, hidden, vocab;
+  };
+  for (const Want& w :
+       {Want{"deepseek-v2", 60, 128, 5120, 102400}, Want{"deepseek-v2-lite", 27, 16, 2048, 102400},
+        Want{"DeepSeek-V3", 61, 128, 7168, 129280}}) {
+    const ModelArch a = preset(w.id);
+    ASSERT_EQ(static_cast<int64_t>(a.layers.size()), w.layers) << w.id;
+    EXPECT_EQ(a.layers[0].kind, LayerKind::kMla) << w.id;
+    EXPECT_EQ(a.layers[0].n_q_heads, w.heads) << w.id;
+    EXPECT_EQ(a.layers[0].mla_latent, 512) << w.id;
+    EXPECT_EQ(a.layers[0].mla_rope_dim, 64) << w.id;
+    EXPECT_EQ(a.hidden, w.hidden) << w.id;
+    EXPECT_EQ(a.vocab, w.vocab) << w.id;
+    EXPECT_NE(a.source.find("config.json"), std::string::npos) << w.id;
+    PlanResult r = run(input_for(a, {1000}));
+    EXPECT_EQ(r.kv_bytes_per_token_int, static_cast<uint64_t>(w.layers) * 1152u) << w.id;
+    // int8: 576 codes + one f16 scale per row (the engine's int8 latent).
+    EXPECT_EQ(run(input_for(a, {1000}, "int8")).kv_payload_bytes,
+              1000u * static_cast<uint64_t>(w.layers) * 578u)
+        << w.id;
+  }
+}
+
 TEST(Capacity, TailWasteOneAboveBlockBoundary) {
   // SmolLM2-135M, f16, P = 16: block = 30 layers x (K 3x16x64x2 = 6144 + V 6144) = 368640.
   PlanInput in = input_for(preset("smollm2-135m"), {17, 33, 16});

@@ -492,13 +492,20 @@ TEST(KvLayoutQuant, MixedKAndVDtypes) {
 TEST(KvLayoutQuant, RejectsUnsupportedShapes) {
   EXPECT_FALSE(KvLayout::uniform(1, 2, 48, KvDtype::kInt4, 16).ok());  // 48 % 32 != 0
   EXPECT_TRUE(KvLayout::uniform(1, 2, 48, KvDtype::kInt8, 16).ok());
+  // MLA latents: int8 (per-row f16 scale) yes, fp8 no.
   auto mla = KvLayout::create({KvLayerSpec{.kind = KvLayerKind::kMlaLatent,
                                            .latent_dim = 64,
                                            .rope_dim = 16,
-                                           .dtype = KvDtype::kInt8}},
+                                           .dtype = KvDtype::kFp8}},
                               16);
   ASSERT_FALSE(mla.ok());
   EXPECT_EQ(mla.error().code, Errc::kUnsupported);
+  EXPECT_TRUE(KvLayout::create({KvLayerSpec{.kind = KvLayerKind::kMlaLatent,
+                                            .latent_dim = 64,
+                                            .rope_dim = 16,
+                                            .dtype = KvDtype::kInt8}},
+                               16)
+                  .ok());
   EXPECT_EQ(parse_kv_dtype("int8").value(), KvDtype::kInt8);
   EXPECT_EQ(parse_kv_dtype("int3").error().code, Errc::kInvalidArgument);
 }

@@ -102,7 +102,6 @@ Result<KvLayout> KvLayout::create(std::vector<KvLayerSpec> layers, int block_siz
       return layer_error(Errc::kInvalidArgument, l,
                          "window " + std::to_string(s.window) + " must be >= 0 (0 = full)");
     }
-    const int64_t b = kv_dtype_bytes(s.dtype);
     KvLayerPlacement p;
     int64_t payload = 0;
     if (s.kind == KvLayerKind::kStandard) {
@@ -173,18 +172,29 @@ Result<KvLayout> KvLayout::create(std::vector<KvLayerSpec> layers, int block_siz
         return layer_error(Errc::kInvalidArgument, l,
                            "MLA layers take latent_dim/rope_dim, not n_kv_heads/head_dim");
       }
-      if (kv_dtype_is_quantized(s.dtype) || s.dtype_v.has_value()) {
+      if ((kv_dtype_is_quantized(s.dtype) && s.dtype != KvDtype::kInt8) || s.dtype_v.has_value()) {
         return layer_error(Errc::kUnsupported, l,
-                           "MLA latent layers support only f32/f16/bf16 and no V dtype");
+                           "MLA latent layers support only f32/f16/bf16/int8 and no V dtype");
       }
-      p.slot_stride = static_cast<int64_t>(s.latent_dim + s.rope_dim) * b;
+      // int8: d codes per row, then (after the codes region) one f16 scale
+      // per row, as a standard int8 K head (kv_codec.h).
+      const int d = s.latent_dim + s.rope_dim;
+      auto g = kv_row_geometry(s.dtype, d);
+      if (!g) return layer_error(Errc::kUnsupported, l, "latent: " + g.error().message);
+      p.slot_stride = g->row_bytes;
       p.head_stride = 0;
       p.k_bytes = p.slot_stride * block_size;
       p.v_bytes = 0;
       p.k_offset = offset;
       p.v_offset = -1;
       p.end_offset = offset + align_up(p.k_bytes, kAlign);
-      payload = p.slot_stride;
+      if (g->meta_row_bytes > 0) {
+        p.k_meta_offset = p.end_offset;
+        p.k_meta_slot_stride = g->meta_row_bytes;
+        p.k_meta_head_stride = g->meta_row_bytes * block_size;
+        p.end_offset += align_up(p.k_meta_head_stride, kAlign);
+      }
+      payload = g->row_bytes + g->meta_row_bytes;
     } else {
       return layer_error(Errc::kInvalidArgument, l, "unknown layer kind");
     }
@@ -217,7 +227,7 @@ int64_t KvLayout::layer_payload_bytes_per_token(int l) const {
   KV_CHECK(l >= 0 && l < n_layers(), "layer index out of range");
   const KvLayerSpec& s = layers_[l];
   const KvLayerPlacement& p = placements_[l];
-  if (s.kind == KvLayerKind::kMlaLatent) return p.slot_stride;
+  if (s.kind == KvLayerKind::kMlaLatent) return p.slot_stride + p.k_meta_slot_stride;
   return static_cast<int64_t>(s.n_kv_heads) *
          (p.slot_stride + p.k_meta_slot_stride + p.v_slot_stride + p.v_meta_slot_stride);
 }

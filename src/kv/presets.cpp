@@ -36,6 +36,41 @@ ModelArch dense(const char* name, const Dims& d, const char* source) {
   return a;
 }
 
+// DeepSeek's MLA models share d_c 512, d_R 64, nope 128 and v 128 per head;
+// they differ in depth, heads and body. ffn is the activated experts' width
+// (shared + routed per token, times the expert width).
+struct MlaDims {
+  int64_t n_layers;
+  int64_t n_q_heads;
+  int64_t hidden;
+  int64_t ffn;
+  int64_t vocab;
+  int64_t context_length;
+  uint64_t n_params;
+  uint64_t n_active_params;
+};
+
+ModelArch mla(const char* name, const MlaDims& d, const char* source) {
+  ModelArch a;
+  a.name = name;
+  LayerSpec l;
+  l.kind = LayerKind::kMla;
+  l.n_q_heads = d.n_q_heads;
+  l.head_dim_k = 128 + 64;
+  l.head_dim_v = 128;
+  l.mla_latent = 512;
+  l.mla_rope_dim = 64;
+  a.layers.assign(static_cast<size_t>(d.n_layers), l);
+  a.hidden = d.hidden;
+  a.ffn = d.ffn;
+  a.vocab = d.vocab;
+  a.context_length = d.context_length;
+  a.n_params = d.n_params;
+  a.n_active_params = d.n_active_params;
+  a.source = source;
+  return a;
+}
+
 // Parameter counts marked "derived" are summed from the config's tensor
 // shapes (embeddings + per-layer attention, MLP and norms); the others are the
 // publisher's exact or stated figure.
@@ -141,24 +176,34 @@ const std::vector<Preset>& presets() {
          // v_head_dim 128, vocab 102400; MoE with 2 shared + 6 of 160 routed experts
          // of width 1536. DeepSeek-V2 paper (2024): 236B total, 21B activated
          // parameters, 128K context.
-         ModelArch a;
-         a.name = "DeepSeek-V2";
-         LayerSpec l;
-         l.kind = LayerKind::kMla;
-         l.n_q_heads = 128;
-         l.head_dim_k = 128 + 64;
-         l.head_dim_v = 128;
-         l.mla_latent = 512;
-         l.mla_rope_dim = 64;
-         a.layers.assign(60, l);
-         a.hidden = 5120;
-         a.ffn = 8 * 1536;
-         a.vocab = 102400;
-         a.context_length = 131072;
-         a.n_params = 236000000000ULL;
-         a.n_active_params = 21000000000ULL;
-         a.source = "deepseek-ai/DeepSeek-V2 config.json; DeepSeek-AI 2024 (DeepSeek-V2 paper)";
-         return a;
+         return mla("DeepSeek-V2",
+                    {60, 128, 5120, 8 * 1536, 102400, 131072, 236000000000ULL, 21000000000ULL},
+                    "deepseek-ai/DeepSeek-V2 config.json; DeepSeek-AI 2024 (DeepSeek-V2 paper)");
+       }},
+      {"deepseek-v2-lite", "MLA 27 layers, 16 heads, d_c 512 + d_R 64, MoE",
+       [] {
+         // deepseek-ai/DeepSeek-V2-Lite config.json (and deepseek-ai/DeepSeek-V3
+         // inference/configs/config_16B.json): hidden 2048, 27 layers (1 dense), 16
+         // heads, q_lora_rank none (plain q projection), kv_lora_rank 512,
+         // qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128, vocab 102400;
+         // MoE with 2 shared + 6 of 64 routed experts of width 1408. Model card:
+         // 15.7B total, 2.4B activated parameters, 32K context.
+         return mla("DeepSeek-V2-Lite",
+                    {27, 16, 2048, 8 * 1408, 102400, 32768, 15700000000ULL, 2400000000ULL},
+                    "deepseek-ai/DeepSeek-V2-Lite config.json and model card");
+       }},
+      {"deepseek-v3", "MLA 61 layers, 128 heads, d_c 512 + d_R 64, MoE",
+       [] {
+         // deepseek-ai/DeepSeek-V3 config.json (and inference/configs/config_671B.json):
+         // hidden 7168, 61 layers (3 dense), 128 heads, q_lora_rank 1536,
+         // kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim
+         // 128, vocab 129280; MoE with 1 shared + 8 of 256 routed experts of width
+         // 2048. DeepSeek-V3 technical report (2024): 671B total, 37B activated
+         // parameters (the MTP module not counted), 128K context.
+         return mla("DeepSeek-V3",
+                    {61, 128, 7168, 9 * 2048, 129280, 131072, 671000000000ULL, 37000000000ULL},
+                    "deepseek-ai/DeepSeek-V3 config.json; DeepSeek-AI 2024 (DeepSeek-V3 "
+                    "technical report)");
        }},
       {"smollm2-135m", "GQA 30 layers, 9/3 heads x 64",
        [] {

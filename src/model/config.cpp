@@ -232,6 +232,7 @@ Result<ModelConfig> load_model_config(const GgufFile& f) {
   KV_READ_INT(n_ff, "feed_forward_length", -1, 1, 1 << 22);
   KV_READ_INT(n_ctx_train, "context_length", 2048, 1, 1 << 24);
   KV_READ_INT(sliding_window, "attention.sliding_window", 0, 0, 1 << 24);
+  KV_READ_INT(shared_kv_layers, "attention.shared_kv_layers", 0, 0, c.n_layers - 1);
   if (c.n_embd % c.n_heads != 0 && f.find(a + "attention.key_length") == nullptr) {
     return bad(f, "embedding_length " + std::to_string(c.n_embd) +
                       " is not divisible by head_count " + std::to_string(c.n_heads));
@@ -311,7 +312,35 @@ Result<ModelConfig> load_model_config(const GgufFile& f) {
     KV_TRY_STATUS(apply_deepseek2(f, c, value_length));
     c.layer_rope_scale.assign(n_layers, c.rope_freq_scale);
   }
+  if (c.shared_kv_layers > 0 && c.arch == "deepseek2") {
+    return bad(f, "attention.shared_kv_layers is not supported for deepseek2");
+  }
+  if (Status st = assign_kv_sharing(c); !st.ok()) return bad(f, st.error().message);
   return c;
+}
+
+Status assign_kv_sharing(ModelConfig& c) {
+  const int first_shared = c.n_layers - c.shared_kv_layers;
+  c.layer_kv_source.assign(static_cast<size_t>(c.n_layers), 0);
+  c.layer_kv_index.assign(static_cast<size_t>(c.n_layers), 0);
+  for (int l = 0; l < c.n_layers; ++l) {
+    if (l < first_shared) {
+      c.layer_kv_source[static_cast<size_t>(l)] = l;
+      c.layer_kv_index[static_cast<size_t>(l)] = l;
+      continue;
+    }
+    int src = first_shared - 1;
+    while (src >= 0 && c.window(src) != c.window(l)) --src;
+    if (src < 0) {
+      return make_error(Errc::kInvalidArgument,
+                        "attention.shared_kv_layers: layer " + std::to_string(l) + " (window " +
+                            std::to_string(c.window(l)) +
+                            ") has no earlier KV-storing layer with its window");
+    }
+    c.layer_kv_source[static_cast<size_t>(l)] = src;
+    c.layer_kv_index[static_cast<size_t>(l)] = src;
+  }
+  return {};
 }
 
 }  // namespace kvstack

@@ -105,6 +105,26 @@ struct ModelConfig {
   Moe moe;
   bool is_moe_layer(int layer) const { return moe.n_expert > 0 && layer >= moe.n_dense_lead; }
 
+  // Cross-layer KV sharing (YOCO / Gemma 3n; GGUF <arch>.attention.
+  // shared_kv_layers = N, the key llama.cpp's gemma3n reads): the last N
+  // layers compute no K/V and store none; each attends over the K/V of the
+  // last storing layer (index < n_layers - N) with the same window.
+  // layer_kv_source[l]: that layer, or l for a storing layer; layer_kv_index[l]:
+  // the KV layout's layer holding l's K/V (storing layers in order, a shared
+  // layer its source's). Both [n_layers]; assign_kv_sharing() fills them (a
+  // config built by hand, with both empty, shares nothing).
+  int shared_kv_layers = 0;
+  std::vector<int> layer_kv_source;
+  std::vector<int> layer_kv_index;
+  int kv_source(int layer) const {
+    return layer_kv_source.empty() ? layer : layer_kv_source[static_cast<size_t>(layer)];
+  }
+  bool stores_kv(int layer) const { return kv_source(layer) == layer; }
+  int kv_index(int layer) const {
+    return layer_kv_index.empty() ? layer : layer_kv_index[static_cast<size_t>(layer)];
+  }
+  int n_kv_layers() const { return n_layers - shared_kv_layers; }
+
   int n_gqa() const { return n_heads / n_kv_heads; }
   int window(int layer) const { return layer_window[static_cast<size_t>(layer)]; }
   float rope_base(int layer) const { return layer_rope_base[static_cast<size_t>(layer)]; }
@@ -113,5 +133,10 @@ struct ModelConfig {
 
 // Reads and validates the config; errors name the file and the key at fault.
 Result<ModelConfig> load_model_config(const GgufFile& file);
+
+// Fills layer_kv_source / layer_kv_index from shared_kv_layers and the
+// layers' windows (again after the windows change). kInvalidArgument when a
+// shared layer has no storing layer of its window before it.
+Status assign_kv_sharing(ModelConfig& c);
 
 }  // namespace kvstack

@@ -25,6 +25,7 @@ per-head sizes); llama.cpp then runs the latent ("MQA") cache. The kv_b layout
 llama.cpp still loads and runs as MHA.
 
 Run as a script to write the variants: python deepseek2_gen.py OUT_DIR TOKENIZER_GGUF
+(--bench: the benchmark model BENCH instead).
 """
 import pathlib
 import sys
@@ -79,6 +80,15 @@ VARIANTS = [
     Deepseek2Spec("q-kvb-noyarn", q_lora=0, split_kv_b=False, yarn=False,
                   n_dense_lead=0, seed=4),
 ]
+
+# A model sized so that decode attention matters (docs/benchmarks.md, "MLA"):
+# DeepSeek-V2's attention widths (16 of its 128 heads, d_c 512, d_R 64, nope
+# 128, v 128) on a small body (n_embd 512, 8 layers, small MoE), Q8_0 weights,
+# 32K context, split kv_b (llama.cpp runs it through its latent MLA cache).
+BENCH = Deepseek2Spec("bench", q_lora=0, split_kv_b=True, n_embd=512, n_head=16, kv_lora=512,
+                      nope=128, rope=64, v_dim=128, n_layer=8, n_dense_lead=1, n_ff=1024,
+                      n_expert=8, n_expert_used=2, n_expert_shared=1, n_ff_exp=256, yarn=False,
+                      ctx=32768, weight_type=QK.Q8_0, seed=7)
 
 
 def _copy_tokenizer(writer, tokenizer_gguf):
@@ -229,7 +239,11 @@ def write_all(out_dir, tokenizer_gguf, variants=VARIANTS):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: deepseek2_gen.py OUT_DIR TOKENIZER_GGUF")
-    for name, path in write_all(sys.argv[1], sys.argv[2]).items():
+    args = sys.argv[1:]
+    bench = "--bench" in args
+    args = [a for a in args if a != "--bench"]
+    if len(args) != 2:
+        sys.exit("usage: deepseek2_gen.py [--bench] OUT_DIR TOKENIZER_GGUF\n"
+                 "  --bench: write only the benchmark model (BENCH) instead of the test variants")
+    for name, path in write_all(args[0], args[1], [BENCH] if bench else VARIANTS).items():
         print(f"{name}: {path} ({path.stat().st_size / 1e6:.1f} MB)")

@@ -34,7 +34,17 @@ struct SyntheticSpec {
   // the GGUF: load_synthetic_model applies it (Model::set_layer_windows),
   // and the reference masks keys j < t - w + 1 as the kernels do.
   std::vector<int> layer_window = {};
+  // Cross-layer KV sharing: the last N layers read the K/V of the last storing
+  // layer with their window (written as <arch>.attention.shared_kv_layers).
+  int shared_kv_layers = 0;
   int head_dim() const { return n_embd / n_heads; }
+  int kv_source(int l) const {
+    const int first_shared = n_layers - shared_kv_layers;
+    if (l < first_shared) return l;
+    int src = first_shared - 1;
+    while (src > 0 && window(src) != window(l)) --src;
+    return src;
+  }
   int window(int l) const {
     return layer_window.empty() ? 0 : layer_window[static_cast<size_t>(l)];
   }
@@ -93,6 +103,7 @@ inline SyntheticWeights make_synthetic_model(const SyntheticSpec& s) {
   b.add_u32(arch + ".vocab_size", s.n_vocab);
   b.add_scalar<float>(arch + ".rope.freq_base", kVF32, s.rope_base);
   b.add_scalar<float>(arch + ".attention.layer_norm_rms_epsilon", kVF32, 1e-5f);
+  if (s.shared_kv_layers > 0) b.add_u32(arch + ".attention.shared_kv_layers", s.shared_kv_layers);
   b.add_tensor("token_embd.weight",
                {static_cast<uint64_t>(s.n_embd), static_cast<uint64_t>(s.n_vocab)}, 0,
                f32_tensor(w.embd));
@@ -241,20 +252,34 @@ inline std::vector<double> reference_last_logits(const SyntheticWeights& w,
     }
   };
   int layer_index = -1;
+  // Every layer's K/V rows as stored: a shared layer (s.kv_source(l) != l)
+  // computes none and attends over its source's.
+  std::vector<std::vector<std::vector<double>>> layer_k(w.layers.size()), layer_v(w.layers.size());
   for (const auto& L : w.layers) {
     ++layer_index;
-    std::vector<std::vector<double>> q(n), k(n), v(n);
+    const int src = s.kv_source(layer_index);
+    std::vector<std::vector<double>> q(n);
+    std::vector<std::vector<double>>& k = layer_k[static_cast<size_t>(layer_index)];
+    std::vector<std::vector<double>>& v = layer_v[static_cast<size_t>(layer_index)];
+    k.resize(n), v.resize(n);
     for (int t = 0; t < n; ++t) {
       const auto h = norm(x[t], L.attn_norm);
       q[t] = matvec(L.wq, h, q_dim);
-      k[t] = matvec(L.wk, h, kv_dim);
-      v[t] = matvec(L.wv, h, kv_dim);
       if (!L.bq.empty()) {
         for (int i = 0; i < q_dim; ++i) q[t][i] += L.bq[i];
-        for (int i = 0; i < kv_dim; ++i) k[t][i] += L.bk[i], v[t][i] += L.bv[i];
       }
       const int rp = rope_pos ? rope_pos(t) : t;
       rope(q[t], s.n_heads, rp);
+      if (src != layer_index) {
+        k[t] = layer_k[static_cast<size_t>(src)][t];
+        v[t] = layer_v[static_cast<size_t>(src)][t];
+        continue;
+      }
+      k[t] = matvec(L.wk, h, kv_dim);
+      v[t] = matvec(L.wv, h, kv_dim);
+      if (!L.bq.empty()) {
+        for (int i = 0; i < kv_dim; ++i) k[t][i] += L.bk[i], v[t][i] += L.bv[i];
+      }
       rope(k[t], s.n_kv_heads, rp);
       store(layer_index, t, k[t], v[t]);
     }
