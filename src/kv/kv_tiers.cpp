@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 
 #include "kv/block_pool.h"
@@ -51,7 +52,8 @@ Result<std::unique_ptr<KvTiers>> KvTiers::create(PrefixIndex& index, const Cache
   t->measure_costs();
   KvTiers* self = t.get();
   index.set_tier_hooks({.on_evict = [self](int32_t b) { self->on_evict(b); },
-                        .on_publish = [self](int32_t b) { self->on_publish(b); }});
+                        .on_publish = [self](int32_t b) { self->on_publish(b); },
+                        .on_publish_end = [self] { self->flush_redis_stores(); }});
   return t;
 }
 
@@ -65,7 +67,8 @@ KvTiers::~KvTiers() {
   index_.set_tier_hooks({});
 }
 
-TierRecord KvTiers::pool_record(int32_t block) {
+TierRecord KvTiers::pool_record(int32_t block, uint8_t* hdr) {
+  if (hdr == nullptr) hdr = hdr_.data();
   const CachedBlockInfo info = index_.cached_block_info(block);
   const uint8_t* payload = index_.pool().block_data(BlockId{block});
   write_block_record_header(
@@ -74,9 +77,8 @@ TierRecord KvTiers::pool_record(int32_t block) {
        .hash = info.hash,
        .parent_hash = info.parent_hash,
        .group = info.group},
-      info.tokens, std::span<const uint8_t>(payload, static_cast<size_t>(id_.payload_bytes)),
-      hdr_.data());
-  return {.header = hdr_.data(), .payload = payload};
+      info.tokens, std::span<const uint8_t>(payload, static_cast<size_t>(id_.payload_bytes)), hdr);
+  return {.header = hdr, .payload = payload};
 }
 
 void KvTiers::to_disk(const TierKey& key, const TierRecord& rec) {
@@ -89,6 +91,7 @@ void KvTiers::to_disk(const TierKey& key, const TierRecord& rec) {
 }
 
 void KvTiers::on_evict(int32_t block) {
+  if (!redis_staged_.empty()) flush_redis_stores();  // before any block leaves the pool
   const CachedBlockInfo info = index_.cached_block_info(block);
   if (info.has_extra) return;
   const TierKey key{.hash = info.hash, .group = info.group};
@@ -113,8 +116,8 @@ void KvTiers::on_publish(int32_t block) {
   if (info.has_extra) return;
   const TierKey key{.hash = info.hash, .group = info.group};
   // The shared store gets every published block (other instances may want
-  // it now, not when this one evicts it).
-  if (redis_ && !redis_->contains(key, info.ns_digest)) redis_->put(key, pool_record(block));
+  // it now, not when this one evicts it), batched per publish.
+  if (redis_) redis_staged_.push_back(block);
   if (!host_) return;
   if (!config_.write_through) {
     // Write-back: the pool holds the block again; its host copy goes.
@@ -127,6 +130,24 @@ void KvTiers::on_publish(int32_t block) {
     if (disk_ && !disk_->contains(k)) ++n_demoted_;
     to_disk(k, r);
   });
+}
+
+void KvTiers::flush_redis_stores() {
+  if (redis_staged_.empty()) return;
+  const auto hb = static_cast<size_t>(block_record_header_bytes(id_.block_size));
+  std::vector<uint8_t> headers(hb * redis_staged_.size());
+  std::vector<TierKey> keys;
+  std::vector<TierRecord> recs;
+  keys.reserve(redis_staged_.size());
+  recs.reserve(redis_staged_.size());
+  for (size_t i = 0; i < redis_staged_.size(); ++i) {
+    const int32_t b = redis_staged_[i];
+    const CachedBlockInfo info = index_.cached_block_info(b);
+    keys.push_back({.hash = info.hash, .group = info.group});
+    recs.push_back(pool_record(b, headers.data() + i * hb));
+  }
+  redis_staged_.clear();
+  redis_->put_many(keys, recs);
 }
 
 void KvTiers::measure_costs() {
@@ -223,6 +244,31 @@ bool KvTiers::fetch(const TierKey& key, const Hash128& ns_digest, std::span<cons
   return false;
 }
 
+bool KvTiers::fetch_remote(std::span<const RedisFetch> items, const Hash128& ns_digest) {
+  const double t0 = now_seconds();
+  std::vector<double> at;
+  const std::vector<uint8_t> ok = redis_->fetch_many(items, ns_digest, &at);
+  const auto n = static_cast<int64_t>(items.size());
+  if (throttle_bytes_per_s_ > 0) {
+    const double until = t0 + static_cast<double>(n * id_.payload_bytes) / throttle_bytes_per_s_;
+    const double left = until - now_seconds();
+    if (left > 0) std::this_thread::sleep_for(std::chrono::duration<double>(left));
+  }
+  const double dt = now_seconds() - t0;
+  // Per block: the time between its reply and the previous one (the
+  // pipeline's share of each block; the first carries the round trip).
+  double prev = 0;
+  int64_t n_ok = 0;
+  for (size_t i = 0; i < ok.size(); ++i) {
+    if (ok[i] == 0) continue;
+    redis_->add_fetch_latency(std::max(0.0, at[i] - prev));
+    prev = at[i];
+    ++n_ok;
+  }
+  if (n_ok == n) note_fetch(cost_.redis, n * id_.payload_bytes, dt);
+  return n_ok == n;
+}
+
 int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
                               PrefixMatch& m, bool count_stats) {
   BlockPool& pool = index_.pool();
@@ -247,23 +293,78 @@ int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, i
     std::vector<Hash128> hashes;
     hashes.reserve(static_cast<size_t>(n_max));
     for (int32_t b : nodes) hashes.push_back(index_.block_hash(b));
+    // Chain hashes of the blocks past the pool's chain (what publish()
+    // would give them), computed as far as they are asked for.
+    std::vector<Hash128> cand;
+    auto cand_hash = [&](int64_t i) -> const Hash128& {
+      while (j + static_cast<int64_t>(cand.size()) <= i) {
+        const int64_t c = j + static_cast<int64_t>(cand.size());
+        const Hash128 parent = c == 0   ? Hash128{}
+                               : c <= j ? hashes[static_cast<size_t>(c - 1)]
+                                        : cand[static_cast<size_t>(c - 1 - j)];
+        cand.push_back(index_.chain_hash(parent, ns, block_tokens(c)));
+      }
+      return cand[static_cast<size_t>(i - j)];
+    };
+    // Redis presence, asked in pipelined batches (one round trip each) and
+    // remembered for this attempt.
+    std::unordered_map<TierKey, uint8_t, TierKeyHash> remote;
+    auto ask_remote = [&](const std::vector<TierKey>& keys) {
+      std::vector<RedisKey> ask;
+      for (const TierKey& k : keys) {
+        if (!remote.contains(k)) ask.push_back({.key = k, .ns_digest = ns_digest});
+      }
+      if (ask.empty()) return;
+      const std::vector<uint8_t> have = redis_->contains_many(ask);
+      for (size_t i = 0; i < ask.size(); ++i) remote[ask[i].key] = have[i];
+    };
+    auto local_has = [&](const TierKey& k) { return in_host(k) || in_disk(k); };
+    auto has = [&](const TierKey& k) {
+      if (local_has(k)) return true;
+      if (!redis_) return false;
+      if (!remote.contains(k)) ask_remote({k});
+      return remote[k] != 0;
+    };
+    // The chain walk: a block missing locally asks Redis for it and the
+    // next batch - 1 candidates at once (8, 16, ... 512: a long hit costs
+    // a few round trips, a miss one small one).
+    int64_t batch = 8;
     for (int64_t i = j; i < n_max; ++i) {
-      const Hash128 parent = i == 0 ? Hash128{} : hashes[static_cast<size_t>(i - 1)];
-      const Hash128 h = index_.chain_hash(parent, ns, block_tokens(i));
-      if (!tier_has({.hash = h, .group = 0}, ns_digest)) break;
-      hashes.push_back(h);
+      const TierKey key{.hash = cand_hash(i), .group = 0};
+      if (redis_ && !local_has(key) && !remote.contains(key)) {
+        std::vector<TierKey> ask;
+        for (int64_t a = i; a < std::min(n_max, i + batch); ++a) {
+          const TierKey ka{.hash = cand_hash(a), .group = 0};
+          if (!local_has(ka)) ask.push_back(ka);
+        }
+        ask_remote(ask);
+        batch = std::min<int64_t>(2 * batch, 512);
+      }
+      if (!has(key)) break;
+      hashes.push_back(key.hash);
     }
     auto pool_companion = [&](int64_t i, int g) {
       return i < j ? index_.companion(nodes[static_cast<size_t>(i)], g) : kNullBlock;
     };
+    // Group g's blocks [from, to) not in the pool nor local: one batch.
+    auto ask_group = [&](int g, int64_t from, int64_t to) {
+      if (!redis_) return;
+      std::vector<TierKey> ask;
+      for (int64_t i = from; i < to; ++i) {
+        const TierKey k{.hash = hashes[static_cast<size_t>(i)], .group = g};
+        if (pool_companion(i, g) == kNullBlock && !local_has(k)) ask.push_back(k);
+      }
+      ask_remote(ask);
+    };
     auto available = [&](int64_t i, int g) {
       return pool_companion(i, g) != kNullBlock ||
-             tier_has({.hash = hashes[static_cast<size_t>(i)], .group = g}, ns_digest);
+             has({.hash = hashes[static_cast<size_t>(i)], .group = g});
     };
     auto k = static_cast<int64_t>(hashes.size());
     for (; k > 0; --k) {
       bool ok = true;
       for (int g = 1; g < n_groups && ok; ++g) {
+        ask_group(g, first_of(g, k), k);
         for (int64_t b = first_of(g, k); b < k && ok; ++b) ok = available(b, g);
       }
       if (ok) break;
@@ -316,12 +417,15 @@ int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, i
     // tier blocks in against prefilling the tokens they add.
     if (cost_.prefill_tokens_per_s > 0 && !todo.empty()) {
       double t_fetch = 0;
+      bool any_remote = false;
       for (const Promote& t : todo) {
         const TierKey key{.hash = hashes[static_cast<size_t>(t.i)], .group = t.g};
+        const bool remote_block = !in_host(key) && !in_disk(key);
         const TierCost& c = in_host(key) ? cost_.host : in_disk(key) ? cost_.disk : cost_.redis;
-        t_fetch +=
-            c.t0_s +
-            (c.bytes_per_s > 0 ? static_cast<double>(id_.payload_bytes) / c.bytes_per_s : 0.0);
+        // Redis blocks are one pipelined stream: one t0 for all of them.
+        if (!remote_block || !any_remote) t_fetch += c.t0_s;
+        any_remote |= remote_block;
+        t_fetch += c.bytes_per_s > 0 ? static_cast<double>(id_.payload_bytes) / c.bytes_per_s : 0.0;
       }
       const double t_recompute = static_cast<double>((k - k0) * p) / cost_.prefill_tokens_per_s;
       last_fetch_s_ = t_fetch;
@@ -332,22 +436,43 @@ int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, i
         return 0;
       }
     }
+    // Host and disk blocks are read as their pool blocks are allocated;
+    // Redis blocks are gathered and read as one pipelined stream after.
     bool failed = false;
+    std::vector<RedisFetch> remote_todo;
+    std::vector<BlockRef*> remote_slots;
+    std::vector<BlockRef> remote_refs;
+    remote_refs.reserve(todo.size());
     for (const Promote& t : todo) {
       auto r = pool.allocate(t.g);
       if (!r) {
         ++n_promote_failed_;
+        remote_refs.clear();
         drop_all();
         return 0;  // pool full: keep the pool-only match
       }
       const TierKey key{.hash = hashes[static_cast<size_t>(t.i)], .group = t.g};
+      if (redis_ && !in_host(key) && !in_disk(key)) {
+        remote_todo.push_back(
+            {.key = key, .tokens = block_tokens(t.i), .dst = pool.block_data(r->id())});
+        remote_slots.push_back(t.slot);
+        remote_refs.push_back(std::move(*r));
+        continue;
+      }
       if (!fetch(key, ns_digest, block_tokens(t.i), r->id().value)) {
         failed = true;  // entry dropped (corrupt, foreign or evicted meanwhile)
         break;
       }
       *t.slot = std::move(*r);
     }
+    if (!failed && !remote_todo.empty()) {
+      failed = !fetch_remote(remote_todo, ns_digest);
+      for (size_t i = 0; i < remote_refs.size() && !failed; ++i) {
+        *remote_slots[i] = std::move(remote_refs[i]);
+      }
+    }
     if (failed) {
+      remote_refs.clear();
       drop_all();
       continue;
     }
@@ -482,6 +607,7 @@ std::string kv_tiers_stats_json(const KvTiersStats& s) {
     field(o, "identity_mismatch", t.n_identity_mismatch);
     field(o, "write_failed", t.n_write_failed);
     field(o, "errors", t.n_errors);
+    field(o, "round_trips", t.n_round_trips);
     char buf[64];
     std::snprintf(buf, sizeof(buf), ", \"fetch_seconds\": %.6f", t.fetch_seconds);
     o += buf;

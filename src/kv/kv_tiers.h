@@ -12,7 +12,8 @@
 //   publish --copy--> host (write-through, --kv-host-write-through)
 //   host / disk --hit--> pool (promotion; the record is checked first)
 //   pool + host --shutdown (persist)--> disk, index written (warm restart)
-//   publish --copy--> Redis (--kv-redis: shared by instances of one model)
+//   publish --copy--> Redis (--kv-redis: shared by instances of one model;
+//                     a publish's blocks go as one pipelined batch)
 // Write-back keeps a block in at most one of pool and host: publishing (or
 // promoting) a block erases its host copy. Write-through keeps the host
 // copy while the block is in the pool, so an eviction costs nothing. The
@@ -70,7 +71,9 @@ struct KvTierConfig {
 // engine's prefill rate (tokens/s; 0 = unknown: always fetch). A run of n
 // blocks whose records come from tiers costs
 //   T_fetch = sum over its blocks (t0 + bytes / beta)   (that block's tier)
-// against T_recompute = n P / prefill rate; the faster one is taken.
+// against T_recompute = n P / prefill rate; the faster one is taken. The
+// Redis blocks of a run are one pipelined stream, so their t0 is paid once
+// per run, not per block.
 struct TierCost {
   double t0_s = 0;
   double bytes_per_s = 0;
@@ -156,21 +159,26 @@ class KvTiers {
   bool in_disk(const TierKey& k) const { return disk_ && disk_->contains(k); }
   HostStore* host() const { return host_.get(); }
   DiskStore* disk() const { return disk_.get(); }
+  RedisStore* redis() const { return redis_.get(); }
 
  private:
   KvTiers(PrefixIndex& index, KvTierConfig config, BlockRecordIdentity id);
   void on_evict(int32_t block);
   void on_publish(int32_t block);
-  // Header + payload view of a published pool block (header built in hdr_).
-  TierRecord pool_record(int32_t block);
+  // Sends the blocks published since the last call to Redis (one batch).
+  void flush_redis_stores();
+  // Header + payload view of a published pool block (header built in
+  // `hdr`, block_record_header_bytes(P) bytes; default hdr_).
+  TierRecord pool_record(int32_t block, uint8_t* hdr = nullptr);
   void to_disk(const TierKey& key, const TierRecord& rec);
-  bool tier_has(const TierKey& key, const Hash128& ns_digest) {
-    return in_host(key) || in_disk(key) || (redis_ && redis_->contains(key, ns_digest));
-  }
   // Copies key's payload into pool block dst (host, then disk). False when
   // neither has a valid record.
   bool fetch(const TierKey& key, const Hash128& ns_digest, std::span<const int32_t> tokens,
              int32_t dst);
+
+  // Reads items from Redis as one pipelined stream (throttled like
+  // fetch()); true when every one arrived checked.
+  bool fetch_remote(std::span<const RedisFetch> items, const Hash128& ns_digest);
 
   // Start-up probes of the host copy and disk read path (t0, beta).
   void measure_costs();
@@ -189,7 +197,8 @@ class KvTiers {
   std::unique_ptr<HostStore> host_;
   std::unique_ptr<DiskStore> disk_;
   std::unique_ptr<RedisStore> redis_;
-  std::vector<uint8_t> hdr_;  // scratch header
+  std::vector<uint8_t> hdr_;           // scratch header
+  std::vector<int32_t> redis_staged_;  // published blocks not yet sent (inside one publish)
   int64_t n_promoted_ = 0;
   int64_t n_promote_failed_ = 0;
   int64_t n_hit_tokens_ = 0;

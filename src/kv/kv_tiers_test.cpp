@@ -4,18 +4,27 @@
 // foreign and unwritable files).
 #include "kv/kv_tiers.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <random>
 #include <set>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "kv/block_pool.h"
@@ -595,6 +604,173 @@ TEST(KvTiers, FlagErrorsNameTheFlag) {
   auto bad_dir = KvTiers::create(index, id, disk_cfg("/proc/none/x", 1 << 20));
   ASSERT_FALSE(bad_dir.ok());
   EXPECT_NE(bad_dir.error().message.find("/proc/none/x"), std::string::npos);
+}
+
+// A private redis-server on a free port (no persistence), stopped at the
+// end; running() is false where redis-server is not installed.
+class RedisServer {
+ public:
+  RedisServer() {
+    const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    if (::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+        ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+      ::close(s);
+      return;
+    }
+    port_ = ntohs(a.sin_port);
+    ::close(s);
+    const std::string port = std::to_string(port_);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const int null = ::open("/dev/null", O_WRONLY);
+      ::dup2(null, 1);
+      ::dup2(null, 2);
+      ::execlp("redis-server", "redis-server", "--port", port.c_str(), "--bind", "127.0.0.1",
+               "--save", "", "--appendonly", "no", static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    for (int i = 0; i < 250 && pid_ > 0; ++i) {
+      if (::waitpid(pid_, nullptr, WNOHANG) == pid_) {
+        pid_ = -1;  // exited: not installed
+        break;
+      }
+      const int c = ::socket(AF_INET, SOCK_STREAM, 0);
+      a.sin_port = htons(static_cast<uint16_t>(port_));
+      const bool up = ::connect(c, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+      ::close(c);
+      if (up) {
+        running_ = true;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  ~RedisServer() { stop(); }
+  RedisServer(const RedisServer&) = delete;
+  RedisServer& operator=(const RedisServer&) = delete;
+  void stop() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGTERM);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+    running_ = false;
+  }
+  bool running() const { return running_; }
+  int port() const { return port_; }
+  std::string url() const { return "redis://127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+  bool running_ = false;
+};
+
+KvTierConfig redis_cfg(const std::string& url) {
+  KvTierConfig c;
+  c.redis_url = url;
+  c.redis_timeout_ms = 1000;
+  return c;
+}
+
+TEST(KvTiers, RedisRunsArePipelined) {
+  RedisServer server;
+  if (!server.running()) GTEST_SKIP() << "redis-server not installed (scripts/setup.sh)";
+  constexpr int kBlocks = 24;
+  Rig rig(false, 2 * kBlocks + 4, redis_cfg(server.url()));
+  RedisStore* r = rig.tiers->redis();
+  ASSERT_NE(r, nullptr);
+  ASSERT_TRUE(r->connected());
+  const std::vector<int32_t> a = long_prompt(kBlocks * kP + 1, 3);
+  int64_t rt = r->stats().n_round_trips;
+  rig.request(a).table.release();
+  // The lookup's miss (one EXISTS batch of 8), then one publish: one EXISTS
+  // batch and one SET batch for all 24 blocks.
+  EXPECT_EQ(r->stats().n_stored, kBlocks);
+  EXPECT_EQ(r->stats().n_round_trips - rt, 3);
+  ASSERT_EQ(rig.index->evict(1000), kBlocks);
+  rt = r->stats().n_round_trips;
+  Rig::Outcome o = rig.request(a);
+  EXPECT_EQ(o.n_from_tiers, kBlocks * kP);
+  EXPECT_TRUE(o.bytes_ok);
+  // Chain walk: EXISTS batches of 8 and 16; then one GET stream; the
+  // republish finds every block present (one EXISTS batch, no SET).
+  EXPECT_EQ(r->stats().n_round_trips - rt, 4);
+  EXPECT_EQ(r->stats().n_hits, kBlocks);
+  EXPECT_EQ(r->stats().n_stored, kBlocks);
+  EXPECT_EQ(r->stats().n_errors, 0);
+  o.table.release();
+  rig.check();
+  // Another namespace's lookup of the same tokens finds nothing.
+  const NamespaceId other = rig.index->intern_namespace(Hash128{5, 5});
+  rig.index->acquire_namespace(other);
+  ASSERT_EQ(rig.index->evict(1000), kBlocks);
+  PrefixMatch m = rig.index->match(other, a, kBlocks * kP, false);
+  EXPECT_EQ(rig.tiers->extend_match(other, a, kBlocks * kP, m), 0);
+  m = PrefixMatch{};
+  rig.index->release_namespace(other);
+}
+
+TEST(KvTiers, RedisCorruptValueInARunCutsTheHitThere) {
+  RedisServer server;
+  if (!server.running()) GTEST_SKIP() << "redis-server not installed (scripts/setup.sh)";
+  if (std::system("command -v redis-cli > /dev/null") != 0) GTEST_SKIP() << "no redis-cli";
+  constexpr int kBlocks = 12;
+  Rig rig(false, 2 * kBlocks + 4, redis_cfg(server.url()));
+  RedisStore* r = rig.tiers->redis();
+  const std::vector<int32_t> a = long_prompt(kBlocks * kP + 1, 4);
+  rig.request(a).table.release();
+  // The key of block 7 (its chained hash, as the index computes it).
+  const Hash128 ns_digest = rig.index->namespace_digest(rig.ns);
+  Hash128 h{};
+  for (int i = 0; i <= 7; ++i) {
+    h = rig.index->chain_hash(h, rig.ns, std::span<const int32_t>(a).subspan(i * kP, kP));
+  }
+  const std::string key = r->key_name({.hash = h, .group = 0}, ns_digest);
+  const std::string cmd = "redis-cli -p " + std::to_string(server.port()) + " SETRANGE " + key +
+                          " " + std::to_string(block_record_header_bytes(kP) + 9) +
+                          " garbage > /dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  ASSERT_EQ(rig.index->evict(1000), kBlocks);
+  Rig::Outcome o = rig.request(a);
+  // The stream stops being useful at block 7: the retry takes blocks 0-6.
+  EXPECT_EQ(o.n_from_tiers, 7 * kP);
+  EXPECT_TRUE(o.bytes_ok);
+  EXPECT_EQ(r->stats().n_corrupt, 1);
+  o.table.release();
+  rig.check();
+  // The bad value was deleted; the republish stored the recomputed block.
+  ASSERT_EQ(rig.index->evict(1000), kBlocks);
+  o = rig.request(a);
+  EXPECT_EQ(o.n_from_tiers, kBlocks * kP);
+  EXPECT_TRUE(o.bytes_ok);
+  EXPECT_EQ(r->stats().n_corrupt, 1);
+  o.table.release();
+}
+
+TEST(KvTiers, RedisDownIsABoundedMiss) {
+  RedisServer server;
+  if (!server.running()) GTEST_SKIP() << "redis-server not installed (scripts/setup.sh)";
+  constexpr int kBlocks = 8;
+  KvTierConfig cfg = redis_cfg(server.url());
+  cfg.redis_timeout_ms = 100;
+  Rig rig(false, 2 * kBlocks + 4, cfg);
+  const std::vector<int32_t> a = long_prompt(kBlocks * kP + 1, 5);
+  rig.request(a).table.release();
+  ASSERT_EQ(rig.index->evict(1000), kBlocks);
+  server.stop();
+  const auto t0 = std::chrono::steady_clock::now();
+  Rig::Outcome o = rig.request(a);  // recomputed; the publish is skipped
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(o.n_from_tiers, 0);
+  EXPECT_EQ(o.table.length(), static_cast<int64_t>(a.size()));
+  EXPECT_LT(s, 0.5);
+  EXPECT_GT(rig.tiers->redis()->stats().n_errors, 0);
+  o.table.release();
+  rig.check();
 }
 
 }  // namespace

@@ -380,6 +380,7 @@ int64_t PrefixIndex::publish(NamespaceId ns, const BlockTable& table,
           .ns = ns});
     if (tier_hooks_.on_publish) tier_hooks_.on_publish(b);
   }
+  if (j > n_published && tier_hooks_.on_publish_end) tier_hooks_.on_publish_end();
   return j;
 }
 
@@ -395,6 +396,7 @@ bool PrefixIndex::attach_companion(int32_t node, int g, int32_t block) {
   slot = block;
   owner_[block] = node;
   if (tier_hooks_.on_publish) tier_hooks_.on_publish(block);
+  if (tier_hooks_.on_publish_end) tier_hooks_.on_publish_end();
   return true;
 }
 

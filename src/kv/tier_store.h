@@ -70,6 +70,7 @@ struct TierStoreStats {
   int64_t n_identity_mismatch = 0;  // entries of another model/format/layout dropped
   int64_t n_write_failed = 0;       // writes that failed (disk full or I/O error), entry dropped
   int64_t n_errors = 0;             // remote: commands failed or timed out (server down or slow)
+  int64_t n_round_trips = 0;        // remote: commands or pipelined batches sent
   std::array<int64_t, kTierFetchBucketsUs.size()> fetch_hist{};  // per bucket (not cumulative)
   double fetch_seconds = 0;                                      // sum of fetch latencies
   bool direct_io = false;                                        // disk: O_DIRECT in use
