@@ -270,7 +270,78 @@ bool KvTiers::fetch_remote(std::span<const RedisFetch> items, const Hash128& ns_
 }
 
 int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
-                              PrefixMatch& m, bool count_stats) {
+                              PrefixMatch& m, bool count_stats, bool find_partial) {
+  const int64_t added = extend_full(ns, tokens, max_tokens, m, count_stats);
+  return find_partial ? added + extend_partial(ns, tokens, max_tokens, m, count_stats) : added;
+}
+
+int64_t KvTiers::extend_partial(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
+                                PrefixMatch& m, bool count_stats) {
+  BlockPool& pool = index_.pool();
+  const int64_t p = pool.block_size();
+  // Single-group tables only (BlockTable::adopt_partial_copy).
+  if (pool.n_groups() != 1 || ns == kNoNamespace || m.partial.valid()) return 0;
+  max_tokens = std::clamp<int64_t>(max_tokens, 0, static_cast<int64_t>(tokens.size()));
+  const int64_t n = max_tokens / p;
+  const int64_t r = max_tokens - n * p;
+  // The tail block must be the next block of the match, and all of its
+  // tokens known (a tier finds a block by its whole-block hash only).
+  if (r == 0 || static_cast<int64_t>(m.blocks.size()) != n ||
+      static_cast<int64_t>(tokens.size()) < (n + 1) * p) {
+    return 0;
+  }
+  auto block_tokens = [&](int64_t i) { return tokens.subspan(static_cast<size_t>(i * p), p); };
+  const std::vector<int32_t> nodes = index_.chain(ns, tokens, max_tokens);
+  Hash128 h{};
+  int64_t i = 0;
+  if (!nodes.empty()) {
+    h = index_.block_hash(nodes.back());
+    i = static_cast<int64_t>(nodes.size());
+  }
+  for (; i <= n; ++i) h = index_.chain_hash(h, ns, block_tokens(i));
+  const TierKey key{.hash = h, .group = 0};
+  const Hash128 ns_digest = index_.namespace_digest(ns);
+  const bool local = in_host(key) || in_disk(key);
+  if (!local && !(redis_ && redis_->contains(key, ns_digest))) return 0;
+  // Fetch or recompute: one block's fetch against prefilling its r tokens.
+  if (cost_.prefill_tokens_per_s > 0) {
+    const TierCost& c = in_host(key) ? cost_.host : in_disk(key) ? cost_.disk : cost_.redis;
+    const double t_fetch =
+        c.t0_s + (c.bytes_per_s > 0 ? static_cast<double>(id_.payload_bytes) / c.bytes_per_s : 0.0);
+    const double t_recompute = static_cast<double>(r) / cost_.prefill_tokens_per_s;
+    last_fetch_s_ = t_fetch;
+    last_recompute_s_ = t_recompute;
+    if (t_recompute < t_fetch) {
+      ++n_decide_recompute_;
+      return 0;
+    }
+  }
+  auto b = pool.allocate(0);
+  if (!b) {
+    ++n_promote_failed_;
+    return 0;
+  }
+  bool ok = false;
+  if (local) {
+    ok = fetch(key, ns_digest, block_tokens(n), b->id().value);
+  } else {
+    const RedisFetch f{.key = key, .tokens = block_tokens(n), .dst = pool.block_data(b->id())};
+    ok = fetch_remote(std::span<const RedisFetch>(&f, 1), ns_digest);
+  }
+  if (!ok) return 0;  // entry dropped; the tokens are recomputed
+  // An unpublished private block: the sequence copies its first r slots.
+  m.partial = std::move(*b);
+  m.n_partial_tokens = r;
+  ++n_promoted_;
+  ++n_partial_hits_;
+  ++n_decide_fetch_;
+  n_hit_tokens_ += r;
+  if (count_stats) index_.count_tier_hit(ns, 0, r);
+  return r;
+}
+
+int64_t KvTiers::extend_full(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
+                             PrefixMatch& m, bool count_stats) {
   BlockPool& pool = index_.pool();
   const int64_t p = pool.block_size();
   const int n_groups = pool.n_groups();
@@ -533,6 +604,7 @@ KvTiersStats KvTiers::stats() const {
   s.n_dropped = n_dropped_;
   s.n_persisted = n_persisted_;
   s.n_prefetched = n_prefetched_;
+  s.n_partial_hits = n_partial_hits_;
   s.cost = cost_;
   s.n_decide_fetch = n_decide_fetch_;
   s.n_decide_recompute = n_decide_recompute_;
@@ -573,6 +645,7 @@ std::string kv_tiers_stats_json(const KvTiersStats& s) {
   field(out, "dropped", s.n_dropped);
   field(out, "persisted", s.n_persisted);
   field(out, "prefetched", s.n_prefetched);
+  field(out, "partial_hits", s.n_partial_hits);
   field(out, "decide_fetch", s.n_decide_fetch);
   field(out, "decide_recompute", s.n_decide_recompute);
   {
@@ -720,7 +793,8 @@ std::string kv_tiers_prometheus(const KvTiersStats& s, const std::string& labels
 std::string format_kv_tiers_stats(const KvTiersStats& s) {
   if (!s.enabled) return "";
   std::string out = "kv tiers (" + std::string(s.write_through ? "write-through" : "write-back") +
-                    "): promoted " + std::to_string(s.n_promoted) + " blocks, " +
+                    "): promoted " + std::to_string(s.n_promoted) + " blocks (" +
+                    std::to_string(s.n_partial_hits) + " partial tails), " +
                     std::to_string(s.n_hit_tokens) + " tokens served from tiers, " +
                     std::to_string(s.n_demoted) + " demoted host->disk, " +
                     std::to_string(s.n_dropped) +

@@ -96,6 +96,7 @@ struct KvTiersStats {
   int64_t n_dropped = 0;              // blocks evicted from the last tier (cache lost)
   int64_t n_persisted = 0;            // blocks written to disk at persist()
   int64_t n_prefetched = 0;           // blocks promoted ahead of admission (queued requests)
+  int64_t n_partial_hits = 0;         // partial tail blocks served from tiers (find_partial)
   KvTierCostModel cost;               // current fetch-or-recompute inputs
   int64_t n_decide_fetch = 0;         // block runs fetched (T_fetch <= T_recompute)
   int64_t n_decide_recompute = 0;     // block runs recomputed instead (T_recompute < T_fetch)
@@ -129,8 +130,16 @@ class KvTiers {
   // A partial-block candidate is given up when full blocks replace it.
   // count_stats = false: not a query (prefetch); the index's hit counters
   // are left alone.
+  // find_partial (single-group pools): when the match then covers every full
+  // block below max_tokens and `tokens` holds the whole next block, that
+  // block is looked up in the tiers by its hash too and, when found (and
+  // fetching beats recomputing), promoted into an unpublished pool block set
+  // as m.partial with n_partial_tokens = max_tokens % P (what the pool's
+  // partial-block reuse gives: BlockTable::adopt_partial_copy). A tier
+  // block whose tokens only begin like the request's is not found (tiers
+  // key whole blocks).
   int64_t extend_match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
-                       PrefixMatch& m, bool count_stats = true);
+                       PrefixMatch& m, bool count_stats = true, bool find_partial = false);
 
   // Writes every published pool block and every host entry not yet on disk
   // to disk, then the disk index (warm restart). No-op without a disk tier.
@@ -176,6 +185,11 @@ class KvTiers {
   bool fetch(const TierKey& key, const Hash128& ns_digest, std::span<const int32_t> tokens,
              int32_t dst);
 
+  // extend_match's parts: full blocks, then the partial tail.
+  int64_t extend_full(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
+                      PrefixMatch& m, bool count_stats);
+  int64_t extend_partial(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
+                         PrefixMatch& m, bool count_stats);
   // Reads items from Redis as one pipelined stream (throttled like
   // fetch()); true when every one arrived checked.
   bool fetch_remote(std::span<const RedisFetch> items, const Hash128& ns_digest);
@@ -206,6 +220,7 @@ class KvTiers {
   int64_t n_dropped_ = 0;
   int64_t n_persisted_ = 0;
   int64_t n_prefetched_ = 0;
+  int64_t n_partial_hits_ = 0;
 };
 
 }  // namespace kvstack

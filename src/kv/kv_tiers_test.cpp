@@ -773,5 +773,66 @@ TEST(KvTiers, RedisDownIsABoundedMiss) {
   rig.check();
 }
 
+TEST(KvTiers, PartialTailBlockComesFromTheTier) {
+  // A repeated 5-block prompt looked up with all but its last token (what
+  // the server does): 4 full blocks and 3 tokens of the 5th.
+  Rig rig(false, 16, host_cfg(1 << 20));
+  const std::vector<int32_t> a = long_prompt(5 * kP, 6);
+  rig.request(a).table.release();
+  ASSERT_EQ(rig.index->evict(100), 5);  // all five to the host
+  const int64_t max_tokens = 5 * kP - 1;
+  PrefixMatch m = rig.index->match(rig.ns, a, max_tokens, /*find_partial=*/true);
+  EXPECT_EQ(m.n_tokens(), 0);
+  EXPECT_EQ(rig.tiers->extend_match(rig.ns, a, max_tokens, m, true, /*find_partial=*/true),
+            max_tokens);
+  ASSERT_EQ(m.blocks.size(), 4u);
+  ASSERT_TRUE(m.partial.valid());
+  EXPECT_EQ(m.n_partial_tokens, kP - 1);
+  EXPECT_TRUE(block_matches(*rig.pool, m.partial.id().value, a, 0));  // bit-identical
+  EXPECT_EQ(rig.tiers->stats().n_partial_hits, 1);
+  // The tail comes into a private block the sequence copies from.
+  BlockTable t(*rig.pool);
+  t.adopt_prefix(std::move(m.blocks));
+  ASSERT_TRUE(t.adopt_partial_copy(std::move(m.partial), kP - 1).ok());
+  EXPECT_EQ(t.length(), max_tokens);
+  m = PrefixMatch{};
+  // Nothing was published again, so the host still holds all five.
+  EXPECT_EQ(rig.tiers->host()->stats().n_blocks, 5);
+  t.release();
+  rig.check();
+  // Without find_partial: the full blocks only.
+  m = rig.index->match(rig.ns, a, max_tokens, false);
+  EXPECT_EQ(rig.tiers->extend_match(rig.ns, a, max_tokens, m), 4 * kP);
+  EXPECT_FALSE(m.partial.valid());
+  m = PrefixMatch{};
+  // A request whose 5th block differs in its last token: another block.
+  std::vector<int32_t> b = a;
+  b.back() += 1;
+  ASSERT_EQ(rig.index->evict(100), 0);
+  m = rig.index->match(rig.ns, b, max_tokens, true);
+  const int64_t got = rig.tiers->extend_match(rig.ns, b, max_tokens, m, true, true);
+  EXPECT_EQ(got, m.n_tokens());
+  EXPECT_FALSE(m.partial.valid());
+  m = PrefixMatch{};
+  rig.check();
+}
+
+TEST(KvTiers, PartialTailBlockComesFromRedis) {
+  RedisServer server;
+  if (!server.running()) GTEST_SKIP() << "redis-server not installed (scripts/setup.sh)";
+  Rig rig(false, 16, redis_cfg(server.url()));
+  const std::vector<int32_t> a = long_prompt(3 * kP, 7);
+  rig.request(a).table.release();
+  ASSERT_EQ(rig.index->evict(100), 3);
+  const int64_t max_tokens = 3 * kP - 1;
+  PrefixMatch m = rig.index->match(rig.ns, a, max_tokens, true);
+  EXPECT_EQ(rig.tiers->extend_match(rig.ns, a, max_tokens, m, true, true), max_tokens);
+  ASSERT_TRUE(m.partial.valid());
+  EXPECT_TRUE(block_matches(*rig.pool, m.partial.id().value, a, 0));
+  EXPECT_EQ(rig.tiers->redis()->stats().n_hits, 3);
+  m = PrefixMatch{};
+  rig.check();
+}
+
 }  // namespace
 }  // namespace kvstack
