@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "kv/block_pool.h"
+#include "kv/host_format.h"
 
 namespace kvstack {
 
@@ -18,6 +19,19 @@ double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// The identity of records stored in `f` (host_format.h): the pool's, with
+// the format digest and payload size of the stored form, so that a record
+// written in one format is an identity mismatch (a miss) for another.
+BlockRecordIdentity local_identity(const BlockRecordIdentity& id, HostFormat f) {
+  if (f == HostFormat::kPool) return id;
+  BlockRecordIdentity l = id;
+  const std::string s =
+      "kvstack-host-format-v1\n" + id.format_digest.hex() + "\nint8-g32-f16-scale";
+  l.format_digest = hash128(s.data(), s.size());
+  l.payload_bytes = int8_block_bytes(id.payload_bytes);
+  return l;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<KvTiers>> KvTiers::create(PrefixIndex& index, const CacheIdentity& identity,
@@ -25,9 +39,30 @@ Result<std::unique_ptr<KvTiers>> KvTiers::create(PrefixIndex& index, const Cache
   BlockPool& pool = index.pool();
   const BlockRecordIdentity id =
       block_record_identity(identity, pool.block_size(), pool.block_bytes());
+  if (config.host_format == HostFormat::kInt8) {
+    const KvLayout& layout = pool.layout();
+    for (int l = 0; l < layout.n_layers(); ++l) {
+      const KvLayerSpec& spec = layout.layer(l);
+      if (spec.dtype != KvDtype::kF16 || spec.value_dtype() != KvDtype::kF16) {
+        return make_error(Errc::kInvalidArgument,
+                          "--kv-host-format int8 needs an f16 KV pool (layer " + std::to_string(l) +
+                              " is not f16; see --kv-dtype)");
+      }
+    }
+    if (pool.block_bytes() % 64 != 0) {
+      return make_error(Errc::kInvalidArgument,
+                        "--kv-host-format int8: block bytes not a multiple of 64");
+    }
+    if (config.host_bytes <= 0 && config.disk_dir.empty()) {
+      return make_error(Errc::kInvalidArgument,
+                        "--kv-host-format int8 needs --kv-host-mem or --kv-disk");
+    }
+  }
   std::unique_ptr<KvTiers> t(new KvTiers(index, config, id));
+  // Host and disk hold records in the host format; Redis the pool's own.
+  const BlockRecordIdentity lid = t->local_id_;
   if (config.host_bytes > 0) {
-    auto h = HostStore::create(id, config.host_bytes);
+    auto h = HostStore::create(lid, config.host_bytes);
     if (!h) return h.error();
     t->host_ = std::move(*h);
   }
@@ -35,7 +70,7 @@ Result<std::unique_ptr<KvTiers>> KvTiers::create(PrefixIndex& index, const Cache
     if (config.disk_bytes <= 0) {
       return make_error(Errc::kInvalidArgument, "--kv-disk needs --kv-disk-size SIZE (> 0)");
     }
-    auto d = DiskStore::open(id, config.disk_dir, config.disk_bytes, config.disk_direct_io);
+    auto d = DiskStore::open(lid, config.disk_dir, config.disk_bytes, config.disk_direct_io);
     if (!d) return d.error();
     t->disk_ = std::move(*d);
   } else if (config.disk_bytes > 0) {
@@ -61,7 +96,9 @@ KvTiers::KvTiers(PrefixIndex& index, KvTierConfig config, BlockRecordIdentity id
     : index_(index),
       config_(std::move(config)),
       id_(id),
-      hdr_(static_cast<size_t>(block_record_header_bytes(id.block_size))) {}
+      local_id_(local_identity(id, config_.host_format)),
+      hdr_(static_cast<size_t>(block_record_header_bytes(id.block_size))),
+      conv_(static_cast<size_t>(local_id_.payload_bytes)) {}
 
 KvTiers::~KvTiers() {
   index_.set_tier_hooks({});
@@ -79,6 +116,23 @@ TierRecord KvTiers::pool_record(int32_t block, uint8_t* hdr) {
        .group = info.group},
       info.tokens, std::span<const uint8_t>(payload, static_cast<size_t>(id_.payload_bytes)), hdr);
   return {.header = hdr, .payload = payload};
+}
+
+TierRecord KvTiers::local_record(int32_t block) {
+  if (config_.host_format == HostFormat::kPool) return pool_record(block);
+  const CachedBlockInfo info = index_.cached_block_info(block);
+  const uint8_t* payload = index_.pool().block_data(BlockId{block});
+  const double t0 = now_seconds();
+  encode_int8_block(payload, id_.payload_bytes, conv_.data());
+  encode_seconds_ += now_seconds() - t0;
+  ++n_encoded_;
+  write_block_record_header(local_id_,
+                            {.ns_digest = info.ns_digest,
+                             .hash = info.hash,
+                             .parent_hash = info.parent_hash,
+                             .group = info.group},
+                            info.tokens, conv_, hdr_.data());
+  return {.header = hdr_.data(), .payload = conv_.data()};
 }
 
 void KvTiers::to_disk(const TierKey& key, const TierRecord& rec) {
@@ -101,14 +155,14 @@ void KvTiers::on_evict(int32_t block) {
       host_->put(key, {}, [](const TierKey&, const TierRecord&) {});
       return;
     }
-    const TierRecord rec = pool_record(block);
+    const TierRecord rec = local_record(block);
     host_->put(key, rec, [&](const TierKey& k, const TierRecord& r) {
       if (disk_ && !disk_->contains(k)) ++n_demoted_;
       to_disk(k, r);
     });
     return;
   }
-  if (disk_ && !disk_->contains(key)) disk_->put(key, pool_record(block));
+  if (disk_ && !disk_->contains(key)) disk_->put(key, local_record(block));
 }
 
 void KvTiers::on_publish(int32_t block) {
@@ -125,7 +179,7 @@ void KvTiers::on_publish(int32_t block) {
     return;
   }
   if (host_->contains(key)) return;
-  const TierRecord rec = pool_record(block);
+  const TierRecord rec = local_record(block);
   host_->put(key, rec, [&](const TierKey& k, const TierRecord& r) {
     if (disk_ && !disk_->contains(k)) ++n_demoted_;
     to_disk(k, r);
@@ -154,7 +208,7 @@ void KvTiers::measure_costs() {
   // Host: copies of 1 and 4 blocks (beta from the difference, t0 from the
   // single one). Disk: DiskStore::probe_read_seconds (a 4 KiB read for
   // t0, a 4-slot read for beta).
-  const int64_t bb = id_.payload_bytes;
+  const int64_t bb = local_id_.payload_bytes;
   auto fit = [&](double t1, double t4) {
     TierCost c;
     const double dt = std::max(t4 - t1, 1e-9);
@@ -176,6 +230,18 @@ void KvTiers::measure_costs() {
     }
     cost_.host = fit(best1, best4);
   }
+  if (config_.host_format != HostFormat::kPool) {
+    // t_convert: decoding one block from the host format (best of 3).
+    std::vector<uint8_t> block(static_cast<size_t>(id_.payload_bytes), 0x3c);
+    encode_int8_block(block.data(), id_.payload_bytes, conv_.data());
+    double best = 1e30;
+    for (int rep = 0; rep < 3; ++rep) {
+      const double t0 = now_seconds();
+      decode_int8_block(conv_.data(), id_.payload_bytes, block.data());
+      best = std::min(best, now_seconds() - t0);
+    }
+    cost_.convert_s = best;
+  }
   if (disk_) {
     const auto [t_small, t_big] = disk_->probe_read_seconds();
     if (t_big > 0) {
@@ -190,9 +256,19 @@ void KvTiers::measure_costs() {
     const auto [t_ping, t_get] = redis_->probe_seconds();
     if (t_get > 0) {
       cost_.redis.t0_s = t_ping;
-      cost_.redis.bytes_per_s = static_cast<double>(bb) / std::max(t_get - t_ping, 0.5 * t_get);
+      cost_.redis.bytes_per_s =
+          static_cast<double>(id_.payload_bytes) / std::max(t_get - t_ping, 0.5 * t_get);
     }
   }
+}
+
+double KvTiers::block_transfer_s(const TierKey& key, bool with_t0) const {
+  const bool host = in_host(key), local = host || in_disk(key);
+  const TierCost& c = host ? cost_.host : local ? cost_.disk : cost_.redis;
+  // Local tiers move the stored form, then decode it (t_convert).
+  const double bytes = static_cast<double>(local ? local_id_.payload_bytes : id_.payload_bytes);
+  return (with_t0 ? c.t0_s : 0.0) + (c.bytes_per_s > 0 ? bytes / c.bytes_per_s : 0.0) +
+         (local ? cost_.convert_s : 0.0);
 }
 
 void KvTiers::note_fetch(TierCost& c, int64_t bytes, double seconds) {
@@ -205,6 +281,22 @@ bool KvTiers::fetch(const TierKey& key, const Hash128& ns_digest, std::span<cons
                     int32_t dst) {
   const double t0 = now_seconds();
   uint8_t* out = index_.pool().block_data(BlockId{dst});
+  // Host and disk records in the host format are read into conv_ and
+  // decoded into the pool block; the conversion's time is kept apart.
+  const bool convert = config_.host_format != HostFormat::kPool;
+  uint8_t* local_out = convert ? conv_.data() : out;
+  double t_convert = 0;
+  auto decode = [&] {
+    if (!convert) return;
+    const double c0 = now_seconds();
+    decode_int8_block(conv_.data(), id_.payload_bytes, out);
+    t_convert = now_seconds() - c0;
+    decode_seconds_ += t_convert;
+    ++n_decoded_;
+    if (!cost_frozen_) {
+      cost_.convert_s = cost_.convert_s > 0 ? 0.8 * cost_.convert_s + 0.2 * t_convert : t_convert;
+    }
+  };
   auto throttle = [&] {
     if (throttle_bytes_per_s_ <= 0) return;
     const double until = t0 + static_cast<double>(id_.payload_bytes) / throttle_bytes_per_s_;
@@ -216,22 +308,24 @@ bool KvTiers::fetch(const TierKey& key, const Hash128& ns_digest, std::span<cons
     if (r.header != nullptr) {
       const BlockRecordKey want{
           .ns_digest = ns_digest, .hash = key.hash, .parent_hash = {}, .group = key.group};
-      if (check_block_record(id_, want, tokens, r.header) == BlockRecordCheck::kOk &&
-          host_->fetch(key, out)) {
+      if (check_block_record(local_id_, want, tokens, r.header) == BlockRecordCheck::kOk &&
+          host_->fetch(key, local_out)) {
+        decode();
         throttle();
         const double dt = now_seconds() - t0;
         host_->add_fetch_latency(dt);
-        note_fetch(cost_.host, id_.payload_bytes, dt);
+        note_fetch(cost_.host, local_id_.payload_bytes, dt - t_convert);
         return true;
       }
       host_->erase(key);
     }
   }
-  if (disk_ && disk_->fetch(key, ns_digest, tokens, out)) {
+  if (disk_ && disk_->fetch(key, ns_digest, tokens, local_out)) {
+    decode();
     throttle();
     const double dt = now_seconds() - t0;
     disk_->add_fetch_latency(dt);
-    note_fetch(cost_.disk, id_.payload_bytes, dt);
+    note_fetch(cost_.disk, local_id_.payload_bytes, dt - t_convert);
     return true;
   }
   if (redis_ && redis_->fetch(key, ns_digest, tokens, out)) {
@@ -305,9 +399,7 @@ int64_t KvTiers::extend_partial(NamespaceId ns, std::span<const int32_t> tokens,
   if (!local && !(redis_ && redis_->contains(key, ns_digest))) return 0;
   // Fetch or recompute: one block's fetch against prefilling its r tokens.
   if (cost_.prefill_tokens_per_s > 0) {
-    const TierCost& c = in_host(key) ? cost_.host : in_disk(key) ? cost_.disk : cost_.redis;
-    const double t_fetch =
-        c.t0_s + (c.bytes_per_s > 0 ? static_cast<double>(id_.payload_bytes) / c.bytes_per_s : 0.0);
+    const double t_fetch = block_transfer_s(key, true);
     const double t_recompute = static_cast<double>(r) / cost_.prefill_tokens_per_s;
     last_fetch_s_ = t_fetch;
     last_recompute_s_ = t_recompute;
@@ -492,11 +584,9 @@ int64_t KvTiers::extend_full(NamespaceId ns, std::span<const int32_t> tokens, in
       for (const Promote& t : todo) {
         const TierKey key{.hash = hashes[static_cast<size_t>(t.i)], .group = t.g};
         const bool remote_block = !in_host(key) && !in_disk(key);
-        const TierCost& c = in_host(key) ? cost_.host : in_disk(key) ? cost_.disk : cost_.redis;
         // Redis blocks are one pipelined stream: one t0 for all of them.
-        if (!remote_block || !any_remote) t_fetch += c.t0_s;
+        t_fetch += block_transfer_s(key, !remote_block || !any_remote);
         any_remote |= remote_block;
-        t_fetch += c.bytes_per_s > 0 ? static_cast<double>(id_.payload_bytes) / c.bytes_per_s : 0.0;
       }
       const double t_recompute = static_cast<double>((k - k0) * p) / cost_.prefill_tokens_per_s;
       last_fetch_s_ = t_fetch;
@@ -577,7 +667,7 @@ void KvTiers::persist() {
     if (info.has_extra) continue;
     const TierKey key{.hash = info.hash, .group = info.group};
     if (disk_->contains(key)) continue;
-    disk_->put(key, pool_record(b));
+    disk_->put(key, local_record(b));
     ++n_persisted_;
   }
   if (host_) {
@@ -605,6 +695,13 @@ KvTiersStats KvTiers::stats() const {
   s.n_persisted = n_persisted_;
   s.n_prefetched = n_prefetched_;
   s.n_partial_hits = n_partial_hits_;
+  s.host_format = host_format_name(config_.host_format);
+  s.pool_block_bytes = id_.payload_bytes;
+  s.stored_block_bytes = local_id_.payload_bytes;
+  s.n_encoded = n_encoded_;
+  s.n_decoded = n_decoded_;
+  s.encode_seconds = encode_seconds_;
+  s.decode_seconds = decode_seconds_;
   s.cost = cost_;
   s.n_decide_fetch = n_decide_fetch_;
   s.n_decide_recompute = n_decide_recompute_;
@@ -646,6 +743,17 @@ std::string kv_tiers_stats_json(const KvTiersStats& s) {
   field(out, "persisted", s.n_persisted);
   field(out, "prefetched", s.n_prefetched);
   field(out, "partial_hits", s.n_partial_hits);
+  out += ", \"host_format\": \"" + s.host_format + "\"";
+  field(out, "pool_block_bytes", s.pool_block_bytes);
+  field(out, "stored_block_bytes", s.stored_block_bytes);
+  field(out, "encoded", s.n_encoded);
+  field(out, "decoded", s.n_decoded);
+  {
+    char buf[128];
+    std::snprintf(buf, sizeof(buf), ", \"encode_seconds\": %.6f, \"decode_seconds\": %.6f",
+                  s.encode_seconds, s.decode_seconds);
+    out += buf;
+  }
   field(out, "decide_fetch", s.n_decide_fetch);
   field(out, "decide_recompute", s.n_decide_recompute);
   {
@@ -654,11 +762,12 @@ std::string kv_tiers_stats_json(const KvTiersStats& s) {
                   ", \"cost\": {\"host_t0_s\": %.3g, \"host_bytes_per_s\": %.4g, "
                   "\"disk_t0_s\": %.3g, \"disk_bytes_per_s\": %.4g, "
                   "\"redis_t0_s\": %.3g, \"redis_bytes_per_s\": %.4g, "
-                  "\"prefill_tokens_per_s\": %.4g, \"last_fetch_s\": %.4g, "
+                  "\"convert_s\": %.3g, \"prefill_tokens_per_s\": %.4g, \"last_fetch_s\": %.4g, "
                   "\"last_recompute_s\": %.4g}",
                   s.cost.host.t0_s, s.cost.host.bytes_per_s, s.cost.disk.t0_s,
                   s.cost.disk.bytes_per_s, s.cost.redis.t0_s, s.cost.redis.bytes_per_s,
-                  s.cost.prefill_tokens_per_s, s.last_fetch_s, s.last_recompute_s);
+                  s.cost.convert_s, s.cost.prefill_tokens_per_s, s.last_fetch_s,
+                  s.last_recompute_s);
     out += buf;
   }
   out += ", \"tiers\": [";
@@ -777,6 +886,29 @@ std::string kv_tiers_prometheus(const KvTiersStats& s, const std::string& labels
          std::to_string(s.n_decide_fetch) + "\n";
   out += "kvstack:kv_tier_decisions_total{" + labels + ",decision=\"recompute\"} " +
          std::to_string(s.n_decide_recompute) + "\n";
+  // The host format (--kv-host-format): bytes stored per block against the
+  // pool's, and the conversions' counts and time.
+  out +=
+      "# HELP kvstack:kv_tier_block_bytes Bytes of one block: in the pool, and as host/disk "
+      "store it (format=\"pool\" or \"int8\").\n# TYPE kvstack:kv_tier_block_bytes gauge\n";
+  out += "kvstack:kv_tier_block_bytes{" + labels + ",where=\"pool\"} " +
+         std::to_string(s.pool_block_bytes) + "\n";
+  out += "kvstack:kv_tier_block_bytes{" + labels + ",where=\"stored\",format=\"" + s.host_format +
+         "\"} " + std::to_string(s.stored_block_bytes) + "\n";
+  out +=
+      "# HELP kvstack:kv_tier_converted_blocks_total Blocks converted to (down) or from (up) the "
+      "host format.\n# TYPE kvstack:kv_tier_converted_blocks_total counter\n";
+  out += "kvstack:kv_tier_converted_blocks_total{" + labels + ",direction=\"down\"} " +
+         std::to_string(s.n_encoded) + "\n";
+  out += "kvstack:kv_tier_converted_blocks_total{" + labels + ",direction=\"up\"} " +
+         std::to_string(s.n_decoded) + "\n";
+  out +=
+      "# HELP kvstack:kv_tier_convert_seconds_total Time spent converting blocks to or from the "
+      "host format.\n# TYPE kvstack:kv_tier_convert_seconds_total counter\n";
+  out += "kvstack:kv_tier_convert_seconds_total{" + labels + ",direction=\"down\"} " +
+         std::to_string(s.encode_seconds) + "\n";
+  out += "kvstack:kv_tier_convert_seconds_total{" + labels + ",direction=\"up\"} " +
+         std::to_string(s.decode_seconds) + "\n";
   out +=
       "# HELP kvstack:kv_tier_bandwidth_bytes_per_second Measured fetch bandwidth per tier.\n"
       "# TYPE kvstack:kv_tier_bandwidth_bytes_per_second gauge\n";
@@ -797,9 +929,12 @@ std::string format_kv_tiers_stats(const KvTiersStats& s) {
                     std::to_string(s.n_partial_hits) + " partial tails), " +
                     std::to_string(s.n_hit_tokens) + " tokens served from tiers, " +
                     std::to_string(s.n_demoted) + " demoted host->disk, " +
-                    std::to_string(s.n_dropped) +
-                    " dropped; fetch-or-recompute: " + std::to_string(s.n_decide_fetch) +
-                    " fetched, " + std::to_string(s.n_decide_recompute) + " recomputed\n";
+                    std::to_string(s.n_dropped) + " dropped; host format " + s.host_format + " (" +
+                    std::to_string(s.stored_block_bytes) + " of " +
+                    std::to_string(s.pool_block_bytes) + " bytes per block, " +
+                    std::to_string(s.n_encoded) + " down / " + std::to_string(s.n_decoded) +
+                    " up); fetch-or-recompute: " + std::to_string(s.n_decide_fetch) + " fetched, " +
+                    std::to_string(s.n_decide_recompute) + " recomputed\n";
   for (const TierStoreStats& t : s.tiers) {
     char buf[512];
     std::snprintf(

@@ -30,6 +30,7 @@
 #include "kv/block_pool.h"
 #include "kv/block_table.h"
 #include "kv/cache_identity.h"
+#include "kv/host_format.h"
 #include "kv/prefix_index.h"
 
 namespace kvstack {
@@ -832,6 +833,82 @@ TEST(KvTiers, PartialTailBlockComesFromRedis) {
   EXPECT_EQ(rig.tiers->redis()->stats().n_hits, 3);
   m = PrefixMatch{};
   rig.check();
+}
+
+// The bytes an int8 host round trip gives for the expected block.
+bool block_matches_int8(const BlockPool& pool, int32_t b, std::span<const int32_t> prefix,
+                        int group) {
+  const int64_t n = pool.block_bytes();
+  std::vector<uint8_t> want(static_cast<size_t>(n));
+  std::vector<uint8_t> enc(static_cast<size_t>(int8_block_bytes(n)));
+  fill_expected(prefix, group, want.data(), n);
+  encode_int8_block_scalar(want.data(), n, enc.data());
+  decode_int8_block_scalar(enc.data(), n, want.data());
+  return std::memcmp(want.data(), pool.block_data(BlockId{b}), want.size()) == 0;
+}
+
+TEST(KvTiers, Int8HostFormatRoundTripsAndIsItsOwnIdentity) {
+  const auto dir = temp_dir("int8");
+  KvTierConfig cfg = host_cfg(1 << 20);
+  cfg.host_format = HostFormat::kInt8;
+  cfg.disk_dir = dir.string();
+  cfg.disk_bytes = 1 << 22;
+  const std::vector<int32_t> a = long_prompt(4 * kP + 1, 9);
+  {
+    Rig rig(false, 8, cfg);
+    const int64_t bb = rig.pool->block_bytes();
+    rig.request(a).table.release();
+    ASSERT_EQ(rig.index->evict(100), 4);
+    KvTiersStats st = rig.tiers->stats();
+    EXPECT_EQ(st.host_format, "int8");
+    EXPECT_EQ(st.pool_block_bytes, bb);
+    EXPECT_EQ(st.stored_block_bytes, int8_block_bytes(bb));
+    EXPECT_EQ(st.n_encoded, 4);
+    EXPECT_GT(st.cost.convert_s, 0);
+    // Promotion decodes: the blocks hold exactly the int8 round trip of
+    // what was computed (not the computed bytes: the format is lossy).
+    const int64_t max_tokens = static_cast<int64_t>(a.size()) - 1;
+    PrefixMatch m = rig.index->match(rig.ns, a, max_tokens, false);
+    ASSERT_EQ(rig.tiers->extend_match(rig.ns, a, max_tokens, m), 4 * kP);
+    for (size_t i = 0; i < m.blocks.size(); ++i) {
+      EXPECT_TRUE(block_matches_int8(*rig.pool, m.blocks[i].id().value,
+                                     std::span<const int32_t>(a).first((i + 1) * kP), 0));
+      EXPECT_FALSE(block_matches(*rig.pool, m.blocks[i].id().value,
+                                 std::span<const int32_t>(a).first((i + 1) * kP), 0));
+    }
+    st = rig.tiers->stats();
+    EXPECT_EQ(st.n_decoded, 4);
+    EXPECT_GT(st.decode_seconds, 0);
+    m = PrefixMatch{};
+    rig.tiers->persist();  // the host's int8 records to disk
+    rig.check();
+  }
+  {
+    // The same directory read with the pool format: another identity, a miss.
+    KvTierConfig pool_fmt = disk_cfg(dir.string(), 1 << 22);
+    Rig rig(false, 8, pool_fmt);
+    Rig::Outcome o = rig.request(a);
+    EXPECT_EQ(o.n_from_tiers, 0);
+    EXPECT_GT(rig.tiers->disk()->stats().n_identity_mismatch, 0);
+    o.table.release();
+  }
+  std::filesystem::remove_all(dir);
+  // int8 of a non-f16 pool is refused, naming the flag.
+  std::vector<KvLayerSpec> layers = {{.kind = KvLayerKind::kStandard,
+                                      .n_kv_heads = 1,
+                                      .head_dim_k = 32,
+                                      .head_dim_v = 32,
+                                      .dtype = KvDtype::kInt8}};
+  auto l8 = KvLayout::create(std::move(layers), kP);
+  ASSERT_TRUE(l8.ok());
+  auto pool = BlockPool::create(*l8, {.mem_bytes = 4 * l8->block_bytes()});
+  ASSERT_TRUE(pool.ok());
+  PrefixIndex index(**pool);
+  KvTierConfig bad = host_cfg(1 << 20);
+  bad.host_format = HostFormat::kInt8;
+  auto t = KvTiers::create(index, make_identity(*l8), bad);
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.error().message.find("--kv-host-format"), std::string::npos);
 }
 
 }  // namespace

@@ -14,9 +14,11 @@ import pathlib
 import random
 import re
 
+import subprocess
+
 import pytest
 
-from conftest import MODEL
+from conftest import KVSTACK_BIN, MODEL
 from test_server import ServerProcess
 
 POOL = ["--kv-cache-tokens", "320", "--max-seqs", "1"]
@@ -341,3 +343,36 @@ def test_queued_request_is_prefetched_from_the_host_tier():
         assert after["promoted"] - before["promoted"] == after["prefetched"] - before["prefetched"]
     finally:
         stop(s)
+
+
+def test_int8_host_format(tmp_path):
+    """--kv-host-format int8: host blocks held as int8 of the f16 pool (53% of
+    the bytes), decoded on a hit; on this prompt the greedy output of the hit
+    equals the computed run's (the round-trip error bound itself is tested in
+    host_format_test); a non-f16 pool is refused naming the flag."""
+    s = ServerProcess(*POOL, "--kv-host-mem", "64MiB", "--kv-host-format", "int8",
+                      admin_key="adm")
+    try:
+        first, _ = complete(s, A)
+        complete(s, B)  # evicts A to the host tier, converted to int8
+        again, cached = complete(s, A)
+        st = s.kv_stats()["tiers"]
+        t = tier({"tiers": st}, "host")
+        assert cached >= 64 and t["hits"] > 0, st
+        assert st["host_format"] == "int8"
+        assert st["stored_block_bytes"] < 0.55 * st["pool_block_bytes"], st
+        assert t["bytes_out"] == t["hits"] * st["stored_block_bytes"]
+        assert st["decoded"] == t["hits"] and st["encoded"] >= t["hits"], st
+        assert st["cost"]["convert_s"] > 0 and st["decode_seconds"] > 0, st
+        assert again == first, (again, first)
+        m = s.get("/metrics").text
+        assert re.search(r'kvstack:kv_tier_block_bytes\{[^}]*format="int8"\} %d' %
+                         st["stored_block_bytes"], m)
+        assert re.search(r'kvstack:kv_tier_converted_blocks_total\{[^}]*direction="up"\} %d' %
+                         st["decoded"], m)
+    finally:
+        stop(s)
+    r = subprocess.run([KVSTACK_BIN, "run", "-m", MODEL, "-p", "hi", "-n", "1", "--kv-dtype", "int8",
+                        "--kv-host-mem", "64MiB", "--kv-host-format", "int8"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--kv-host-format" in r.stderr, r.stderr
