@@ -4,6 +4,8 @@
 // 360 KiB blocks) holds a published chain of N blocks filled with random
 // bytes. It measures
 //   memcpy     N blocks from one buffer into the pool (the host tier's bound)
+//   (--kv-host-format int8: host and disk hold int8 records; GB/s are of
+//   pool bytes, the decode included)
 //   host       promotion of the chain from the host tier (the real path:
 //              lookup hashes, record checks, pool allocation, copy)
 //   disk       the write-back batch to disk, and promotion of the chain
@@ -229,6 +231,13 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
               static_cast<long long>(repeat));
 
   const bool local = !(args->flag("redis-only") && args->get("redis"));
+  // --kv-host-format: the host and disk tiers' stored form (host_format.h).
+  HostFormat host_format = HostFormat::kPool;
+  if (auto f = args->get("kv-host-format")) {
+    auto hf = parse_host_format(*f);
+    if (!hf) return fail("kv-tiers-bench", hf.error().message);
+    host_format = *hf;
+  }
   double memcpy_like = 0;
   // memcpy: the same bytes into the same pool blocks.
   if (local) {
@@ -256,6 +265,7 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
     const int64_t slot = (bb + 64 + block_record_header_bytes(16) + 63) / 64 * 64;
     KvTierConfig cfg;
     cfg.host_bytes = (n + 2) * slot;
+    cfg.host_format = host_format;
     auto b = make_bench(*layout, n, cfg);
     if (!b) return fail("kv-tiers-bench", b.error().message);
     const auto t0 = Clock::now();
@@ -268,6 +278,10 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
       best = std::min(best, s);
     }
     memcpy_like = total / best / 1e9;
+    const KvTiersStats hs = b->tiers->stats();
+    std::printf("  host format       %s (%lld of %lld bytes per block)\n", hs.host_format.c_str(),
+                static_cast<long long>(hs.stored_block_bytes),
+                static_cast<long long>(hs.pool_block_bytes));
     std::printf("  host demote       %7.2f GB/s  (pool -> host, checksummed record)\n",
                 total / demote / 1e9);
     std::printf("  host fetch        %7.2f GB/s  (%.1f us per block; lookup + check + copy)\n",
@@ -289,6 +303,7 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
     cfg.disk_dir = dir;
     cfg.disk_bytes = (n + 2) * (bb + 8192);
     cfg.disk_direct_io = direct;
+    cfg.host_format = host_format;
     auto b = make_bench(*layout, n, cfg);
     if (!b) return fail("kv-tiers-bench", b.error().message);
     const auto t0 = Clock::now();
