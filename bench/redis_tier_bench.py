@@ -8,7 +8,8 @@ then alternates, --rounds times:
       copy into the pool; best of --repeat)
   redis-benchmark -t set,get -d VALUE -n 512 -c 1   (one client, the same
       value size: a kvstack block record), and the same with -P 16
-and prints the best of each, in GB/s (1e9 bytes/s), and the ratio. The
+and prints the best of each, in GB/s (1e9 bytes/s), the ratio, and the
+median of the per-round ratios (robust to a busy machine). The
 server is stopped at the end (also on failure).
 
 Usage: bench/redis_tier_bench.py [--kvstack build/src/cli/kvstack] [--blocks 256]
@@ -88,12 +89,16 @@ def main():
             print(f"round {r + 1}: kvstack fetch {f:.2f} GB/s, redis-benchmark GET "
                   f"{single[-1]:.2f} GB/s (-P 16: {piped[-1]:.2f})", flush=True)
         best, b1, b16 = max(ours), max(single), max(piped)
+        ratios = sorted(o / b for o, b in zip(ours, single))
+        median_ratio = ratios[len(ratios) // 2]
         print(f"\nvalue {value} bytes, {a.blocks} blocks, best of {a.rounds} rounds\n")
         print("| path | GB/s | kvstack / this |")
         print("|---|---|---|")
         print(f"| kvstack fetch (pipelined EXISTS + GET stream + checks + copy) | {best:.2f} | |")
         print(f"| redis-benchmark GET, 1 client | {b1:.2f} | {best / b1:.0%} |")
         print(f"| redis-benchmark GET, 1 client, -P 16 | {b16:.2f} | {best / b16:.0%} |")
+        print(f"\nmedian over rounds of kvstack / redis-benchmark (1 client) in the same round: "
+              f"{median_ratio:.0%} (range {ratios[0]:.0%}-{ratios[-1]:.0%})")
     finally:
         server.terminate()
         server.wait(timeout=10)

@@ -289,8 +289,8 @@ void RedisStore::put_many(std::span<const TierKey> keys, std::span<const TierRec
   for (size_t i = 0; i < keys.size(); ++i) {
     if (have[i] == 0) todo.push_back(i);
   }
-  // SETs in windows of kRedisPipelineBytes: each window one round trip.
-  const size_t window = std::max<size_t>(1, static_cast<size_t>(kRedisPipelineBytes) / (hb + pb));
+  // SETs in batches of kRedisStoreBatchBytes: each batch one round trip.
+  const size_t window = std::max<size_t>(1, static_cast<size_t>(kRedisStoreBatchBytes) / (hb + pb));
   for (size_t w = 0; w < todo.size(); w += window) {
     const size_t end = std::min(todo.size(), w + window);
     for (size_t t = w; t < end; ++t) {
@@ -378,7 +378,7 @@ std::vector<uint8_t> RedisStore::fetch_many(std::span<const RedisFetch> items,
   const double t_start = now_seconds();
   const auto hb = static_cast<size_t>(block_record_header_bytes(id_.block_size));
   const auto pb = static_cast<size_t>(id_.payload_bytes);
-  const size_t window = std::max<size_t>(1, static_cast<size_t>(kRedisPipelineBytes) / (hb + pb));
+  const size_t window = std::max<size_t>(2, static_cast<size_t>(kRedisPipelineBytes) / (hb + pb));
   std::vector<std::string> names(items.size());
   for (size_t i = 0; i < items.size(); ++i) names[i] = key_name(items[i].key, ns_digest);
   auto command = [&](size_t i) {
