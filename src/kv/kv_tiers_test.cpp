@@ -416,6 +416,38 @@ TEST(KvTiers, WarmRestartFromDisk) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(KvTiers, CrashAfterAWriteBatchLosesNoWrittenRecord) {
+  // A child process writes blocks to disk (evictions, then one batch at the
+  // next lookup) and dies without flush() or its destructors (kill -9):
+  // the journal brings every written record back.
+  const auto dir = temp_dir("crash");
+  const KvTierConfig cfg = disk_cfg(dir.string(), 1 << 22);
+  const std::vector<int32_t> a = long_prompt(6 * kP + 1, 12);
+  const std::vector<int32_t> b = long_prompt(3 * kP + 1, 13);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    auto* rig = new Rig(false, 16, cfg);  // never destroyed
+    rig->request(a).table.release();
+    if (rig->index->evict(100) != 6) ::_exit(2);
+    rig->request(b).table.release();  // its lookup writes the batch of six
+    if (rig->tiers->disk()->stats().n_stored != 6) ::_exit(3);
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  ASSERT_EQ(WEXITSTATUS(status), 0);
+  Rig rig(false, 16, cfg);  // the restart
+  EXPECT_EQ(rig.tiers->disk()->stats().n_blocks, 6);
+  Rig::Outcome o = rig.request(a);
+  EXPECT_EQ(o.n_from_tiers, 6 * kP);
+  EXPECT_TRUE(o.bytes_ok);
+  o.table.release();
+  rig.check();
+  std::filesystem::remove_all(dir);
+}
+
 // Writes the chain of `a` to disk in a first "process"; returns the dir.
 std::filesystem::path disk_with(const std::string& name, const std::vector<int32_t>& a) {
   auto dir = temp_dir(name);

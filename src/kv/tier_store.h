@@ -12,7 +12,10 @@
 //              in the first 4 KiB, payload from 4 KiB on, both 4 KiB aligned
 //              for O_DIRECT); DIR/index.kvs lists (slot, key, namespace
 //              digest, last use) with the identity of the process that wrote
-//              it and a checksum, so the cache survives a restart. Writes are
+//              it and a checksum, so the cache survives a restart; between
+//              two rewrites of the index, DIR/journal.kvs gets one
+//              checksummed entry per record written (appended after each
+//              batch), so a crash (kill -9) loses no written record either. Writes are
 //              gathered into batches (kDiskWriteBatchBytes) written with one
 //              pwritev per run of consecutive slots; reads are one pread per
 //              slot, both O_DIRECT where the file system allows it (else
@@ -227,7 +230,14 @@ class DiskStore {
   DiskStore(const BlockRecordIdentity& id, std::string dir, int64_t n_slots, int64_t slot_bytes);
   Status open_files(bool direct_io);
   void load_index();
+  // Replays DIR/journal.kvs over the loaded index (entries of this identity
+  // up to the first torn or bad one; a later entry for a slot or key wins).
+  void load_journal();
   void write_index();
+  // Empties the journal and writes its header (after an index rewrite).
+  void reset_journal();
+  // Appends entries for `slots` (just written) to the journal.
+  void journal(std::span<const int64_t> slots);
   void write_pending();
   void reopen_buffered();
   struct AlignedFree {
@@ -237,11 +247,12 @@ class DiskStore {
   Buffer new_buffer() const;
 
   BlockRecordIdentity id_;
-  std::string dir_, data_path_, index_path_;
+  std::string dir_, data_path_, index_path_, journal_path_;
   int64_t header_region_ = 4096;
   int64_t slot_bytes_ = 0;
   int fd_ = -1;
-  int lock_fd_ = -1;  // DIR/lock, held (flock) for the store's lifetime
+  int lock_fd_ = -1;     // DIR/lock, held (flock) for the store's lifetime
+  int journal_fd_ = -1;  // DIR/journal.kvs, appended to (O_APPEND)
   bool direct_ = false;
   SlotMap map_;
   std::vector<Hash128> ns_of_;                   // [n_slots] namespace digest of each entry
