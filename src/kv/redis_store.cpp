@@ -1,6 +1,7 @@
 #include "kv/redis_store.h"
 
 #include <hiredis/hiredis.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,11 +26,12 @@ struct ReplyFree {
 };
 using Reply = std::unique_ptr<redisReply, ReplyFree>;
 
-// Writes all of s to a blocking socket (bounded by its SO_SNDTIMEO).
+// Writes all of s to a blocking socket (bounded by its SO_SNDTIMEO; a
+// closed peer is an error, not a SIGPIPE).
 bool write_all(int fd, const std::string& s) {
   size_t done = 0;
   while (done < s.size()) {
-    const ssize_t w = ::write(fd, s.data() + done, s.size() - done);
+    const ssize_t w = ::send(fd, s.data() + done, s.size() - done, MSG_NOSIGNAL);
     if (w > 0) {
       done += static_cast<size_t>(w);
     } else if (w < 0 && errno == EINTR) {
