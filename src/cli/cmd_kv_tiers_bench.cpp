@@ -358,9 +358,9 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
         "  redis fetch       %7.2f GB/s  (%.1f us per block; pipelined EXISTS + GETs + checks + "
         "copy)\n",
         total / best / 1e9, best / static_cast<double>(n) * 1e6);
+    const int64_t value_bytes = block_record_header_bytes(16) + bb;
     std::printf("  redis value       %lld bytes; %lld round trips in all\n",
-                static_cast<long long>(block_record_header_bytes(16) + bb),
-                static_cast<long long>(rs.n_round_trips));
+                static_cast<long long>(value_bytes), static_cast<long long>(rs.n_round_trips));
     if (!local) memcpy_like = total / best / 1e9;
     b->index->release_namespace(b->ns);
     b->tiers.reset();
