@@ -378,29 +378,62 @@ int64_t KvTiers::extend_partial(NamespaceId ns, std::span<const int32_t> tokens,
   max_tokens = std::clamp<int64_t>(max_tokens, 0, static_cast<int64_t>(tokens.size()));
   const int64_t n = max_tokens / p;
   const int64_t r = max_tokens - n * p;
-  // The tail block must be the next block of the match, and all of its
-  // tokens known (a tier finds a block by its whole-block hash only).
-  if (r == 0 || static_cast<int64_t>(m.blocks.size()) != n ||
-      static_cast<int64_t>(tokens.size()) < (n + 1) * p) {
-    return 0;
-  }
+  // The tail block must be the next block of the match.
+  if (r == 0 || static_cast<int64_t>(m.blocks.size()) != n) return 0;
   auto block_tokens = [&](int64_t i) { return tokens.subspan(static_cast<size_t>(i * p), p); };
+  // The chain hash of block n - 1 (zero at the top).
   const std::vector<int32_t> nodes = index_.chain(ns, tokens, max_tokens);
-  Hash128 h{};
+  Hash128 parent{};
   int64_t i = 0;
   if (!nodes.empty()) {
-    h = index_.block_hash(nodes.back());
+    parent = index_.block_hash(nodes.back());
     i = static_cast<int64_t>(nodes.size());
   }
-  for (; i <= n; ++i) h = index_.chain_hash(h, ns, block_tokens(i));
-  const TierKey key{.hash = h, .group = 0};
+  for (; i < n; ++i) parent = index_.chain_hash(parent, ns, block_tokens(i));
   const Hash128 ns_digest = index_.namespace_digest(ns);
-  const bool local = in_host(key) || in_disk(key);
-  if (!local && !(redis_ && redis_->contains(key, ns_digest))) return 0;
-  // Fetch or recompute: one block's fetch against prefilling its r tokens.
+  // 1. The request holds the whole tail block: look it up by its hash in
+  // every tier.
+  TierKey key{};
+  bool found = false, local = false;
+  std::vector<int32_t> stored;  // the candidate record's P tokens
+  if (static_cast<int64_t>(tokens.size()) >= (n + 1) * p) {
+    key = {.hash = index_.chain_hash(parent, ns, block_tokens(n)), .group = 0};
+    local = in_host(key) || in_disk(key);
+    found = local || (redis_ && redis_->contains(key, ns_digest));
+    if (found) stored.assign(block_tokens(n).begin(), block_tokens(n).end());
+  }
+  // 2. Otherwise a host block under the same parent whose first tokens are
+  // the request's (its tail completed by tokens this request does not
+  // have, e.g. a previous answer), the longest such, as the pool's
+  // partial-block search picks.
+  int64_t take = r;
+  if (!found && host_) {
+    int64_t best = 0;
+    for (const TierKey& c : host_->children(parent)) {
+      const TierRecord rec = host_->peek(c);
+      const BlockRecordKey want{
+          .ns_digest = ns_digest, .hash = c.hash, .parent_hash = parent, .group = 0};
+      if (check_block_record(local_id_, want, {}, rec.header) != BlockRecordCheck::kOk) continue;
+      std::vector<int32_t> t = record_tokens(rec.header);
+      int64_t common = 0;
+      while (common < r &&
+             t[static_cast<size_t>(common)] == tokens[static_cast<size_t>(n * p + common)]) {
+        ++common;
+      }
+      if (common > best) {
+        best = common;
+        key = c;
+        stored = std::move(t);
+      }
+    }
+    found = local = best > 0;
+    take = best;
+  }
+  if (!found) return 0;
+  // Fetch or recompute: one block's fetch against prefilling its tokens.
   if (cost_.prefill_tokens_per_s > 0) {
     const double t_fetch = block_transfer_s(key, true);
-    const double t_recompute = static_cast<double>(r) / cost_.prefill_tokens_per_s;
+    const double t_recompute = static_cast<double>(take) / cost_.prefill_tokens_per_s;
     last_fetch_s_ = t_fetch;
     last_recompute_s_ = t_recompute;
     if (t_recompute < t_fetch) {
@@ -415,21 +448,21 @@ int64_t KvTiers::extend_partial(NamespaceId ns, std::span<const int32_t> tokens,
   }
   bool ok = false;
   if (local) {
-    ok = fetch(key, ns_digest, block_tokens(n), b->id().value);
+    ok = fetch(key, ns_digest, stored, b->id().value);
   } else {
-    const RedisFetch f{.key = key, .tokens = block_tokens(n), .dst = pool.block_data(b->id())};
+    const RedisFetch f{.key = key, .tokens = stored, .dst = pool.block_data(b->id())};
     ok = fetch_remote(std::span<const RedisFetch>(&f, 1), ns_digest);
   }
   if (!ok) return 0;  // entry dropped; the tokens are recomputed
-  // An unpublished private block: the sequence copies its first r slots.
+  // An unpublished private block: the sequence copies its first `take` slots.
   m.partial = std::move(*b);
-  m.n_partial_tokens = r;
+  m.n_partial_tokens = take;
   ++n_promoted_;
   ++n_partial_hits_;
   ++n_decide_fetch_;
-  n_hit_tokens_ += r;
-  if (count_stats) index_.count_tier_hit(ns, 0, r);
-  return r;
+  n_hit_tokens_ += take;
+  if (count_stats) index_.count_tier_hit(ns, 0, take);
+  return take;
 }
 
 int64_t KvTiers::extend_full(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,

@@ -148,13 +148,14 @@ class KvTiers {
   // count_stats = false: not a query (prefetch); the index's hit counters
   // are left alone.
   // find_partial (single-group pools): when the match then covers every full
-  // block below max_tokens and `tokens` holds the whole next block, that
-  // block is looked up in the tiers by its hash too and, when found (and
-  // fetching beats recomputing), promoted into an unpublished pool block set
-  // as m.partial with n_partial_tokens = max_tokens % P (what the pool's
-  // partial-block reuse gives: BlockTable::adopt_partial_copy). A tier
-  // block whose tokens only begin like the request's is not found (tiers
-  // key whole blocks).
+  // block below max_tokens, the next block is looked for too: by its hash
+  // in every tier when `tokens` holds all of it, else among the host tier's
+  // children of the last block's hash (the record whose tokens share the
+  // longest start with the request's; disk and Redis keep no such index).
+  // Found (and fetching beats recomputing), it is promoted into an
+  // unpublished pool block set as m.partial with n_partial_tokens = the
+  // tokens it shares, at most max_tokens % P (what the pool's partial-block
+  // reuse gives: BlockTable::adopt_partial_copy).
   int64_t extend_match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
                        PrefixMatch& m, bool count_stats = true, bool find_partial = false);
 

@@ -838,15 +838,32 @@ TEST(KvTiers, PartialTailBlockComesFromTheTier) {
   EXPECT_EQ(rig.tiers->extend_match(rig.ns, a, max_tokens, m), 4 * kP);
   EXPECT_FALSE(m.partial.valid());
   m = PrefixMatch{};
-  // A request whose 5th block differs in its last token: another block.
+  // A request whose 5th block differs in its last token (beyond the
+  // lookup limit): another block by hash, but the host's child of block 4
+  // shares the 3 tokens that count (the tail completed by other tokens,
+  // e.g. a previous answer).
   std::vector<int32_t> b = a;
   b.back() += 1;
   ASSERT_EQ(rig.index->evict(100), 0);
   m = rig.index->match(rig.ns, b, max_tokens, true);
-  const int64_t got = rig.tiers->extend_match(rig.ns, b, max_tokens, m, true, true);
-  EXPECT_EQ(got, m.n_tokens());
+  EXPECT_EQ(rig.tiers->extend_match(rig.ns, b, max_tokens, m, true, true), max_tokens);
+  ASSERT_TRUE(m.partial.valid());
+  EXPECT_EQ(m.n_partial_tokens, kP - 1);
+  EXPECT_TRUE(block_matches(*rig.pool, m.partial.id().value, a, 0));
+  m = PrefixMatch{};
+  // Differing at its 3rd token: 2 tokens shared; at its 1st: none.
+  std::vector<int32_t> c = a;
+  c[4 * kP + 2] += 1;
+  m = rig.index->match(rig.ns, c, max_tokens, true);
+  EXPECT_EQ(rig.tiers->extend_match(rig.ns, c, max_tokens, m, true, true), 4 * kP + 2);
+  EXPECT_EQ(m.n_partial_tokens, 2);
+  m = PrefixMatch{};
+  c[4 * kP] += 1;
+  m = rig.index->match(rig.ns, c, max_tokens, true);
+  EXPECT_EQ(rig.tiers->extend_match(rig.ns, c, max_tokens, m, true, true), 4 * kP);
   EXPECT_FALSE(m.partial.valid());
   m = PrefixMatch{};
+  EXPECT_EQ(rig.tiers->stats().n_partial_hits, 3);
   rig.check();
 }
 

@@ -169,7 +169,8 @@ HostStore::HostStore(const BlockRecordIdentity& id, int64_t n_slots, int64_t slo
       slot_bytes_(slot_bytes),
       base_(base),
       map_bytes_(map_bytes),
-      map_(n_slots) {
+      map_(n_slots),
+      parent_of_(static_cast<size_t>(n_slots)) {
   stats_.name = "host";
   stats_.n_slots = n_slots;
   stats_.slot_bytes = slot_bytes;
@@ -185,7 +186,44 @@ TierRecord HostStore::record(int64_t slot) const {
   return {.header = p, .payload = p + header_bytes_};
 }
 
+void HostStore::unlink_parent(int64_t slot) {
+  if (map_.key(slot).group != 0) return;
+  auto it = children_.find(parent_of_[static_cast<size_t>(slot)]);
+  if (it == children_.end()) return;
+  std::erase(it->second, slot);
+  if (it->second.empty()) children_.erase(it);
+}
+
+std::vector<TierKey> HostStore::children(const Hash128& parent) const {
+  std::vector<TierKey> out;
+  if (auto it = children_.find(parent); it != children_.end()) {
+    for (int64_t s : it->second) out.push_back(map_.key(s));
+  }
+  return out;
+}
+
+void HostStore::check_invariants() const {
+  map_.check_invariants();
+  size_t n = 0;
+  for (const auto& [parent, slots] : children_) {
+    for (int64_t s : slots) {
+      KV_CHECK(
+          map_.used(s) && map_.key(s).group == 0 && parent_of_[static_cast<size_t>(s)] == parent,
+          "HostStore: a child link names a slot that is not that parent's child");
+      ++n;
+    }
+  }
+  size_t want = 0;
+  for (int64_t s : map_.slots_lru_order()) want += map_.key(s).group == 0 ? 1 : 0;
+  KV_CHECK(n == want, "HostStore: child links and group-0 entries differ");
+}
+
 void HostStore::store(int64_t slot, const TierRecord& rec) {
+  if (map_.key(slot).group == 0) {
+    const Hash128 parent = read_record_header(rec.header).parent_hash;
+    parent_of_[static_cast<size_t>(slot)] = parent;
+    children_[parent].push_back(slot);
+  }
   uint8_t* p = base_ + slot * slot_bytes_;
   std::memcpy(p, rec.header, static_cast<size_t>(block_record_header_bytes(id_.block_size)));
   std::memcpy(p + header_bytes_, rec.payload, static_cast<size_t>(id_.payload_bytes));
@@ -211,6 +249,7 @@ bool HostStore::fetch(const TierKey& key, uint8_t* dst) {
 bool HostStore::erase(const TierKey& key) {
   const int64_t s = map_.find(key);
   if (s < 0) return false;
+  unlink_parent(s);
   map_.erase(s);
   ++stats_.n_erased;
   return true;

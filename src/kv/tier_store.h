@@ -148,6 +148,7 @@ class HostStore {
     if (map_.size() == map_.n_slots()) {
       const int64_t victim = map_.lru();
       evicted(map_.key(victim), record(victim));
+      unlink_parent(victim);
       map_.erase(victim);
       ++stats_.n_evicted;
     }
@@ -161,21 +162,31 @@ class HostStore {
   bool erase(const TierKey& key);
   // Every entry, least recently used first.
   std::vector<TierKey> keys() const;
+  // Group-0 entries whose record's parent hash is `parent` (candidates for
+  // a partial-block hit; the caller checks namespace and tokens).
+  std::vector<TierKey> children(const Hash128& parent) const;
   TierStoreStats stats() const;
   void add_fetch_latency(double seconds) { record_fetch_latency(stats_, seconds); }
-  void check_invariants() const { map_.check_invariants(); }
+  void check_invariants() const;
 
  private:
   HostStore(const BlockRecordIdentity& id, int64_t n_slots, int64_t slot_bytes, uint8_t* base,
             int64_t map_bytes);
   TierRecord record(int64_t slot) const;
   void store(int64_t slot, const TierRecord& rec);
+  void unlink_parent(int64_t slot);
+  struct HashOf {
+    size_t operator()(const Hash128& h) const { return static_cast<size_t>(h.lo ^ (h.hi * 31)); }
+  };
   BlockRecordIdentity id_;
   int64_t header_bytes_ = 0;  // padded to 64
   int64_t slot_bytes_ = 0;
   uint8_t* base_ = nullptr;
   int64_t map_bytes_ = 0;
   SlotMap map_;
+  // parent hash -> group-0 slots holding its children (parent_of_[slot]).
+  std::unordered_map<Hash128, std::vector<int64_t>, HashOf> children_;
+  std::vector<Hash128> parent_of_;
   TierStoreStats stats_;
 };
 
