@@ -4,12 +4,19 @@
 // 360 KiB blocks) holds a published chain of N blocks filled with random
 // bytes. It measures
 //   memcpy     N blocks from one buffer into the pool (the host tier's bound)
+//   (--kv-host-format int8: host and disk hold int8 records; GB/s are of
+//   pool bytes, the decode included)
 //   host       promotion of the chain from the host tier (the real path:
 //              lookup hashes, record checks, pool allocation, copy)
 //   disk       the write-back batch to disk, and promotion of the chain
 //              from disk (checked reads), O_DIRECT or buffered (--buffered;
 //              the file's page cache is dropped first with
 //              posix_fadvise(DONTNEED), so reads come from the device)
+//   redis      (--redis URL) the store at publish (pipelined EXISTS + SETs)
+//              and promotion of the chain from Redis alone (pipelined
+//              EXISTS batches, one pipelined GET stream, checks, copy);
+//              --redis-only skips the other tiers (bench/redis_tier_bench.py
+//              runs it against redis-benchmark on a private server)
 // each the best of --repeat runs, in GB/s (1e9 bytes per second).
 #include <fcntl.h>
 #include <unistd.h>
@@ -194,6 +201,7 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
       {"buffered", 0, "", "disk tier without O_DIRECT (page cache dropped before each read)"},
       {"keep", 0, "", "keep the disk tier's files (e.g. for dd on the same file)"},
       {"redis", 0, "URL", "also measure the Redis tier at redis://HOST:PORT (its keys are left)"},
+      {"redis-only", 0, "", "with --redis: measure the Redis tier only"},
       help_option(),
   };
   specs.insert(specs.end(), own.begin(), own.end());
@@ -201,7 +209,7 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
   if (!args) return fail("kv-tiers-bench", args.error().message);
   if (args->flag("help")) {
     std::fputs(format_help("kvstack kv-tiers-bench [--blocks N] [--repeat N] [--dir DIR] "
-                           "[--buffered] [--keep] [--redis URL]",
+                           "[--buffered] [--keep] [--redis URL [--redis-only]]",
                            "Bandwidth of the host and disk KV tiers against memcpy.", specs)
                    .c_str(),
                stdout);
@@ -222,8 +230,17 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
               static_cast<long long>(n), static_cast<long long>(bb), total / (1 << 20),
               static_cast<long long>(repeat));
 
+  const bool local = !(args->flag("redis-only") && args->get("redis"));
+  // --kv-host-format: the host and disk tiers' stored form (host_format.h).
+  HostFormat host_format = HostFormat::kPool;
+  if (auto f = args->get("kv-host-format")) {
+    auto hf = parse_host_format(*f);
+    if (!hf) return fail("kv-tiers-bench", hf.error().message);
+    host_format = *hf;
+  }
+  double memcpy_like = 0;
   // memcpy: the same bytes into the same pool blocks.
-  {
+  if (local) {
     auto b = make_bench(*layout, n, {});
     if (!b) return fail("kv-tiers-bench", b.error().message);
     std::vector<uint8_t> src(static_cast<size_t>(n * bb), 1);
@@ -244,11 +261,11 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
   }
 
   // Host tier.
-  double memcpy_like = 0;
-  {
+  if (local) {
     const int64_t slot = (bb + 64 + block_record_header_bytes(16) + 63) / 64 * 64;
     KvTierConfig cfg;
     cfg.host_bytes = (n + 2) * slot;
+    cfg.host_format = host_format;
     auto b = make_bench(*layout, n, cfg);
     if (!b) return fail("kv-tiers-bench", b.error().message);
     const auto t0 = Clock::now();
@@ -261,6 +278,10 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
       best = std::min(best, s);
     }
     memcpy_like = total / best / 1e9;
+    const KvTiersStats hs = b->tiers->stats();
+    std::printf("  host format       %s (%lld of %lld bytes per block)\n", hs.host_format.c_str(),
+                static_cast<long long>(hs.stored_block_bytes),
+                static_cast<long long>(hs.pool_block_bytes));
     std::printf("  host demote       %7.2f GB/s  (pool -> host, checksummed record)\n",
                 total / demote / 1e9);
     std::printf("  host fetch        %7.2f GB/s  (%.1f us per block; lookup + check + copy)\n",
@@ -275,13 +296,14 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
   std::string dir = args->get_or("dir", "");
   const bool own_dir = dir.empty();
   if (own_dir) dir = "/tmp/kvstack-tiers-bench-" + std::to_string(::getpid());
-  std::filesystem::remove(dir + "/index.kvs");
-  {
+  if (local) {
+    std::filesystem::remove(dir + "/index.kvs");
     const bool direct = !args->flag("buffered");
     KvTierConfig cfg;
     cfg.disk_dir = dir;
     cfg.disk_bytes = (n + 2) * (bb + 8192);
     cfg.disk_direct_io = direct;
+    cfg.host_format = host_format;
     auto b = make_bench(*layout, n, cfg);
     if (!b) return fail("kv-tiers-bench", b.error().message);
     const auto t0 = Clock::now();
@@ -309,10 +331,10 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
     b->tiers.reset();
     b->index.reset();
   }
-  if (own_dir && !keep) std::filesystem::remove_all(dir);
+  if (local && own_dir && !keep) std::filesystem::remove_all(dir);
 
-  // Redis tier: the chain is stored at publish (SET per block), then
-  // promoted from Redis alone (GET per block + checks + copy).
+  // Redis tier: the chain is stored at publish (one pipelined batch), then
+  // promoted from Redis alone (pipelined EXISTS and GETs + checks + copy).
   if (auto url = args->get("redis")) {
     KvTierConfig cfg;
     cfg.redis_url = *url;
@@ -328,11 +350,18 @@ int run_kv_tiers_bench(const std::vector<std::string>& argv) {
       if (s < 0) return fail("kv-tiers-bench", "redis tier: the chain did not come back whole");
       best = std::min(best, s);
     }
-    std::printf("  redis store       %7.2f GB/s  (EXISTS + SET per published block; incl. setup)\n",
-                total / store / 1e9);
+    const TierStoreStats rs = b->tiers->redis()->stats();
     std::printf(
-        "  redis fetch       %7.2f GB/s  (%.1f us per block; EXISTS + GET + checks + copy)\n",
+        "  redis store       %7.2f GB/s  (pipelined EXISTS + SETs at publish; incl. setup)\n",
+        total / store / 1e9);
+    std::printf(
+        "  redis fetch       %7.2f GB/s  (%.1f us per block; pipelined EXISTS + GETs + checks + "
+        "copy)\n",
         total / best / 1e9, best / static_cast<double>(n) * 1e6);
+    const int64_t value_bytes = block_record_header_bytes(16) + bb;
+    std::printf("  redis value       %lld bytes; %lld round trips in all\n",
+                static_cast<long long>(value_bytes), static_cast<long long>(rs.n_round_trips));
+    if (!local) memcpy_like = total / best / 1e9;
     b->index->release_namespace(b->ns);
     b->tiers.reset();
     b->index.reset();

@@ -73,6 +73,9 @@ std::vector<OptionSpec> engine_options() {
       {"kv-host-mem", 0, "SIZE",
        "host-memory tier: keep up to SIZE bytes of KV blocks evicted from the pool (e.g. 2GiB) "
        "and bring them back on a prefix hit"},
+      {"kv-host-format", 0, "FMT",
+       "how the host and disk tiers store blocks: pool (the pool's bytes, default) or int8 "
+       "(int8 of an f16 pool, 53% of the bytes, converted on the way down and back)"},
       {"kv-host-write-through", 0, "",
        "copy blocks to the host tier when published, not when evicted (needs --kv-host-mem)"},
       {"kv-disk", 0, "DIR",
@@ -230,6 +233,11 @@ Result<EngineConfig> engine_config_from(const Args& args) {
   }
   c.kv_tiers.host_bytes = static_cast<int64_t>(*host_mem);
   c.kv_tiers.write_through = args.flag("kv-host-write-through");
+  if (auto f = args.get("kv-host-format")) {
+    auto hf = parse_host_format(*f);
+    if (!hf) return hf.error();
+    c.kv_tiers.host_format = *hf;
+  }
   auto disk_size = args.get_bytes("kv-disk-size", 0);
   if (!disk_size) return disk_size.error();
   c.kv_tiers.disk_dir = args.get_or("kv-disk", "");

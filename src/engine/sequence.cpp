@@ -53,7 +53,10 @@ int64_t Sequence::adopt_cached_prefix(std::span<const int32_t> prompt, bool coun
   const auto n_nodes = static_cast<int64_t>(m.blocks.size());
   int64_t n_tier = 0;
   if (kv_->tiers() != nullptr)
-    n_tier = kv_->tiers()->extend_match(ns_, prompt, max_tokens, m, count_stats);
+    // A prefetch (count_stats false) releases the sequence at once: a
+    // partial tail copy would be freed unused, so it takes full blocks only.
+    n_tier = kv_->tiers()->extend_match(ns_, prompt, max_tokens, m, count_stats,
+                                        kv_->config().partial_reuse && count_stats);
   const int64_t n_full = static_cast<int64_t>(m.blocks.size());
   if (table_.n_groups() > 1) {
     // Hybrid: nodes into the primary group; each other group takes its

@@ -2,12 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 
 #include "kv/block_pool.h"
+#include "kv/host_format.h"
 
 namespace kvstack {
 
@@ -17,6 +18,19 @@ double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// The identity of records stored in `f` (host_format.h): the pool's, with
+// the format digest and payload size of the stored form, so that a record
+// written in one format is an identity mismatch (a miss) for another.
+BlockRecordIdentity local_identity(const BlockRecordIdentity& id, HostFormat f) {
+  if (f == HostFormat::kPool) return id;
+  BlockRecordIdentity l = id;
+  const std::string s =
+      "kvstack-host-format-v1\n" + id.format_digest.hex() + "\nint8-g32-f16-scale";
+  l.format_digest = hash128(s.data(), s.size());
+  l.payload_bytes = int8_block_bytes(id.payload_bytes);
+  return l;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<KvTiers>> KvTiers::create(PrefixIndex& index, const CacheIdentity& identity,
@@ -24,9 +38,30 @@ Result<std::unique_ptr<KvTiers>> KvTiers::create(PrefixIndex& index, const Cache
   BlockPool& pool = index.pool();
   const BlockRecordIdentity id =
       block_record_identity(identity, pool.block_size(), pool.block_bytes());
+  if (config.host_format == HostFormat::kInt8) {
+    const KvLayout& layout = pool.layout();
+    for (int l = 0; l < layout.n_layers(); ++l) {
+      const KvLayerSpec& spec = layout.layer(l);
+      if (spec.dtype != KvDtype::kF16 || spec.value_dtype() != KvDtype::kF16) {
+        return make_error(Errc::kInvalidArgument,
+                          "--kv-host-format int8 needs an f16 KV pool (layer " + std::to_string(l) +
+                              " is not f16; see --kv-dtype)");
+      }
+    }
+    if (pool.block_bytes() % 64 != 0) {
+      return make_error(Errc::kInvalidArgument,
+                        "--kv-host-format int8: block bytes not a multiple of 64");
+    }
+    if (config.host_bytes <= 0 && config.disk_dir.empty()) {
+      return make_error(Errc::kInvalidArgument,
+                        "--kv-host-format int8 needs --kv-host-mem or --kv-disk");
+    }
+  }
   std::unique_ptr<KvTiers> t(new KvTiers(index, config, id));
+  // Host and disk hold records in the host format; Redis the pool's own.
+  const BlockRecordIdentity lid = t->local_id_;
   if (config.host_bytes > 0) {
-    auto h = HostStore::create(id, config.host_bytes);
+    auto h = HostStore::create(lid, config.host_bytes);
     if (!h) return h.error();
     t->host_ = std::move(*h);
   }
@@ -34,7 +69,7 @@ Result<std::unique_ptr<KvTiers>> KvTiers::create(PrefixIndex& index, const Cache
     if (config.disk_bytes <= 0) {
       return make_error(Errc::kInvalidArgument, "--kv-disk needs --kv-disk-size SIZE (> 0)");
     }
-    auto d = DiskStore::open(id, config.disk_dir, config.disk_bytes, config.disk_direct_io);
+    auto d = DiskStore::open(lid, config.disk_dir, config.disk_bytes, config.disk_direct_io);
     if (!d) return d.error();
     t->disk_ = std::move(*d);
   } else if (config.disk_bytes > 0) {
@@ -51,7 +86,8 @@ Result<std::unique_ptr<KvTiers>> KvTiers::create(PrefixIndex& index, const Cache
   t->measure_costs();
   KvTiers* self = t.get();
   index.set_tier_hooks({.on_evict = [self](int32_t b) { self->on_evict(b); },
-                        .on_publish = [self](int32_t b) { self->on_publish(b); }});
+                        .on_publish = [self](int32_t b) { self->on_publish(b); },
+                        .on_publish_end = [self] { self->flush_redis_stores(); }});
   return t;
 }
 
@@ -59,13 +95,16 @@ KvTiers::KvTiers(PrefixIndex& index, KvTierConfig config, BlockRecordIdentity id
     : index_(index),
       config_(std::move(config)),
       id_(id),
-      hdr_(static_cast<size_t>(block_record_header_bytes(id.block_size))) {}
+      local_id_(local_identity(id, config_.host_format)),
+      hdr_(static_cast<size_t>(block_record_header_bytes(id.block_size))),
+      conv_(static_cast<size_t>(local_id_.payload_bytes)) {}
 
 KvTiers::~KvTiers() {
   index_.set_tier_hooks({});
 }
 
-TierRecord KvTiers::pool_record(int32_t block) {
+TierRecord KvTiers::pool_record(int32_t block, uint8_t* hdr) {
+  if (hdr == nullptr) hdr = hdr_.data();
   const CachedBlockInfo info = index_.cached_block_info(block);
   const uint8_t* payload = index_.pool().block_data(BlockId{block});
   write_block_record_header(
@@ -74,9 +113,25 @@ TierRecord KvTiers::pool_record(int32_t block) {
        .hash = info.hash,
        .parent_hash = info.parent_hash,
        .group = info.group},
-      info.tokens, std::span<const uint8_t>(payload, static_cast<size_t>(id_.payload_bytes)),
-      hdr_.data());
-  return {.header = hdr_.data(), .payload = payload};
+      info.tokens, std::span<const uint8_t>(payload, static_cast<size_t>(id_.payload_bytes)), hdr);
+  return {.header = hdr, .payload = payload};
+}
+
+TierRecord KvTiers::local_record(int32_t block) {
+  if (config_.host_format == HostFormat::kPool) return pool_record(block);
+  const CachedBlockInfo info = index_.cached_block_info(block);
+  const uint8_t* payload = index_.pool().block_data(BlockId{block});
+  const double t0 = now_seconds();
+  encode_int8_block(payload, id_.payload_bytes, conv_.data());
+  encode_seconds_ += now_seconds() - t0;
+  ++n_encoded_;
+  write_block_record_header(local_id_,
+                            {.ns_digest = info.ns_digest,
+                             .hash = info.hash,
+                             .parent_hash = info.parent_hash,
+                             .group = info.group},
+                            info.tokens, conv_, hdr_.data());
+  return {.header = hdr_.data(), .payload = conv_.data()};
 }
 
 void KvTiers::to_disk(const TierKey& key, const TierRecord& rec) {
@@ -89,6 +144,7 @@ void KvTiers::to_disk(const TierKey& key, const TierRecord& rec) {
 }
 
 void KvTiers::on_evict(int32_t block) {
+  if (!redis_staged_.empty()) flush_redis_stores();  // before any block leaves the pool
   const CachedBlockInfo info = index_.cached_block_info(block);
   if (info.has_extra) return;
   const TierKey key{.hash = info.hash, .group = info.group};
@@ -98,14 +154,14 @@ void KvTiers::on_evict(int32_t block) {
       host_->put(key, {}, [](const TierKey&, const TierRecord&) {});
       return;
     }
-    const TierRecord rec = pool_record(block);
+    const TierRecord rec = local_record(block);
     host_->put(key, rec, [&](const TierKey& k, const TierRecord& r) {
       if (disk_ && !disk_->contains(k)) ++n_demoted_;
       to_disk(k, r);
     });
     return;
   }
-  if (disk_ && !disk_->contains(key)) disk_->put(key, pool_record(block));
+  if (disk_ && !disk_->contains(key)) disk_->put(key, local_record(block));
 }
 
 void KvTiers::on_publish(int32_t block) {
@@ -113,8 +169,8 @@ void KvTiers::on_publish(int32_t block) {
   if (info.has_extra) return;
   const TierKey key{.hash = info.hash, .group = info.group};
   // The shared store gets every published block (other instances may want
-  // it now, not when this one evicts it).
-  if (redis_ && !redis_->contains(key, info.ns_digest)) redis_->put(key, pool_record(block));
+  // it now, not when this one evicts it), batched per publish.
+  if (redis_) redis_staged_.push_back(block);
   if (!host_) return;
   if (!config_.write_through) {
     // Write-back: the pool holds the block again; its host copy goes.
@@ -122,18 +178,36 @@ void KvTiers::on_publish(int32_t block) {
     return;
   }
   if (host_->contains(key)) return;
-  const TierRecord rec = pool_record(block);
+  const TierRecord rec = local_record(block);
   host_->put(key, rec, [&](const TierKey& k, const TierRecord& r) {
     if (disk_ && !disk_->contains(k)) ++n_demoted_;
     to_disk(k, r);
   });
 }
 
+void KvTiers::flush_redis_stores() {
+  if (redis_staged_.empty()) return;
+  const auto hb = static_cast<size_t>(block_record_header_bytes(id_.block_size));
+  std::vector<uint8_t> headers(hb * redis_staged_.size());
+  std::vector<TierKey> keys;
+  std::vector<TierRecord> recs;
+  keys.reserve(redis_staged_.size());
+  recs.reserve(redis_staged_.size());
+  for (size_t i = 0; i < redis_staged_.size(); ++i) {
+    const int32_t b = redis_staged_[i];
+    const CachedBlockInfo info = index_.cached_block_info(b);
+    keys.push_back({.hash = info.hash, .group = info.group});
+    recs.push_back(pool_record(b, headers.data() + i * hb));
+  }
+  redis_staged_.clear();
+  redis_->put_many(keys, recs);
+}
+
 void KvTiers::measure_costs() {
   // Host: copies of 1 and 4 blocks (beta from the difference, t0 from the
   // single one). Disk: DiskStore::probe_read_seconds (a 4 KiB read for
   // t0, a 4-slot read for beta).
-  const int64_t bb = id_.payload_bytes;
+  const int64_t bb = local_id_.payload_bytes;
   auto fit = [&](double t1, double t4) {
     TierCost c;
     const double dt = std::max(t4 - t1, 1e-9);
@@ -155,6 +229,18 @@ void KvTiers::measure_costs() {
     }
     cost_.host = fit(best1, best4);
   }
+  if (config_.host_format != HostFormat::kPool) {
+    // t_convert: decoding one block from the host format (best of 3).
+    std::vector<uint8_t> block(static_cast<size_t>(id_.payload_bytes), 0x3c);
+    encode_int8_block(block.data(), id_.payload_bytes, conv_.data());
+    double best = 1e30;
+    for (int rep = 0; rep < 3; ++rep) {
+      const double t0 = now_seconds();
+      decode_int8_block(conv_.data(), id_.payload_bytes, block.data());
+      best = std::min(best, now_seconds() - t0);
+    }
+    cost_.convert_s = best;
+  }
   if (disk_) {
     const auto [t_small, t_big] = disk_->probe_read_seconds();
     if (t_big > 0) {
@@ -169,9 +255,19 @@ void KvTiers::measure_costs() {
     const auto [t_ping, t_get] = redis_->probe_seconds();
     if (t_get > 0) {
       cost_.redis.t0_s = t_ping;
-      cost_.redis.bytes_per_s = static_cast<double>(bb) / std::max(t_get - t_ping, 0.5 * t_get);
+      cost_.redis.bytes_per_s =
+          static_cast<double>(id_.payload_bytes) / std::max(t_get - t_ping, 0.5 * t_get);
     }
   }
+}
+
+double KvTiers::block_transfer_s(const TierKey& key, bool with_t0) const {
+  const bool host = in_host(key), local = host || in_disk(key);
+  const TierCost& c = host ? cost_.host : local ? cost_.disk : cost_.redis;
+  // Local tiers move the stored form, then decode it (t_convert).
+  const double bytes = static_cast<double>(local ? local_id_.payload_bytes : id_.payload_bytes);
+  return (with_t0 ? c.t0_s : 0.0) + (c.bytes_per_s > 0 ? bytes / c.bytes_per_s : 0.0) +
+         (local ? cost_.convert_s : 0.0);
 }
 
 void KvTiers::note_fetch(TierCost& c, int64_t bytes, double seconds) {
@@ -184,6 +280,22 @@ bool KvTiers::fetch(const TierKey& key, const Hash128& ns_digest, std::span<cons
                     int32_t dst) {
   const double t0 = now_seconds();
   uint8_t* out = index_.pool().block_data(BlockId{dst});
+  // Host and disk records in the host format are read into conv_ and
+  // decoded into the pool block; the conversion's time is kept apart.
+  const bool convert = config_.host_format != HostFormat::kPool;
+  uint8_t* local_out = convert ? conv_.data() : out;
+  double t_convert = 0;
+  auto decode = [&] {
+    if (!convert) return;
+    const double c0 = now_seconds();
+    decode_int8_block(conv_.data(), id_.payload_bytes, out);
+    t_convert = now_seconds() - c0;
+    decode_seconds_ += t_convert;
+    ++n_decoded_;
+    if (!cost_frozen_) {
+      cost_.convert_s = cost_.convert_s > 0 ? 0.8 * cost_.convert_s + 0.2 * t_convert : t_convert;
+    }
+  };
   auto throttle = [&] {
     if (throttle_bytes_per_s_ <= 0) return;
     const double until = t0 + static_cast<double>(id_.payload_bytes) / throttle_bytes_per_s_;
@@ -195,22 +307,24 @@ bool KvTiers::fetch(const TierKey& key, const Hash128& ns_digest, std::span<cons
     if (r.header != nullptr) {
       const BlockRecordKey want{
           .ns_digest = ns_digest, .hash = key.hash, .parent_hash = {}, .group = key.group};
-      if (check_block_record(id_, want, tokens, r.header) == BlockRecordCheck::kOk &&
-          host_->fetch(key, out)) {
+      if (check_block_record(local_id_, want, tokens, r.header) == BlockRecordCheck::kOk &&
+          host_->fetch(key, local_out)) {
+        decode();
         throttle();
         const double dt = now_seconds() - t0;
         host_->add_fetch_latency(dt);
-        note_fetch(cost_.host, id_.payload_bytes, dt);
+        note_fetch(cost_.host, local_id_.payload_bytes, dt - t_convert);
         return true;
       }
       host_->erase(key);
     }
   }
-  if (disk_ && disk_->fetch(key, ns_digest, tokens, out)) {
+  if (disk_ && disk_->fetch(key, ns_digest, tokens, local_out)) {
+    decode();
     throttle();
     const double dt = now_seconds() - t0;
     disk_->add_fetch_latency(dt);
-    note_fetch(cost_.disk, id_.payload_bytes, dt);
+    note_fetch(cost_.disk, local_id_.payload_bytes, dt - t_convert);
     return true;
   }
   if (redis_ && redis_->fetch(key, ns_digest, tokens, out)) {
@@ -223,8 +337,135 @@ bool KvTiers::fetch(const TierKey& key, const Hash128& ns_digest, std::span<cons
   return false;
 }
 
+bool KvTiers::fetch_remote(std::span<const RedisFetch> items, const Hash128& ns_digest) {
+  const double t0 = now_seconds();
+  std::vector<double> at;
+  const std::vector<uint8_t> ok = redis_->fetch_many(items, ns_digest, &at);
+  const auto n = static_cast<int64_t>(items.size());
+  if (throttle_bytes_per_s_ > 0) {
+    const double until = t0 + static_cast<double>(n * id_.payload_bytes) / throttle_bytes_per_s_;
+    const double left = until - now_seconds();
+    if (left > 0) std::this_thread::sleep_for(std::chrono::duration<double>(left));
+  }
+  const double dt = now_seconds() - t0;
+  // Per block: the time between its reply and the previous one (the
+  // pipeline's share of each block; the first carries the round trip).
+  double prev = 0;
+  int64_t n_ok = 0;
+  for (size_t i = 0; i < ok.size(); ++i) {
+    if (ok[i] == 0) continue;
+    redis_->add_fetch_latency(std::max(0.0, at[i] - prev));
+    prev = at[i];
+    ++n_ok;
+  }
+  if (n_ok == n) note_fetch(cost_.redis, n * id_.payload_bytes, dt);
+  return n_ok == n;
+}
+
 int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
-                              PrefixMatch& m, bool count_stats) {
+                              PrefixMatch& m, bool count_stats, bool find_partial) {
+  const int64_t added = extend_full(ns, tokens, max_tokens, m, count_stats);
+  return find_partial ? added + extend_partial(ns, tokens, max_tokens, m, count_stats) : added;
+}
+
+int64_t KvTiers::extend_partial(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
+                                PrefixMatch& m, bool count_stats) {
+  BlockPool& pool = index_.pool();
+  const int64_t p = pool.block_size();
+  // Single-group tables only (BlockTable::adopt_partial_copy).
+  if (pool.n_groups() != 1 || ns == kNoNamespace || m.partial.valid()) return 0;
+  max_tokens = std::clamp<int64_t>(max_tokens, 0, static_cast<int64_t>(tokens.size()));
+  const int64_t n = max_tokens / p;
+  const int64_t r = max_tokens - n * p;
+  // The tail block must be the next block of the match.
+  if (r == 0 || static_cast<int64_t>(m.blocks.size()) != n) return 0;
+  auto block_tokens = [&](int64_t i) { return tokens.subspan(static_cast<size_t>(i * p), p); };
+  // The chain hash of block n - 1 (zero at the top).
+  const std::vector<int32_t> nodes = index_.chain(ns, tokens, max_tokens);
+  Hash128 parent{};
+  int64_t i = 0;
+  if (!nodes.empty()) {
+    parent = index_.block_hash(nodes.back());
+    i = static_cast<int64_t>(nodes.size());
+  }
+  for (; i < n; ++i) parent = index_.chain_hash(parent, ns, block_tokens(i));
+  const Hash128 ns_digest = index_.namespace_digest(ns);
+  // 1. The request holds the whole tail block: look it up by its hash in
+  // every tier.
+  TierKey key{};
+  bool found = false, local = false;
+  std::vector<int32_t> stored;  // the candidate record's P tokens
+  if (static_cast<int64_t>(tokens.size()) >= (n + 1) * p) {
+    key = {.hash = index_.chain_hash(parent, ns, block_tokens(n)), .group = 0};
+    local = in_host(key) || in_disk(key);
+    found = local || (redis_ && redis_->contains(key, ns_digest));
+    if (found) stored.assign(block_tokens(n).begin(), block_tokens(n).end());
+  }
+  // 2. Otherwise a host block under the same parent whose first tokens are
+  // the request's (its tail completed by tokens this request does not
+  // have, e.g. a previous answer), the longest such, as the pool's
+  // partial-block search picks.
+  int64_t take = r;
+  if (!found && host_) {
+    int64_t best = 0;
+    for (const TierKey& c : host_->children(parent)) {
+      const TierRecord rec = host_->peek(c);
+      const BlockRecordKey want{
+          .ns_digest = ns_digest, .hash = c.hash, .parent_hash = parent, .group = 0};
+      if (check_block_record(local_id_, want, {}, rec.header) != BlockRecordCheck::kOk) continue;
+      std::vector<int32_t> t = record_tokens(rec.header);
+      int64_t common = 0;
+      while (common < r &&
+             t[static_cast<size_t>(common)] == tokens[static_cast<size_t>(n * p + common)]) {
+        ++common;
+      }
+      if (common > best) {
+        best = common;
+        key = c;
+        stored = std::move(t);
+      }
+    }
+    found = local = best > 0;
+    take = best;
+  }
+  if (!found) return 0;
+  // Fetch or recompute: one block's fetch against prefilling its tokens.
+  if (cost_.prefill_tokens_per_s > 0) {
+    const double t_fetch = block_transfer_s(key, true);
+    const double t_recompute = static_cast<double>(take) / cost_.prefill_tokens_per_s;
+    last_fetch_s_ = t_fetch;
+    last_recompute_s_ = t_recompute;
+    if (t_recompute < t_fetch) {
+      ++n_decide_recompute_;
+      return 0;
+    }
+  }
+  auto b = pool.allocate(0);
+  if (!b) {
+    ++n_promote_failed_;
+    return 0;
+  }
+  bool ok = false;
+  if (local) {
+    ok = fetch(key, ns_digest, stored, b->id().value);
+  } else {
+    const RedisFetch f{.key = key, .tokens = stored, .dst = pool.block_data(b->id())};
+    ok = fetch_remote(std::span<const RedisFetch>(&f, 1), ns_digest);
+  }
+  if (!ok) return 0;  // entry dropped; the tokens are recomputed
+  // An unpublished private block: the sequence copies its first `take` slots.
+  m.partial = std::move(*b);
+  m.n_partial_tokens = take;
+  ++n_promoted_;
+  ++n_partial_hits_;
+  ++n_decide_fetch_;
+  n_hit_tokens_ += take;
+  if (count_stats) index_.count_tier_hit(ns, 0, take);
+  return take;
+}
+
+int64_t KvTiers::extend_full(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
+                             PrefixMatch& m, bool count_stats) {
   BlockPool& pool = index_.pool();
   const int64_t p = pool.block_size();
   const int n_groups = pool.n_groups();
@@ -247,23 +488,78 @@ int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, i
     std::vector<Hash128> hashes;
     hashes.reserve(static_cast<size_t>(n_max));
     for (int32_t b : nodes) hashes.push_back(index_.block_hash(b));
+    // Chain hashes of the blocks past the pool's chain (what publish()
+    // would give them), computed as far as they are asked for.
+    std::vector<Hash128> cand;
+    auto cand_hash = [&](int64_t i) -> const Hash128& {
+      while (j + static_cast<int64_t>(cand.size()) <= i) {
+        const int64_t c = j + static_cast<int64_t>(cand.size());
+        const Hash128 parent = c == 0   ? Hash128{}
+                               : c <= j ? hashes[static_cast<size_t>(c - 1)]
+                                        : cand[static_cast<size_t>(c - 1 - j)];
+        cand.push_back(index_.chain_hash(parent, ns, block_tokens(c)));
+      }
+      return cand[static_cast<size_t>(i - j)];
+    };
+    // Redis presence, asked in pipelined batches (one round trip each) and
+    // remembered for this attempt.
+    std::unordered_map<TierKey, uint8_t, TierKeyHash> remote;
+    auto ask_remote = [&](const std::vector<TierKey>& keys) {
+      std::vector<RedisKey> ask;
+      for (const TierKey& k : keys) {
+        if (!remote.contains(k)) ask.push_back({.key = k, .ns_digest = ns_digest});
+      }
+      if (ask.empty()) return;
+      const std::vector<uint8_t> have = redis_->contains_many(ask);
+      for (size_t i = 0; i < ask.size(); ++i) remote[ask[i].key] = have[i];
+    };
+    auto local_has = [&](const TierKey& k) { return in_host(k) || in_disk(k); };
+    auto has = [&](const TierKey& k) {
+      if (local_has(k)) return true;
+      if (!redis_) return false;
+      if (!remote.contains(k)) ask_remote({k});
+      return remote[k] != 0;
+    };
+    // The chain walk: a block missing locally asks Redis for it and the
+    // next batch - 1 candidates at once (8, 16, ... 512: a long hit costs
+    // a few round trips, a miss one small one).
+    int64_t batch = 8;
     for (int64_t i = j; i < n_max; ++i) {
-      const Hash128 parent = i == 0 ? Hash128{} : hashes[static_cast<size_t>(i - 1)];
-      const Hash128 h = index_.chain_hash(parent, ns, block_tokens(i));
-      if (!tier_has({.hash = h, .group = 0}, ns_digest)) break;
-      hashes.push_back(h);
+      const TierKey key{.hash = cand_hash(i), .group = 0};
+      if (redis_ && !local_has(key) && !remote.contains(key)) {
+        std::vector<TierKey> ask;
+        for (int64_t a = i; a < std::min(n_max, i + batch); ++a) {
+          const TierKey ka{.hash = cand_hash(a), .group = 0};
+          if (!local_has(ka)) ask.push_back(ka);
+        }
+        ask_remote(ask);
+        batch = std::min<int64_t>(2 * batch, 512);
+      }
+      if (!has(key)) break;
+      hashes.push_back(key.hash);
     }
     auto pool_companion = [&](int64_t i, int g) {
       return i < j ? index_.companion(nodes[static_cast<size_t>(i)], g) : kNullBlock;
     };
+    // Group g's blocks [from, to) not in the pool nor local: one batch.
+    auto ask_group = [&](int g, int64_t from, int64_t to) {
+      if (!redis_) return;
+      std::vector<TierKey> ask;
+      for (int64_t i = from; i < to; ++i) {
+        const TierKey k{.hash = hashes[static_cast<size_t>(i)], .group = g};
+        if (pool_companion(i, g) == kNullBlock && !local_has(k)) ask.push_back(k);
+      }
+      ask_remote(ask);
+    };
     auto available = [&](int64_t i, int g) {
       return pool_companion(i, g) != kNullBlock ||
-             tier_has({.hash = hashes[static_cast<size_t>(i)], .group = g}, ns_digest);
+             has({.hash = hashes[static_cast<size_t>(i)], .group = g});
     };
     auto k = static_cast<int64_t>(hashes.size());
     for (; k > 0; --k) {
       bool ok = true;
       for (int g = 1; g < n_groups && ok; ++g) {
+        ask_group(g, first_of(g, k), k);
         for (int64_t b = first_of(g, k); b < k && ok; ++b) ok = available(b, g);
       }
       if (ok) break;
@@ -316,12 +612,13 @@ int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, i
     // tier blocks in against prefilling the tokens they add.
     if (cost_.prefill_tokens_per_s > 0 && !todo.empty()) {
       double t_fetch = 0;
+      bool any_remote = false;
       for (const Promote& t : todo) {
         const TierKey key{.hash = hashes[static_cast<size_t>(t.i)], .group = t.g};
-        const TierCost& c = in_host(key) ? cost_.host : in_disk(key) ? cost_.disk : cost_.redis;
-        t_fetch +=
-            c.t0_s +
-            (c.bytes_per_s > 0 ? static_cast<double>(id_.payload_bytes) / c.bytes_per_s : 0.0);
+        const bool remote_block = !in_host(key) && !in_disk(key);
+        // Redis blocks are one pipelined stream: one t0 for all of them.
+        t_fetch += block_transfer_s(key, !remote_block || !any_remote);
+        any_remote |= remote_block;
       }
       const double t_recompute = static_cast<double>((k - k0) * p) / cost_.prefill_tokens_per_s;
       last_fetch_s_ = t_fetch;
@@ -332,22 +629,43 @@ int64_t KvTiers::extend_match(NamespaceId ns, std::span<const int32_t> tokens, i
         return 0;
       }
     }
+    // Host and disk blocks are read as their pool blocks are allocated;
+    // Redis blocks are gathered and read as one pipelined stream after.
     bool failed = false;
+    std::vector<RedisFetch> remote_todo;
+    std::vector<BlockRef*> remote_slots;
+    std::vector<BlockRef> remote_refs;
+    remote_refs.reserve(todo.size());
     for (const Promote& t : todo) {
       auto r = pool.allocate(t.g);
       if (!r) {
         ++n_promote_failed_;
+        remote_refs.clear();
         drop_all();
         return 0;  // pool full: keep the pool-only match
       }
       const TierKey key{.hash = hashes[static_cast<size_t>(t.i)], .group = t.g};
+      if (redis_ && !in_host(key) && !in_disk(key)) {
+        remote_todo.push_back(
+            {.key = key, .tokens = block_tokens(t.i), .dst = pool.block_data(r->id())});
+        remote_slots.push_back(t.slot);
+        remote_refs.push_back(std::move(*r));
+        continue;
+      }
       if (!fetch(key, ns_digest, block_tokens(t.i), r->id().value)) {
         failed = true;  // entry dropped (corrupt, foreign or evicted meanwhile)
         break;
       }
       *t.slot = std::move(*r);
     }
+    if (!failed && !remote_todo.empty()) {
+      failed = !fetch_remote(remote_todo, ns_digest);
+      for (size_t i = 0; i < remote_refs.size() && !failed; ++i) {
+        *remote_slots[i] = std::move(remote_refs[i]);
+      }
+    }
     if (failed) {
+      remote_refs.clear();
       drop_all();
       continue;
     }
@@ -381,7 +699,7 @@ void KvTiers::persist() {
     if (info.has_extra) continue;
     const TierKey key{.hash = info.hash, .group = info.group};
     if (disk_->contains(key)) continue;
-    disk_->put(key, pool_record(b));
+    disk_->put(key, local_record(b));
     ++n_persisted_;
   }
   if (host_) {
@@ -408,6 +726,14 @@ KvTiersStats KvTiers::stats() const {
   s.n_dropped = n_dropped_;
   s.n_persisted = n_persisted_;
   s.n_prefetched = n_prefetched_;
+  s.n_partial_hits = n_partial_hits_;
+  s.host_format = host_format_name(config_.host_format);
+  s.pool_block_bytes = id_.payload_bytes;
+  s.stored_block_bytes = local_id_.payload_bytes;
+  s.n_encoded = n_encoded_;
+  s.n_decoded = n_decoded_;
+  s.encode_seconds = encode_seconds_;
+  s.decode_seconds = decode_seconds_;
   s.cost = cost_;
   s.n_decide_fetch = n_decide_fetch_;
   s.n_decide_recompute = n_decide_recompute_;
@@ -427,197 +753,6 @@ void KvTiers::check_invariants() const {
     KV_CHECK(!host_->contains({.hash = info.hash, .group = info.group}),
              "KvTiers: a block is both in the pool and on the host (write-back)");
   }
-}
-
-// ------------------------------------------------------------------ output
-
-std::string kv_tiers_stats_json(const KvTiersStats& s) {
-  std::string out = "{\"enabled\": ";
-  out += s.enabled ? "true" : "false";
-  out += ", \"write_through\": ";
-  out += s.write_through ? "true" : "false";
-  auto field = [&](std::string& o, const char* k, int64_t v) {
-    o += ", \"";
-    o += k;
-    o += "\": " + std::to_string(v);
-  };
-  field(out, "promoted", s.n_promoted);
-  field(out, "promote_failed", s.n_promote_failed);
-  field(out, "hit_tokens", s.n_hit_tokens);
-  field(out, "demoted", s.n_demoted);
-  field(out, "dropped", s.n_dropped);
-  field(out, "persisted", s.n_persisted);
-  field(out, "prefetched", s.n_prefetched);
-  field(out, "decide_fetch", s.n_decide_fetch);
-  field(out, "decide_recompute", s.n_decide_recompute);
-  {
-    char buf[512];
-    std::snprintf(buf, sizeof(buf),
-                  ", \"cost\": {\"host_t0_s\": %.3g, \"host_bytes_per_s\": %.4g, "
-                  "\"disk_t0_s\": %.3g, \"disk_bytes_per_s\": %.4g, "
-                  "\"redis_t0_s\": %.3g, \"redis_bytes_per_s\": %.4g, "
-                  "\"prefill_tokens_per_s\": %.4g, \"last_fetch_s\": %.4g, "
-                  "\"last_recompute_s\": %.4g}",
-                  s.cost.host.t0_s, s.cost.host.bytes_per_s, s.cost.disk.t0_s,
-                  s.cost.disk.bytes_per_s, s.cost.redis.t0_s, s.cost.redis.bytes_per_s,
-                  s.cost.prefill_tokens_per_s, s.last_fetch_s, s.last_recompute_s);
-    out += buf;
-  }
-  out += ", \"tiers\": [";
-  for (size_t i = 0; i < s.tiers.size(); ++i) {
-    const TierStoreStats& t = s.tiers[i];
-    std::string o = "{\"name\": \"" + t.name + "\"";
-    field(o, "capacity_bytes", t.capacity_bytes);
-    field(o, "slot_bytes", t.slot_bytes);
-    field(o, "slots", t.n_slots);
-    field(o, "blocks", t.n_blocks);
-    field(o, "used_bytes", t.n_blocks * t.slot_bytes);
-    field(o, "stored", t.n_stored);
-    field(o, "bytes_in", t.bytes_in);
-    field(o, "hits", t.n_hits);
-    field(o, "bytes_out", t.bytes_out);
-    field(o, "evicted", t.n_evicted);
-    field(o, "erased", t.n_erased);
-    field(o, "corrupt", t.n_corrupt);
-    field(o, "identity_mismatch", t.n_identity_mismatch);
-    field(o, "write_failed", t.n_write_failed);
-    field(o, "errors", t.n_errors);
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), ", \"fetch_seconds\": %.6f", t.fetch_seconds);
-    o += buf;
-    o += ", \"direct_io\": ";
-    o += t.direct_io ? "true" : "false";
-    o += ", \"fetch_hist_us\": [";
-    for (size_t b = 0; b < t.fetch_hist.size(); ++b) {
-      const double le = kTierFetchBucketsUs[b];
-      std::snprintf(buf, sizeof(buf), "%s{\"le\": %s, \"count\": %lld}", b ? ", " : "",
-                    b + 1 == t.fetch_hist.size() ? "null" : std::to_string(le).c_str(),
-                    static_cast<long long>(t.fetch_hist[b]));
-      o += buf;
-    }
-    o += "]}";
-    out += (i ? ", " : "") + o;
-  }
-  out += "]}";
-  return out;
-}
-
-std::string kv_tiers_prometheus(const KvTiersStats& s, const std::string& labels) {
-  std::string out;
-  if (!s.enabled) return out;
-  auto metric = [&](const char* name, const char* type, const char* help, auto field) {
-    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
-    for (const TierStoreStats& t : s.tiers) {
-      out += std::string(name) + "{" + labels + ",tier=\"" + t.name + "\"} " +
-             std::to_string(field(t)) + "\n";
-    }
-  };
-  metric("kvstack:kv_tier_blocks", "gauge", "KV blocks held by this storage tier.",
-         [](const TierStoreStats& t) { return t.n_blocks; });
-  metric("kvstack:kv_tier_capacity_bytes", "gauge", "Bytes this tier may hold.",
-         [](const TierStoreStats& t) { return t.capacity_bytes; });
-  metric("kvstack:kv_tier_used_bytes", "gauge", "Bytes of this tier's slots in use.",
-         [](const TierStoreStats& t) { return t.n_blocks * t.slot_bytes; });
-  metric("kvstack:kv_tier_hits_total", "counter", "Blocks fetched from this tier into the pool.",
-         [](const TierStoreStats& t) { return t.n_hits; });
-  metric("kvstack:kv_tier_stored_total", "counter", "Blocks written into this tier.",
-         [](const TierStoreStats& t) { return t.n_stored; });
-  metric("kvstack:kv_tier_bytes_in_total", "counter", "Bytes written into this tier.",
-         [](const TierStoreStats& t) { return t.bytes_in; });
-  metric("kvstack:kv_tier_bytes_out_total", "counter", "Bytes fetched from this tier.",
-         [](const TierStoreStats& t) { return t.bytes_out; });
-  metric("kvstack:kv_tier_evicted_total", "counter", "Entries pushed out of this tier for room.",
-         [](const TierStoreStats& t) { return t.n_evicted; });
-  metric("kvstack:kv_tier_corrupt_total", "counter",
-         "Reads refused by a checksum or a short read (entry dropped).",
-         [](const TierStoreStats& t) { return t.n_corrupt; });
-  metric("kvstack:kv_tier_identity_mismatch_total", "counter",
-         "Entries of another model, KV format or layout dropped.",
-         [](const TierStoreStats& t) { return t.n_identity_mismatch; });
-  metric("kvstack:kv_tier_write_failed_total", "counter",
-         "Writes that failed (disk full or I/O error); the block was not stored.",
-         [](const TierStoreStats& t) { return t.n_write_failed; });
-  metric("kvstack:kv_tier_errors_total", "counter",
-         "Remote tier commands that failed or timed out (each a miss or a skipped store).",
-         [](const TierStoreStats& t) { return t.n_errors; });
-  const char* h = "kvstack:kv_tier_fetch_seconds";
-  out += std::string("# HELP ") + h +
-         " Latency of one block fetch from this tier into the pool.\n# TYPE " + h + " histogram\n";
-  for (const TierStoreStats& t : s.tiers) {
-    int64_t cum = 0;
-    for (size_t b = 0; b < t.fetch_hist.size(); ++b) {
-      cum += t.fetch_hist[b];
-      char le[32];
-      if (b + 1 == t.fetch_hist.size()) {
-        std::snprintf(le, sizeof(le), "+Inf");
-      } else {
-        std::snprintf(le, sizeof(le), "%g", kTierFetchBucketsUs[b] * 1e-6);
-      }
-      out += std::string(h) + "_bucket{" + labels + ",tier=\"" + t.name + "\",le=\"" + le + "\"} " +
-             std::to_string(cum) + "\n";
-    }
-    out += std::string(h) + "_sum{" + labels + ",tier=\"" + t.name + "\"} " +
-           std::to_string(t.fetch_seconds) + "\n";
-    out += std::string(h) + "_count{" + labels + ",tier=\"" + t.name + "\"} " +
-           std::to_string(cum) + "\n";
-  }
-  out +=
-      "# HELP kvstack:kv_tier_promoted_total Blocks promoted from a tier into the pool.\n"
-      "# TYPE kvstack:kv_tier_promoted_total counter\n"
-      "kvstack:kv_tier_promoted_total{" +
-      labels + "} " + std::to_string(s.n_promoted) + "\n";
-  out +=
-      "# HELP kvstack:kv_tier_hit_tokens_total Prefix tokens served from storage tiers.\n"
-      "# TYPE kvstack:kv_tier_hit_tokens_total counter\n"
-      "kvstack:kv_tier_hit_tokens_total{" +
-      labels + "} " + std::to_string(s.n_hit_tokens) + "\n";
-  out +=
-      "# HELP kvstack:kv_tier_decisions_total Fetch-or-recompute decisions on tier block runs.\n"
-      "# TYPE kvstack:kv_tier_decisions_total counter\n";
-  out += "kvstack:kv_tier_decisions_total{" + labels + ",decision=\"fetch\"} " +
-         std::to_string(s.n_decide_fetch) + "\n";
-  out += "kvstack:kv_tier_decisions_total{" + labels + ",decision=\"recompute\"} " +
-         std::to_string(s.n_decide_recompute) + "\n";
-  out +=
-      "# HELP kvstack:kv_tier_bandwidth_bytes_per_second Measured fetch bandwidth per tier.\n"
-      "# TYPE kvstack:kv_tier_bandwidth_bytes_per_second gauge\n";
-  for (const TierStoreStats& t : s.tiers) {
-    const TierCost& c = t.name == "host"   ? s.cost.host
-                        : t.name == "disk" ? s.cost.disk
-                                           : s.cost.redis;
-    out += "kvstack:kv_tier_bandwidth_bytes_per_second{" + labels + ",tier=\"" + t.name + "\"} " +
-           std::to_string(c.bytes_per_s) + "\n";
-  }
-  return out;
-}
-
-std::string format_kv_tiers_stats(const KvTiersStats& s) {
-  if (!s.enabled) return "";
-  std::string out = "kv tiers (" + std::string(s.write_through ? "write-through" : "write-back") +
-                    "): promoted " + std::to_string(s.n_promoted) + " blocks, " +
-                    std::to_string(s.n_hit_tokens) + " tokens served from tiers, " +
-                    std::to_string(s.n_demoted) + " demoted host->disk, " +
-                    std::to_string(s.n_dropped) +
-                    " dropped; fetch-or-recompute: " + std::to_string(s.n_decide_fetch) +
-                    " fetched, " + std::to_string(s.n_decide_recompute) + " recomputed\n";
-  for (const TierStoreStats& t : s.tiers) {
-    char buf[512];
-    std::snprintf(
-        buf, sizeof(buf),
-        "  %-4s %lld/%lld blocks (%.1f MiB of %.1f MiB), stored %lld, hits %lld "
-        "(%.1f MiB, %.3f ms total), evicted %lld, corrupt %lld, identity mismatch "
-        "%lld, write failed %lld%s\n",
-        t.name.c_str(), static_cast<long long>(t.n_blocks), static_cast<long long>(t.n_slots),
-        static_cast<double>(t.n_blocks * t.slot_bytes) / (1 << 20),
-        static_cast<double>(t.capacity_bytes) / (1 << 20), static_cast<long long>(t.n_stored),
-        static_cast<long long>(t.n_hits), static_cast<double>(t.bytes_out) / (1 << 20),
-        t.fetch_seconds * 1e3, static_cast<long long>(t.n_evicted),
-        static_cast<long long>(t.n_corrupt), static_cast<long long>(t.n_identity_mismatch),
-        static_cast<long long>(t.n_write_failed),
-        t.name == "disk" ? (t.direct_io ? ", O_DIRECT" : ", buffered") : "");
-    out += buf;
-  }
-  return out;
 }
 
 }  // namespace kvstack

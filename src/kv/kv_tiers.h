@@ -12,7 +12,8 @@
 //   publish --copy--> host (write-through, --kv-host-write-through)
 //   host / disk --hit--> pool (promotion; the record is checked first)
 //   pool + host --shutdown (persist)--> disk, index written (warm restart)
-//   publish --copy--> Redis (--kv-redis: shared by instances of one model)
+//   publish --copy--> Redis (--kv-redis: shared by instances of one model;
+//                     a publish's blocks go as one pipelined batch)
 // Write-back keeps a block in at most one of pool and host: publishing (or
 // promoting) a block erases its host copy. Write-through keeps the host
 // copy while the block is in the pool, so an eviction costs nothing. The
@@ -47,6 +48,7 @@
 #include "core/result.h"
 #include "kv/block_record.h"
 #include "kv/cache_identity.h"
+#include "kv/host_format.h"
 #include "kv/prefix_index.h"
 #include "kv/redis_store.h"
 #include "kv/tier_store.h"
@@ -61,6 +63,9 @@ struct KvTierConfig {
   bool disk_direct_io = true;  // O_DIRECT where the file system allows it (benchmarks turn it off)
   std::string redis_url;       // --kv-redis redis://HOST:PORT[/DB] ("" = no remote tier)
   int redis_timeout_ms = 200;  // bound on every Redis connect and command
+  // --kv-host-format: how host and disk hold blocks (host_format.h); int8
+  // needs an f16 pool. Redis always holds the pool's own bytes (shared).
+  HostFormat host_format = HostFormat::kPool;
   bool enabled() const { return host_bytes > 0 || !disk_dir.empty() || !redis_url.empty(); }
 };
 
@@ -69,8 +74,12 @@ struct KvTierConfig {
 // with a probe and updated (moving average) by every fetch; and the
 // engine's prefill rate (tokens/s; 0 = unknown: always fetch). A run of n
 // blocks whose records come from tiers costs
-//   T_fetch = sum over its blocks (t0 + bytes / beta)   (that block's tier)
-// against T_recompute = n P / prefill rate; the faster one is taken.
+//   T_fetch = sum over its blocks (t0 + bytes / beta + t_convert)
+// (that block's tier; bytes: the stored form; t_convert: host and disk in a
+// colder --kv-host-format)
+// against T_recompute = n P / prefill rate; the faster one is taken. The
+// Redis blocks of a run are one pipelined stream, so their t0 is paid once
+// per run, not per block.
 struct TierCost {
   double t0_s = 0;
   double bytes_per_s = 0;
@@ -79,6 +88,10 @@ struct KvTierCostModel {
   TierCost host;
   TierCost disk;
   TierCost redis;
+  // t_convert: seconds to decode one block from the host format (host and
+  // disk fetches; 0 for the pool format), measured at creation, then a
+  // moving average of real decodes.
+  double convert_s = 0;
   double prefill_tokens_per_s = 0;
 };
 
@@ -93,6 +106,14 @@ struct KvTiersStats {
   int64_t n_dropped = 0;              // blocks evicted from the last tier (cache lost)
   int64_t n_persisted = 0;            // blocks written to disk at persist()
   int64_t n_prefetched = 0;           // blocks promoted ahead of admission (queued requests)
+  int64_t n_partial_hits = 0;         // partial tail blocks served from tiers (find_partial)
+  std::string host_format = "pool";   // --kv-host-format of host and disk
+  int64_t pool_block_bytes = 0;       // bytes of one pool block
+  int64_t stored_block_bytes = 0;     // bytes one host/disk record's payload holds
+  int64_t n_encoded = 0;              // blocks converted pool -> host format
+  int64_t n_decoded = 0;              // blocks converted host format -> pool
+  double encode_seconds = 0;          // time spent converting down
+  double decode_seconds = 0;          // time spent converting up (t_convert, summed)
   KvTierCostModel cost;               // current fetch-or-recompute inputs
   int64_t n_decide_fetch = 0;         // block runs fetched (T_fetch <= T_recompute)
   int64_t n_decide_recompute = 0;     // block runs recomputed instead (T_recompute < T_fetch)
@@ -126,8 +147,17 @@ class KvTiers {
   // A partial-block candidate is given up when full blocks replace it.
   // count_stats = false: not a query (prefetch); the index's hit counters
   // are left alone.
+  // find_partial (single-group pools): when the match then covers every full
+  // block below max_tokens, the next block is looked for too: by its hash
+  // in every tier when `tokens` holds all of it, else among the host tier's
+  // children of the last block's hash (the record whose tokens share the
+  // longest start with the request's; disk and Redis keep no such index).
+  // Found (and fetching beats recomputing), it is promoted into an
+  // unpublished pool block set as m.partial with n_partial_tokens = the
+  // tokens it shares, at most max_tokens % P (what the pool's partial-block
+  // reuse gives: BlockTable::adopt_partial_copy).
   int64_t extend_match(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
-                       PrefixMatch& m, bool count_stats = true);
+                       PrefixMatch& m, bool count_stats = true, bool find_partial = false);
 
   // Writes every published pool block and every host entry not yet on disk
   // to disk, then the disk index (warm restart). No-op without a disk tier.
@@ -156,21 +186,37 @@ class KvTiers {
   bool in_disk(const TierKey& k) const { return disk_ && disk_->contains(k); }
   HostStore* host() const { return host_.get(); }
   DiskStore* disk() const { return disk_.get(); }
+  RedisStore* redis() const { return redis_.get(); }
 
  private:
   KvTiers(PrefixIndex& index, KvTierConfig config, BlockRecordIdentity id);
   void on_evict(int32_t block);
   void on_publish(int32_t block);
-  // Header + payload view of a published pool block (header built in hdr_).
-  TierRecord pool_record(int32_t block);
+  // Sends the blocks published since the last call to Redis (one batch).
+  void flush_redis_stores();
+  // The record of a published pool block in the host format (host and
+  // disk; header in hdr_, payload in conv_ unless the format is the pool's).
+  TierRecord local_record(int32_t block);
+  // Estimated seconds to bring key's block in from the tier that holds it
+  // (host, disk, else Redis): [t0 +] bytes / beta [+ t_convert].
+  double block_transfer_s(const TierKey& key, bool with_t0) const;
+  // Header + payload view of a published pool block (header built in
+  // `hdr`, block_record_header_bytes(P) bytes; default hdr_).
+  TierRecord pool_record(int32_t block, uint8_t* hdr = nullptr);
   void to_disk(const TierKey& key, const TierRecord& rec);
-  bool tier_has(const TierKey& key, const Hash128& ns_digest) {
-    return in_host(key) || in_disk(key) || (redis_ && redis_->contains(key, ns_digest));
-  }
   // Copies key's payload into pool block dst (host, then disk). False when
   // neither has a valid record.
   bool fetch(const TierKey& key, const Hash128& ns_digest, std::span<const int32_t> tokens,
              int32_t dst);
+
+  // extend_match's parts: full blocks, then the partial tail.
+  int64_t extend_full(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
+                      PrefixMatch& m, bool count_stats);
+  int64_t extend_partial(NamespaceId ns, std::span<const int32_t> tokens, int64_t max_tokens,
+                         PrefixMatch& m, bool count_stats);
+  // Reads items from Redis as one pipelined stream (throttled like
+  // fetch()); true when every one arrived checked.
+  bool fetch_remote(std::span<const RedisFetch> items, const Hash128& ns_digest);
 
   // Start-up probes of the host copy and disk read path (t0, beta).
   void measure_costs();
@@ -185,11 +231,18 @@ class KvTiers {
   double last_fetch_s_ = 0;
   double last_recompute_s_ = 0;
   KvTierConfig config_;
-  BlockRecordIdentity id_;
+  BlockRecordIdentity id_;        // records of the pool's bytes (Redis)
+  BlockRecordIdentity local_id_;  // records of host and disk (the host format)
   std::unique_ptr<HostStore> host_;
   std::unique_ptr<DiskStore> disk_;
   std::unique_ptr<RedisStore> redis_;
-  std::vector<uint8_t> hdr_;  // scratch header
+  std::vector<uint8_t> hdr_;   // scratch header
+  std::vector<uint8_t> conv_;  // scratch payload in the host format
+  int64_t n_encoded_ = 0;
+  int64_t n_decoded_ = 0;
+  double encode_seconds_ = 0;
+  double decode_seconds_ = 0;
+  std::vector<int32_t> redis_staged_;  // published blocks not yet sent (inside one publish)
   int64_t n_promoted_ = 0;
   int64_t n_promote_failed_ = 0;
   int64_t n_hit_tokens_ = 0;
@@ -197,6 +250,7 @@ class KvTiers {
   int64_t n_dropped_ = 0;
   int64_t n_persisted_ = 0;
   int64_t n_prefetched_ = 0;
+  int64_t n_partial_hits_ = 0;
 };
 
 }  // namespace kvstack

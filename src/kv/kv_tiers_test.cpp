@@ -4,23 +4,33 @@
 // foreign and unwritable files).
 #include "kv/kv_tiers.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <random>
 #include <set>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "kv/block_pool.h"
 #include "kv/block_table.h"
 #include "kv/cache_identity.h"
+#include "kv/host_format.h"
 #include "kv/prefix_index.h"
 
 namespace kvstack {
@@ -406,6 +416,38 @@ TEST(KvTiers, WarmRestartFromDisk) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(KvTiers, CrashAfterAWriteBatchLosesNoWrittenRecord) {
+  // A child process writes blocks to disk (evictions, then one batch at the
+  // next lookup) and dies without flush() or its destructors (kill -9):
+  // the journal brings every written record back.
+  const auto dir = temp_dir("crash");
+  const KvTierConfig cfg = disk_cfg(dir.string(), 1 << 22);
+  const std::vector<int32_t> a = long_prompt(6 * kP + 1, 12);
+  const std::vector<int32_t> b = long_prompt(3 * kP + 1, 13);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    auto* rig = new Rig(false, 16, cfg);  // never destroyed
+    rig->request(a).table.release();
+    if (rig->index->evict(100) != 6) ::_exit(2);
+    rig->request(b).table.release();  // its lookup writes the batch of six
+    if (rig->tiers->disk()->stats().n_stored != 6) ::_exit(3);
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  ASSERT_EQ(WEXITSTATUS(status), 0);
+  Rig rig(false, 16, cfg);  // the restart
+  EXPECT_EQ(rig.tiers->disk()->stats().n_blocks, 6);
+  Rig::Outcome o = rig.request(a);
+  EXPECT_EQ(o.n_from_tiers, 6 * kP);
+  EXPECT_TRUE(o.bytes_ok);
+  o.table.release();
+  rig.check();
+  std::filesystem::remove_all(dir);
+}
+
 // Writes the chain of `a` to disk in a first "process"; returns the dir.
 std::filesystem::path disk_with(const std::string& name, const std::vector<int32_t>& a) {
   auto dir = temp_dir(name);
@@ -595,6 +637,327 @@ TEST(KvTiers, FlagErrorsNameTheFlag) {
   auto bad_dir = KvTiers::create(index, id, disk_cfg("/proc/none/x", 1 << 20));
   ASSERT_FALSE(bad_dir.ok());
   EXPECT_NE(bad_dir.error().message.find("/proc/none/x"), std::string::npos);
+}
+
+// A private redis-server on a free port (no persistence), stopped at the
+// end; running() is false where redis-server is not installed.
+class RedisServer {
+ public:
+  RedisServer() {
+    const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    if (::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+        ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+      ::close(s);
+      return;
+    }
+    port_ = ntohs(a.sin_port);
+    ::close(s);
+    const std::string port = std::to_string(port_);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const int null = ::open("/dev/null", O_WRONLY);
+      ::dup2(null, 1);
+      ::dup2(null, 2);
+      ::execlp("redis-server", "redis-server", "--port", port.c_str(), "--bind", "127.0.0.1",
+               "--save", "", "--appendonly", "no", static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    for (int i = 0; i < 250 && pid_ > 0; ++i) {
+      if (::waitpid(pid_, nullptr, WNOHANG) == pid_) {
+        pid_ = -1;  // exited: not installed
+        break;
+      }
+      const int c = ::socket(AF_INET, SOCK_STREAM, 0);
+      a.sin_port = htons(static_cast<uint16_t>(port_));
+      const bool up = ::connect(c, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+      ::close(c);
+      if (up) {
+        running_ = true;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  ~RedisServer() { stop(); }
+  RedisServer(const RedisServer&) = delete;
+  RedisServer& operator=(const RedisServer&) = delete;
+  void stop() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGTERM);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+    running_ = false;
+  }
+  bool running() const { return running_; }
+  int port() const { return port_; }
+  std::string url() const { return "redis://127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+  bool running_ = false;
+};
+
+KvTierConfig redis_cfg(const std::string& url) {
+  KvTierConfig c;
+  c.redis_url = url;
+  c.redis_timeout_ms = 1000;
+  return c;
+}
+
+TEST(KvTiers, RedisRunsArePipelined) {
+  RedisServer server;
+  if (!server.running()) GTEST_SKIP() << "redis-server not installed (scripts/setup.sh)";
+  constexpr int kBlocks = 24;
+  Rig rig(false, 2 * kBlocks + 4, redis_cfg(server.url()));
+  RedisStore* r = rig.tiers->redis();
+  ASSERT_NE(r, nullptr);
+  ASSERT_TRUE(r->connected());
+  const std::vector<int32_t> a = long_prompt(kBlocks * kP + 1, 3);
+  int64_t rt = r->stats().n_round_trips;
+  rig.request(a).table.release();
+  // The lookup's miss (one EXISTS batch of 8), then one publish: one EXISTS
+  // batch and one SET batch for all 24 blocks.
+  EXPECT_EQ(r->stats().n_stored, kBlocks);
+  EXPECT_EQ(r->stats().n_round_trips - rt, 3);
+  ASSERT_EQ(rig.index->evict(1000), kBlocks);
+  rt = r->stats().n_round_trips;
+  Rig::Outcome o = rig.request(a);
+  EXPECT_EQ(o.n_from_tiers, kBlocks * kP);
+  EXPECT_TRUE(o.bytes_ok);
+  // Chain walk: EXISTS batches of 8 and 16; then one GET stream; the
+  // republish finds every block present (one EXISTS batch, no SET).
+  EXPECT_EQ(r->stats().n_round_trips - rt, 4);
+  EXPECT_EQ(r->stats().n_hits, kBlocks);
+  EXPECT_EQ(r->stats().n_stored, kBlocks);
+  EXPECT_EQ(r->stats().n_errors, 0);
+  o.table.release();
+  rig.check();
+  // Another namespace's lookup of the same tokens finds nothing.
+  const NamespaceId other = rig.index->intern_namespace(Hash128{5, 5});
+  rig.index->acquire_namespace(other);
+  ASSERT_EQ(rig.index->evict(1000), kBlocks);
+  PrefixMatch m = rig.index->match(other, a, kBlocks * kP, false);
+  EXPECT_EQ(rig.tiers->extend_match(other, a, kBlocks * kP, m), 0);
+  m = PrefixMatch{};
+  rig.index->release_namespace(other);
+}
+
+TEST(KvTiers, RedisCorruptValueInARunCutsTheHitThere) {
+  RedisServer server;
+  if (!server.running()) GTEST_SKIP() << "redis-server not installed (scripts/setup.sh)";
+  if (std::system("command -v redis-cli > /dev/null") != 0) GTEST_SKIP() << "no redis-cli";
+  constexpr int kBlocks = 12;
+  Rig rig(false, 2 * kBlocks + 4, redis_cfg(server.url()));
+  RedisStore* r = rig.tiers->redis();
+  const std::vector<int32_t> a = long_prompt(kBlocks * kP + 1, 4);
+  rig.request(a).table.release();
+  // The key of block 7 (its chained hash, as the index computes it).
+  const Hash128 ns_digest = rig.index->namespace_digest(rig.ns);
+  Hash128 h{};
+  for (int i = 0; i <= 7; ++i) {
+    h = rig.index->chain_hash(h, rig.ns, std::span<const int32_t>(a).subspan(i * kP, kP));
+  }
+  const std::string key = r->key_name({.hash = h, .group = 0}, ns_digest);
+  const std::string cmd = "redis-cli -p " + std::to_string(server.port()) + " SETRANGE " + key +
+                          " " + std::to_string(block_record_header_bytes(kP) + 9) +
+                          " garbage > /dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  ASSERT_EQ(rig.index->evict(1000), kBlocks);
+  Rig::Outcome o = rig.request(a);
+  // The stream stops being useful at block 7: the retry takes blocks 0-6.
+  EXPECT_EQ(o.n_from_tiers, 7 * kP);
+  EXPECT_TRUE(o.bytes_ok);
+  EXPECT_EQ(r->stats().n_corrupt, 1);
+  o.table.release();
+  rig.check();
+  // The bad value was deleted; the republish stored the recomputed block.
+  ASSERT_EQ(rig.index->evict(1000), kBlocks);
+  o = rig.request(a);
+  EXPECT_EQ(o.n_from_tiers, kBlocks * kP);
+  EXPECT_TRUE(o.bytes_ok);
+  EXPECT_EQ(r->stats().n_corrupt, 1);
+  o.table.release();
+}
+
+TEST(KvTiers, RedisDownIsABoundedMiss) {
+  RedisServer server;
+  if (!server.running()) GTEST_SKIP() << "redis-server not installed (scripts/setup.sh)";
+  constexpr int kBlocks = 8;
+  KvTierConfig cfg = redis_cfg(server.url());
+  cfg.redis_timeout_ms = 100;
+  Rig rig(false, 2 * kBlocks + 4, cfg);
+  const std::vector<int32_t> a = long_prompt(kBlocks * kP + 1, 5);
+  rig.request(a).table.release();
+  ASSERT_EQ(rig.index->evict(1000), kBlocks);
+  server.stop();
+  const auto t0 = std::chrono::steady_clock::now();
+  Rig::Outcome o = rig.request(a);  // recomputed; the publish is skipped
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(o.n_from_tiers, 0);
+  EXPECT_EQ(o.table.length(), static_cast<int64_t>(a.size()));
+  EXPECT_LT(s, 0.5);
+  EXPECT_GT(rig.tiers->redis()->stats().n_errors, 0);
+  o.table.release();
+  rig.check();
+}
+
+TEST(KvTiers, PartialTailBlockComesFromTheTier) {
+  // A repeated 5-block prompt looked up with all but its last token (what
+  // the server does): 4 full blocks and 3 tokens of the 5th.
+  Rig rig(false, 16, host_cfg(1 << 20));
+  const std::vector<int32_t> a = long_prompt(5 * kP, 6);
+  rig.request(a).table.release();
+  ASSERT_EQ(rig.index->evict(100), 5);  // all five to the host
+  const int64_t max_tokens = 5 * kP - 1;
+  PrefixMatch m = rig.index->match(rig.ns, a, max_tokens, /*find_partial=*/true);
+  EXPECT_EQ(m.n_tokens(), 0);
+  EXPECT_EQ(rig.tiers->extend_match(rig.ns, a, max_tokens, m, true, /*find_partial=*/true),
+            max_tokens);
+  ASSERT_EQ(m.blocks.size(), 4u);
+  ASSERT_TRUE(m.partial.valid());
+  EXPECT_EQ(m.n_partial_tokens, kP - 1);
+  EXPECT_TRUE(block_matches(*rig.pool, m.partial.id().value, a, 0));  // bit-identical
+  EXPECT_EQ(rig.tiers->stats().n_partial_hits, 1);
+  // The tail comes into a private block the sequence copies from.
+  BlockTable t(*rig.pool);
+  t.adopt_prefix(std::move(m.blocks));
+  ASSERT_TRUE(t.adopt_partial_copy(std::move(m.partial), kP - 1).ok());
+  EXPECT_EQ(t.length(), max_tokens);
+  m = PrefixMatch{};
+  // Nothing was published again, so the host still holds all five.
+  EXPECT_EQ(rig.tiers->host()->stats().n_blocks, 5);
+  t.release();
+  rig.check();
+  // Without find_partial: the full blocks only.
+  m = rig.index->match(rig.ns, a, max_tokens, false);
+  EXPECT_EQ(rig.tiers->extend_match(rig.ns, a, max_tokens, m), 4 * kP);
+  EXPECT_FALSE(m.partial.valid());
+  m = PrefixMatch{};
+  // A request whose 5th block differs in its last token (beyond the
+  // lookup limit): another block by hash, but the host's child of block 4
+  // shares the 3 tokens that count (the tail completed by other tokens,
+  // e.g. a previous answer).
+  std::vector<int32_t> b = a;
+  b.back() += 1;
+  ASSERT_EQ(rig.index->evict(100), 0);
+  m = rig.index->match(rig.ns, b, max_tokens, true);
+  EXPECT_EQ(rig.tiers->extend_match(rig.ns, b, max_tokens, m, true, true), max_tokens);
+  ASSERT_TRUE(m.partial.valid());
+  EXPECT_EQ(m.n_partial_tokens, kP - 1);
+  EXPECT_TRUE(block_matches(*rig.pool, m.partial.id().value, a, 0));
+  m = PrefixMatch{};
+  // Differing at its 3rd token: 2 tokens shared; at its 1st: none.
+  std::vector<int32_t> c = a;
+  c[4 * kP + 2] += 1;
+  m = rig.index->match(rig.ns, c, max_tokens, true);
+  EXPECT_EQ(rig.tiers->extend_match(rig.ns, c, max_tokens, m, true, true), 4 * kP + 2);
+  EXPECT_EQ(m.n_partial_tokens, 2);
+  m = PrefixMatch{};
+  c[4 * kP] += 1;
+  m = rig.index->match(rig.ns, c, max_tokens, true);
+  EXPECT_EQ(rig.tiers->extend_match(rig.ns, c, max_tokens, m, true, true), 4 * kP);
+  EXPECT_FALSE(m.partial.valid());
+  m = PrefixMatch{};
+  EXPECT_EQ(rig.tiers->stats().n_partial_hits, 3);
+  rig.check();
+}
+
+TEST(KvTiers, PartialTailBlockComesFromRedis) {
+  RedisServer server;
+  if (!server.running()) GTEST_SKIP() << "redis-server not installed (scripts/setup.sh)";
+  Rig rig(false, 16, redis_cfg(server.url()));
+  const std::vector<int32_t> a = long_prompt(3 * kP, 7);
+  rig.request(a).table.release();
+  ASSERT_EQ(rig.index->evict(100), 3);
+  const int64_t max_tokens = 3 * kP - 1;
+  PrefixMatch m = rig.index->match(rig.ns, a, max_tokens, true);
+  EXPECT_EQ(rig.tiers->extend_match(rig.ns, a, max_tokens, m, true, true), max_tokens);
+  ASSERT_TRUE(m.partial.valid());
+  EXPECT_TRUE(block_matches(*rig.pool, m.partial.id().value, a, 0));
+  EXPECT_EQ(rig.tiers->redis()->stats().n_hits, 3);
+  m = PrefixMatch{};
+  rig.check();
+}
+
+// The bytes an int8 host round trip gives for the expected block.
+bool block_matches_int8(const BlockPool& pool, int32_t b, std::span<const int32_t> prefix,
+                        int group) {
+  const int64_t n = pool.block_bytes();
+  std::vector<uint8_t> want(static_cast<size_t>(n));
+  std::vector<uint8_t> enc(static_cast<size_t>(int8_block_bytes(n)));
+  fill_expected(prefix, group, want.data(), n);
+  encode_int8_block_scalar(want.data(), n, enc.data());
+  decode_int8_block_scalar(enc.data(), n, want.data());
+  return std::memcmp(want.data(), pool.block_data(BlockId{b}), want.size()) == 0;
+}
+
+TEST(KvTiers, Int8HostFormatRoundTripsAndIsItsOwnIdentity) {
+  const auto dir = temp_dir("int8");
+  KvTierConfig cfg = host_cfg(1 << 20);
+  cfg.host_format = HostFormat::kInt8;
+  cfg.disk_dir = dir.string();
+  cfg.disk_bytes = 1 << 22;
+  const std::vector<int32_t> a = long_prompt(4 * kP + 1, 9);
+  {
+    Rig rig(false, 8, cfg);
+    const int64_t bb = rig.pool->block_bytes();
+    rig.request(a).table.release();
+    ASSERT_EQ(rig.index->evict(100), 4);
+    KvTiersStats st = rig.tiers->stats();
+    EXPECT_EQ(st.host_format, "int8");
+    EXPECT_EQ(st.pool_block_bytes, bb);
+    EXPECT_EQ(st.stored_block_bytes, int8_block_bytes(bb));
+    EXPECT_EQ(st.n_encoded, 4);
+    EXPECT_GT(st.cost.convert_s, 0);
+    // Promotion decodes: the blocks hold exactly the int8 round trip of
+    // what was computed (not the computed bytes: the format is lossy).
+    const int64_t max_tokens = static_cast<int64_t>(a.size()) - 1;
+    PrefixMatch m = rig.index->match(rig.ns, a, max_tokens, false);
+    ASSERT_EQ(rig.tiers->extend_match(rig.ns, a, max_tokens, m), 4 * kP);
+    for (size_t i = 0; i < m.blocks.size(); ++i) {
+      EXPECT_TRUE(block_matches_int8(*rig.pool, m.blocks[i].id().value,
+                                     std::span<const int32_t>(a).first((i + 1) * kP), 0));
+      EXPECT_FALSE(block_matches(*rig.pool, m.blocks[i].id().value,
+                                 std::span<const int32_t>(a).first((i + 1) * kP), 0));
+    }
+    st = rig.tiers->stats();
+    EXPECT_EQ(st.n_decoded, 4);
+    EXPECT_GT(st.decode_seconds, 0);
+    m = PrefixMatch{};
+    rig.tiers->persist();  // the host's int8 records to disk
+    rig.check();
+  }
+  {
+    // The same directory read with the pool format: another identity, a miss.
+    KvTierConfig pool_fmt = disk_cfg(dir.string(), 1 << 22);
+    Rig rig(false, 8, pool_fmt);
+    Rig::Outcome o = rig.request(a);
+    EXPECT_EQ(o.n_from_tiers, 0);
+    EXPECT_GT(rig.tiers->disk()->stats().n_identity_mismatch, 0);
+    o.table.release();
+  }
+  std::filesystem::remove_all(dir);
+  // int8 of a non-f16 pool is refused, naming the flag.
+  std::vector<KvLayerSpec> layers = {{.kind = KvLayerKind::kStandard,
+                                      .n_kv_heads = 1,
+                                      .head_dim_k = 32,
+                                      .head_dim_v = 32,
+                                      .dtype = KvDtype::kInt8}};
+  auto l8 = KvLayout::create(std::move(layers), kP);
+  ASSERT_TRUE(l8.ok());
+  auto pool = BlockPool::create(*l8, {.mem_bytes = 4 * l8->block_bytes()});
+  ASSERT_TRUE(pool.ok());
+  PrefixIndex index(**pool);
+  KvTierConfig bad = host_cfg(1 << 20);
+  bad.host_format = HostFormat::kInt8;
+  auto t = KvTiers::create(index, make_identity(*l8), bad);
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.error().message.find("--kv-host-format"), std::string::npos);
 }
 
 }  // namespace

@@ -381,6 +381,7 @@ int64_t PrefixIndex::publish(NamespaceId ns, const BlockTable& table,
           .tokens = tokens_.data() + static_cast<size_t>(b) * p});
     if (tier_hooks_.on_publish) tier_hooks_.on_publish(b);
   }
+  if (j > n_published && tier_hooks_.on_publish_end) tier_hooks_.on_publish_end();
   return j;
 }
 
@@ -396,6 +397,7 @@ bool PrefixIndex::attach_companion(int32_t node, int g, int32_t block) {
   slot = block;
   owner_[block] = node;
   if (tier_hooks_.on_publish) tier_hooks_.on_publish(block);
+  if (tier_hooks_.on_publish_end) tier_hooks_.on_publish_end();
   return true;
 }
 

@@ -160,9 +160,13 @@ struct CachedBlockInfo {
 //                     to be freed by eviction; still described by
 //                     cached_block_info and its bytes still in the pool.
 //   on_publish(block) a block just became a node or a companion.
+//   on_publish_end()  the end of one publish() or attach_companion() that
+//                     called on_publish (the blocks it named are still
+//                     published and in the pool: a batch point).
 struct PrefixIndexTierHooks {
   std::function<void(int32_t)> on_evict;
   std::function<void(int32_t)> on_publish;
+  std::function<void()> on_publish_end;
 };
 
 struct PrefixIndexConfig {

@@ -169,7 +169,8 @@ HostStore::HostStore(const BlockRecordIdentity& id, int64_t n_slots, int64_t slo
       slot_bytes_(slot_bytes),
       base_(base),
       map_bytes_(map_bytes),
-      map_(n_slots) {
+      map_(n_slots),
+      parent_of_(static_cast<size_t>(n_slots)) {
   stats_.name = "host";
   stats_.n_slots = n_slots;
   stats_.slot_bytes = slot_bytes;
@@ -185,7 +186,44 @@ TierRecord HostStore::record(int64_t slot) const {
   return {.header = p, .payload = p + header_bytes_};
 }
 
+void HostStore::unlink_parent(int64_t slot) {
+  if (map_.key(slot).group != 0) return;
+  auto it = children_.find(parent_of_[static_cast<size_t>(slot)]);
+  if (it == children_.end()) return;
+  std::erase(it->second, slot);
+  if (it->second.empty()) children_.erase(it);
+}
+
+std::vector<TierKey> HostStore::children(const Hash128& parent) const {
+  std::vector<TierKey> out;
+  if (auto it = children_.find(parent); it != children_.end()) {
+    for (int64_t s : it->second) out.push_back(map_.key(s));
+  }
+  return out;
+}
+
+void HostStore::check_invariants() const {
+  map_.check_invariants();
+  size_t n = 0;
+  for (const auto& [parent, slots] : children_) {
+    for (int64_t s : slots) {
+      KV_CHECK(
+          map_.used(s) && map_.key(s).group == 0 && parent_of_[static_cast<size_t>(s)] == parent,
+          "HostStore: a child link names a slot that is not that parent's child");
+      ++n;
+    }
+  }
+  size_t want = 0;
+  for (int64_t s : map_.slots_lru_order()) want += map_.key(s).group == 0 ? 1 : 0;
+  KV_CHECK(n == want, "HostStore: child links and group-0 entries differ");
+}
+
 void HostStore::store(int64_t slot, const TierRecord& rec) {
+  if (map_.key(slot).group == 0) {
+    const Hash128 parent = read_record_header(rec.header).parent_hash;
+    parent_of_[static_cast<size_t>(slot)] = parent;
+    children_[parent].push_back(slot);
+  }
   uint8_t* p = base_ + slot * slot_bytes_;
   std::memcpy(p, rec.header, static_cast<size_t>(block_record_header_bytes(id_.block_size)));
   std::memcpy(p + header_bytes_, rec.payload, static_cast<size_t>(id_.payload_bytes));
@@ -211,6 +249,7 @@ bool HostStore::fetch(const TierKey& key, uint8_t* dst) {
 bool HostStore::erase(const TierKey& key) {
   const int64_t s = map_.find(key);
   if (s < 0) return false;
+  unlink_parent(s);
   map_.erase(s);
   ++stats_.n_erased;
   return true;
@@ -251,6 +290,14 @@ struct IndexEntry {
   int32_t pad = 0;
   Hash128 hash;
   Hash128 ns_digest;
+};
+
+// Journal file: a header (the index's, n_entries 0, then XXH3-64 of it),
+// then entries, each an IndexEntry and XXH3-64 of it.
+constexpr char kJournalMagic[8] = {'K', 'V', 'S', 'J', 'R', 'N', '0', '1'};
+struct JournalEntry {
+  IndexEntry e;
+  uint64_t checksum = 0;
 };
 
 }  // namespace
@@ -296,6 +343,11 @@ Result<std::unique_ptr<DiskStore>> DiskStore::open(const BlockRecordIdentity& id
   d->header_region_ = header_region;
   KV_TRY_STATUS(d->open_files(direct_io));
   d->load_index();
+  d->load_journal();
+  d->journal_fd_ =
+      ::open(d->journal_path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  // What was loaded becomes the index; the journal starts empty.
+  d->write_index();
   return d;
 }
 
@@ -305,6 +357,7 @@ DiskStore::DiskStore(const BlockRecordIdentity& id, std::string dir, int64_t n_s
       dir_(std::move(dir)),
       data_path_(dir_ + "/blocks.kvs"),
       index_path_(dir_ + "/index.kvs"),
+      journal_path_(dir_ + "/journal.kvs"),
       slot_bytes_(slot_bytes),
       map_(n_slots),
       ns_of_(static_cast<size_t>(n_slots)) {
@@ -317,6 +370,7 @@ DiskStore::DiskStore(const BlockRecordIdentity& id, std::string dir, int64_t n_s
 DiskStore::~DiskStore() {
   if (fd_ >= 0) flush();
   if (fd_ >= 0) ::close(fd_);
+  if (journal_fd_ >= 0) ::close(journal_fd_);
   if (lock_fd_ >= 0) ::close(lock_fd_);
 }
 
@@ -396,6 +450,104 @@ void DiskStore::load_index() {
   }
 }
 
+void DiskStore::load_journal() {
+  const int fd = ::open(journal_path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  std::vector<uint8_t> buf;
+  uint8_t chunk[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, chunk, sizeof(chunk));
+    if (n <= 0) break;
+    buf.insert(buf.end(), chunk, chunk + n);
+  }
+  ::close(fd);
+  IndexHeader h;
+  uint64_t sum = 0;
+  if (buf.size() < sizeof(h) + 8) return;  // empty, or torn at its header
+  std::memcpy(&h, buf.data(), sizeof(h));
+  std::memcpy(&sum, buf.data() + sizeof(h), 8);
+  if (std::memcmp(h.magic, kJournalMagic, sizeof(h.magic)) != 0 ||
+      XXH3_64bits(buf.data(), sizeof(h)) != sum) {
+    ++stats_.n_corrupt;
+    return;
+  }
+  if (h.model_digest != id_.model_digest || h.format_digest != id_.format_digest ||
+      h.block_size != id_.block_size || h.payload_bytes != id_.payload_bytes ||
+      h.slot_bytes != slot_bytes_) {
+    return;  // another identity's journal (its index said so already)
+  }
+  // The loaded entries (least recently used first), then the journal's in
+  // order: a later entry for a slot or a key replaces the earlier one.
+  std::vector<std::pair<int64_t, TierKey>> order;
+  std::vector<Hash128> ns(static_cast<size_t>(map_.n_slots()));
+  for (int64_t s : map_.slots_lru_order()) {
+    order.emplace_back(s, map_.key(s));
+    ns[static_cast<size_t>(s)] = ns_of_[static_cast<size_t>(s)];
+  }
+  int64_t n_replayed = 0;
+  for (size_t off = sizeof(h) + 8; off + sizeof(JournalEntry) <= buf.size();
+       off += sizeof(JournalEntry)) {
+    JournalEntry j;
+    std::memcpy(&j, buf.data() + off, sizeof(j));
+    if (XXH3_64bits(&j.e, sizeof(j.e)) != j.checksum) break;  // torn tail
+    if (j.e.slot < 0 || j.e.slot >= map_.n_slots()) break;
+    const TierKey k{.hash = j.e.hash, .group = j.e.group};
+    std::erase_if(order, [&](const auto& p) { return p.first == j.e.slot || p.second == k; });
+    order.emplace_back(j.e.slot, k);
+    ns[static_cast<size_t>(j.e.slot)] = j.e.ns_digest;
+    ++n_replayed;
+  }
+  if (n_replayed == 0) return;
+  SlotMap fresh(map_.n_slots());
+  fresh.restore(order);
+  map_ = std::move(fresh);
+  for (const auto& [s, k] : order) ns_of_[static_cast<size_t>(s)] = ns[static_cast<size_t>(s)];
+}
+
+void DiskStore::reset_journal() {
+  if (journal_fd_ < 0) return;
+  if (::ftruncate(journal_fd_, 0) != 0) {
+    ++stats_.n_write_failed;
+    return;
+  }
+  IndexHeader h;
+  std::memcpy(h.magic, kJournalMagic, sizeof(h.magic));
+  h.block_size = id_.block_size;
+  h.payload_bytes = id_.payload_bytes;
+  h.slot_bytes = slot_bytes_;
+  h.model_digest = id_.model_digest;
+  h.format_digest = id_.format_digest;
+  uint8_t buf[sizeof(h) + 8];
+  std::memcpy(buf, &h, sizeof(h));
+  const uint64_t sum = XXH3_64bits(&h, sizeof(h));
+  std::memcpy(buf + sizeof(h), &sum, 8);
+  if (::write(journal_fd_, buf, sizeof(buf)) != static_cast<ssize_t>(sizeof(buf))) {
+    ++stats_.n_write_failed;
+  }
+}
+
+void DiskStore::journal(std::span<const int64_t> slots) {
+  if (journal_fd_ < 0 || slots.empty()) return;
+  std::vector<JournalEntry> out;
+  out.reserve(slots.size());
+  for (int64_t s : slots) {
+    if (!map_.used(s)) continue;  // its write failed
+    JournalEntry j;
+    j.e.slot = s;
+    j.e.group = map_.key(s).group;
+    j.e.hash = map_.key(s).hash;
+    j.e.ns_digest = ns_of_[static_cast<size_t>(s)];
+    j.checksum = XXH3_64bits(&j.e, sizeof(j.e));
+    out.push_back(j);
+  }
+  const auto bytes = static_cast<ssize_t>(out.size() * sizeof(JournalEntry));
+  // One append per batch; page-cache durability (a process crash keeps it;
+  // the index rewrite at flush() follows an fdatasync of the data).
+  if (::write(journal_fd_, out.data(), static_cast<size_t>(bytes)) != bytes) {
+    ++stats_.n_write_failed;
+  }
+}
+
 void DiskStore::write_index() {
   IndexHeader h;
   std::memcpy(h.magic, kIndexMagic, sizeof(h.magic));
@@ -431,7 +583,9 @@ void DiskStore::write_index() {
   if (!ok || std::rename(tmp.c_str(), index_path_.c_str()) != 0) {
     ++stats_.n_write_failed;
     ::unlink(tmp.c_str());
+    return;  // the journal keeps what the old index lacks
   }
+  reset_journal();
   n_since_index_ = 0;
 }
 
@@ -511,7 +665,11 @@ void DiskStore::write_pending() {
   }
   pending_.clear();
   n_since_index_ += static_cast<int64_t>(slots.size());
-  if (n_since_index_ >= kDiskIndexEvery) write_index();
+  if (n_since_index_ >= kDiskIndexEvery) {
+    write_index();
+  } else {
+    journal(slots);
+  }
 }
 
 void DiskStore::flush() {

@@ -12,7 +12,10 @@
 //              in the first 4 KiB, payload from 4 KiB on, both 4 KiB aligned
 //              for O_DIRECT); DIR/index.kvs lists (slot, key, namespace
 //              digest, last use) with the identity of the process that wrote
-//              it and a checksum, so the cache survives a restart. Writes are
+//              it and a checksum, so the cache survives a restart; between
+//              two rewrites of the index, DIR/journal.kvs gets one
+//              checksummed entry per record written (appended after each
+//              batch), so a crash (kill -9) loses no written record either. Writes are
 //              gathered into batches (kDiskWriteBatchBytes) written with one
 //              pwritev per run of consecutive slots; reads are one pread per
 //              slot, both O_DIRECT where the file system allows it (else
@@ -70,6 +73,7 @@ struct TierStoreStats {
   int64_t n_identity_mismatch = 0;  // entries of another model/format/layout dropped
   int64_t n_write_failed = 0;       // writes that failed (disk full or I/O error), entry dropped
   int64_t n_errors = 0;             // remote: commands failed or timed out (server down or slow)
+  int64_t n_round_trips = 0;        // remote: commands or pipelined batches sent
   std::array<int64_t, kTierFetchBucketsUs.size()> fetch_hist{};  // per bucket (not cumulative)
   double fetch_seconds = 0;                                      // sum of fetch latencies
   bool direct_io = false;                                        // disk: O_DIRECT in use
@@ -144,6 +148,7 @@ class HostStore {
     if (map_.size() == map_.n_slots()) {
       const int64_t victim = map_.lru();
       evicted(map_.key(victim), record(victim));
+      unlink_parent(victim);
       map_.erase(victim);
       ++stats_.n_evicted;
     }
@@ -157,21 +162,31 @@ class HostStore {
   bool erase(const TierKey& key);
   // Every entry, least recently used first.
   std::vector<TierKey> keys() const;
+  // Group-0 entries whose record's parent hash is `parent` (candidates for
+  // a partial-block hit; the caller checks namespace and tokens).
+  std::vector<TierKey> children(const Hash128& parent) const;
   TierStoreStats stats() const;
   void add_fetch_latency(double seconds) { record_fetch_latency(stats_, seconds); }
-  void check_invariants() const { map_.check_invariants(); }
+  void check_invariants() const;
 
  private:
   HostStore(const BlockRecordIdentity& id, int64_t n_slots, int64_t slot_bytes, uint8_t* base,
             int64_t map_bytes);
   TierRecord record(int64_t slot) const;
   void store(int64_t slot, const TierRecord& rec);
+  void unlink_parent(int64_t slot);
+  struct HashOf {
+    size_t operator()(const Hash128& h) const { return static_cast<size_t>(h.lo ^ (h.hi * 31)); }
+  };
   BlockRecordIdentity id_;
   int64_t header_bytes_ = 0;  // padded to 64
   int64_t slot_bytes_ = 0;
   uint8_t* base_ = nullptr;
   int64_t map_bytes_ = 0;
   SlotMap map_;
+  // parent hash -> group-0 slots holding its children (parent_of_[slot]).
+  std::unordered_map<Hash128, std::vector<int64_t>, HashOf> children_;
+  std::vector<Hash128> parent_of_;
   TierStoreStats stats_;
 };
 
@@ -226,7 +241,14 @@ class DiskStore {
   DiskStore(const BlockRecordIdentity& id, std::string dir, int64_t n_slots, int64_t slot_bytes);
   Status open_files(bool direct_io);
   void load_index();
+  // Replays DIR/journal.kvs over the loaded index (entries of this identity
+  // up to the first torn or bad one; a later entry for a slot or key wins).
+  void load_journal();
   void write_index();
+  // Empties the journal and writes its header (after an index rewrite).
+  void reset_journal();
+  // Appends entries for `slots` (just written) to the journal.
+  void journal(std::span<const int64_t> slots);
   void write_pending();
   void reopen_buffered();
   struct AlignedFree {
@@ -236,11 +258,12 @@ class DiskStore {
   Buffer new_buffer() const;
 
   BlockRecordIdentity id_;
-  std::string dir_, data_path_, index_path_;
+  std::string dir_, data_path_, index_path_, journal_path_;
   int64_t header_region_ = 4096;
   int64_t slot_bytes_ = 0;
   int fd_ = -1;
-  int lock_fd_ = -1;  // DIR/lock, held (flock) for the store's lifetime
+  int lock_fd_ = -1;     // DIR/lock, held (flock) for the store's lifetime
+  int journal_fd_ = -1;  // DIR/journal.kvs, appended to (O_APPEND)
   bool direct_ = false;
   SlotMap map_;
   std::vector<Hash128> ns_of_;                   // [n_slots] namespace digest of each entry
