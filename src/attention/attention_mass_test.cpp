@@ -21,6 +21,7 @@
 #include "kv/block_pool.h"
 #include "kv/block_table.h"
 #include "kv/kv_write.h"
+#include "kv/retention.h"
 
 namespace kvstack {
 namespace {
@@ -215,6 +216,169 @@ TEST(AttentionMass, RefusesPrefillRowsAndWindows) {
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.error().message.find("window"), std::string::npos) << st.error().message;
   EXPECT_TRUE(paged_attention(s.pool->layer_view(0), s.p, {&seq, 1}, nullptr).ok());
+}
+
+// H2O end to end on a block table, against a float64 simulation written from
+// the paper: every token's mass is the sum over the queries that saw it
+// (the prompt's, then each decode query's, all query heads of the group) of
+// its softmax probability; before each decode step the cache keeps the
+// `window` most recent tokens and the `budget` older ones of highest mass.
+// The table's resident positions equal the simulation's after every step
+// (a step whose budget-th and next masses are closer than the float
+// accumulation can resolve adopts the table's choice, counted), and its
+// masses match. obs = the prompt length: every prompt query counts (the
+// paper's definition); obs = 0: decode queries only. Windows larger than
+// the sequence keep everything.
+TEST(H2oDecode, SelectionMatchesFloat64PaperSimulation) {
+  ThreadPool threads(2);
+  int n_compared = 0, n_ambiguous = 0;
+  for (const auto& [n_q, n_kv] : {std::pair{6, 2}, std::pair{4, 4}}) {
+    for (const auto& [budget, window] : {std::pair{6, 4}, std::pair{3, 9}, std::pair{5, 200}}) {
+      for (const int obs : {0, 12}) {
+        const int d = 32, n_prompt = 12, n_total = 60;
+        const std::string where = "H_q=" + std::to_string(n_q) + " H_kv=" + std::to_string(n_kv) +
+                                  " budget " + std::to_string(budget) + " window " +
+                                  std::to_string(window) + " obs " + std::to_string(obs);
+        auto layout = KvLayout::uniform(1, n_kv, d, KvDtype::kF32, 4);
+        ASSERT_TRUE(layout.ok());
+        auto pool = BlockPool::create(*layout, {.n_tokens = 256});
+        ASSERT_TRUE(pool.ok());
+        BlockTable table(**pool);
+        const RetentionConfig rc{.policy = RetentionPolicy::kH2o,
+                                 .window = window,
+                                 .slack = 1,
+                                 .budget = budget,
+                                 .obs = obs};
+        ASSERT_TRUE(table.set_retention(rc).ok());
+        std::mt19937 rng(static_cast<uint32_t>(budget * 100 + window + obs + n_q));
+        std::normal_distribution<float> nd;
+        const int kv_dim = n_kv * d, q_dim = n_q * d, g = n_q / n_kv;
+        std::vector<float> k(static_cast<size_t>(n_total) * kv_dim), v(k.size()),
+            q(static_cast<size_t>(n_total) * q_dim);
+        for (float& x : k) x = 2.0f * nd(rng);
+        for (float& x : v) x = nd(rng);
+        for (float& x : q) x = nd(rng);
+        const float scale = 1.0f / std::sqrt(1.0f * d);
+        const AttnParams p{.n_q_heads = n_q, .n_kv_heads = n_kv, .head_dim = d, .scale = scale};
+        // Probabilities query t gives to the keys `keys` (summed over heads), in double.
+        auto probs = [&](int t, const std::vector<int>& keys) {
+          std::vector<double> out(keys.size(), 0.0), sc(keys.size());
+          for (int h = 0; h < n_q; ++h) {
+            double mx = -INFINITY;
+            for (size_t i = 0; i < keys.size(); ++i) {
+              double dot = 0.0;
+              for (int c = 0; c < d; ++c) {
+                dot += double{q[static_cast<size_t>(t * q_dim + h * d + c)]} *
+                       k[static_cast<size_t>(keys[i] * kv_dim + (h / g) * d + c)];
+              }
+              sc[i] = dot * scale;
+              mx = std::max(mx, sc[i]);
+            }
+            double sum = 0.0;
+            for (double& x : sc) sum += (x = std::exp(x - mx));
+            for (size_t i = 0; i < keys.size(); ++i) out[i] += sc[i] / sum;
+          }
+          return out;
+        };
+        // The simulation: resident tokens (ascending) and their mass.
+        std::vector<int> res;
+        std::vector<double> mass;
+        // Prompt: written in one step; its last `obs` queries seed the mass.
+        ASSERT_TRUE(table.reserve(n_prompt).ok());
+        table.write(0, 0, k.data(), v.data(), n_prompt);
+        table.observe_queries(0, 0, q.data(), n_prompt,
+                              {.n_q_heads = n_q, .head_dim = d, .scale = scale});
+        table.commit(n_prompt);
+        for (int t = 0; t < n_prompt; ++t) {
+          res.push_back(t);
+          mass.push_back(0.0);
+        }
+        for (int t = std::max(0, n_prompt - obs); t < n_prompt; ++t) {
+          const std::vector<int> keys(res.begin(), res.begin() + t + 1);
+          const std::vector<double> pr = probs(t, keys);
+          for (size_t i = 0; i < pr.size(); ++i) mass[i] += pr[i];
+        }
+        std::vector<float> out(static_cast<size_t>(q_dim));
+        for (int t = n_prompt; t < n_total; ++t) {
+          ASSERT_TRUE(table.reserve(1).ok()) << where;
+          // Simulation: evict to budget + window (slack 1: every step).
+          const auto n = static_cast<int64_t>(res.size());
+          bool ambiguous = false;
+          if (n > budget + window) {
+            const int64_t n_old = n - window;
+            std::vector<int64_t> order(static_cast<size_t>(n_old));
+            for (int64_t i = 0; i < n_old; ++i) order[static_cast<size_t>(i)] = i;
+            std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+              return mass[static_cast<size_t>(a)] > mass[static_cast<size_t>(b)];
+            });
+            ambiguous = mass[static_cast<size_t>(order[budget - 1])] -
+                            mass[static_cast<size_t>(order[budget])] <
+                        1e-5;
+            std::vector<char> keep(static_cast<size_t>(n), 0);
+            for (int64_t i = 0; i < budget; ++i) keep[static_cast<size_t>(order[i])] = 1;
+            for (int64_t i = n_old; i < n; ++i) keep[static_cast<size_t>(i)] = 1;
+            std::vector<int> r2;
+            std::vector<double> m2;
+            for (int64_t i = 0; i < n; ++i) {
+              if (keep[static_cast<size_t>(i)] == 0) continue;
+              r2.push_back(res[static_cast<size_t>(i)]);
+              m2.push_back(mass[static_cast<size_t>(i)]);
+            }
+            res = std::move(r2);
+            mass = std::move(m2);
+          }
+          const GroupTable& gt = table.group(0);
+          std::vector<int> got;
+          for (int64_t sl = 0; sl < gt.length(); ++sl)
+            got.push_back(static_cast<int>(gt.position(sl)));
+          if (ambiguous && got != res) {
+            ++n_ambiguous;  // a float near-tie: follow the table
+            std::vector<double> m2;
+            for (int pos : got) {
+              const auto it = std::find(res.begin(), res.end(), pos);
+              m2.push_back(it == res.end() ? 0.0 : mass[static_cast<size_t>(it - res.begin())]);
+            }
+            res = got;
+            mass = std::move(m2);
+          } else {
+            ASSERT_EQ(got, res) << where << " before step " << t;
+            ++n_compared;
+          }
+          // Decode step t: write, attend with the mass output, commit.
+          table.write(0, t, k.data() + static_cast<size_t>(t) * kv_dim,
+                      v.data() + static_cast<size_t>(t) * kv_dim, 1);
+          const int64_t n_res = table.resident_length(0);
+          const auto ids = table.ids_for_layer(0);
+          AttnSeq seq{.block_table = ids.data(),
+                      .n_blocks = static_cast<int32_t>(ids.size()),
+                      .n_past = static_cast<int32_t>(n_res),
+                      .n_new = 1,
+                      .q = q.data() + static_cast<size_t>(t) * q_dim,
+                      .out = out.data(),
+                      .key_mass = table.key_mass(0, n_res + 1)};
+          ASSERT_TRUE(paged_attention((*pool)->layer_view(0), p, {&seq, 1}, &threads).ok());
+          table.commit(1);
+          res.push_back(t);
+          mass.push_back(0.0);
+          const std::vector<double> pr = probs(t, res);
+          for (size_t i = 0; i < pr.size(); ++i) mass[i] += pr[i];
+          const std::span<const float> tm = table.group_mass(0);
+          ASSERT_EQ(tm.size(), mass.size()) << where;
+          for (size_t i = 0; i < mass.size(); ++i) {
+            ASSERT_NEAR(tm[i], mass[i], 1e-4 * (1.0 + mass[i])) << where << " slot " << i;
+          }
+        }
+        const int64_t cap = std::min<int64_t>(n_total, budget + window + 1);
+        EXPECT_EQ(table.group(0).length(), cap) << where;
+        EXPECT_EQ(table.compacted(), budget + window + 1 < n_total) << where;
+        (*pool)->check_invariants();
+        table.release();
+        EXPECT_EQ((*pool)->n_free(), (*pool)->n_blocks()) << where;
+      }
+    }
+  }
+  EXPECT_GT(n_compared, 500);
+  EXPECT_LE(n_ambiguous, n_compared / 50) << "too many near-ties to trust the comparison";
 }
 
 }  // namespace

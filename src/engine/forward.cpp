@@ -214,14 +214,21 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
     // Layer l's group table: entries before the window may be kNullBlock
     // (never read: the kernels start at the first visible key).
     const std::span<const int32_t> ids = s.table->ids_for_layer(l);
+    const int64_t n_resident = s.table->resident_length(l);
+    // H2O (kv/retention.h): decode rows of full-attention layers add their
+    // attention probabilities to the slots' accumulated mass.
+    float* mass = n == 1 && s.table->wants_mass() && c.window(l) == 0
+                      ? s.table->key_mass(l, n_resident + 1)
+                      : nullptr;
     seqs.push_back(AttnSeq{.block_table = ids.data(),
                            .n_blocks = static_cast<int32_t>(ids.size()),
                            // Resident slots (retention compacts them;
                            // RoPE above used logical positions).
-                           .n_past = static_cast<int32_t>(s.table->resident_length(l)),
+                           .n_past = static_cast<int32_t>(n_resident),
                            .n_new = static_cast<int32_t>(n),
                            .q = q_.data() + row * q_dim,
-                           .out = attn_.data() + row * q_dim});
+                           .out = attn_.data() + row * q_dim,
+                           .key_mass = mass});
     row += n;
   }
   const AttnParams ap{.n_q_heads = c.n_heads,

@@ -291,6 +291,81 @@ TEST_P(Retention, PrefillEndSelectionEqualsMaskedRecomputationAndFreesBlocks) {
   }
 }
 
+// H2O through the forward pass: the decode kernels accumulate each slot's
+// attention mass, every one-token step keeps each layer group's recent
+// window plus its heavy hitters, and every logits row still equals the
+// masked float64 recomputation with original positions; a budget covering
+// the sequence gives the exact cache's bits; resident tokens stay within
+// budget + window + slack per layer; blocks return to the pool.
+TEST_P(Retention, H2oEqualsMaskedRecomputationAndStaysWithinBudget) {
+  const SyntheticSpec& spec = GetParam().spec;
+  std::mt19937 rng(spec.seed + 17);
+  std::uniform_int_distribution<int32_t> tok(0, spec.n_vocab - 1);
+  const int n_prompt = 21, n_decode = 30, p = 4;
+  std::vector<int32_t> tokens(n_prompt + n_decode);
+  for (auto& t : tokens) t = tok(rng);
+  for (int64_t budget : {int64_t{5}, int64_t{100}}) {
+    for (int64_t slack : {int64_t{1}, int64_t{0}}) {
+      for (int64_t obs : {int64_t{0}, int64_t{8}}) {
+        const std::string where = "budget " + std::to_string(budget) + " slack " +
+                                  std::to_string(slack) + " obs " + std::to_string(obs);
+        auto pool = BlockPool::create(testing::window_layout(spec, KvDtype::kF32, p),
+                                      {.n_tokens = 512, .one_layer_per_group = true});
+        ASSERT_TRUE(pool.ok());
+        BlockTable seq(**pool), exact(**pool);
+        const RetentionConfig rc{.policy = RetentionPolicy::kH2o,
+                                 .window = 6,
+                                 .slack = slack,
+                                 .budget = budget,
+                                 .obs = obs};
+        ASSERT_TRUE(seq.set_retention(rc).ok());
+        Visibility vis;
+        std::vector<float> logits, exact_logits;
+        bool all_equal = true;
+        for (int b = 0; b < n_prompt + n_decode;) {
+          const int n = b < n_prompt ? std::min(8, n_prompt - b) : 1;
+          const std::span<const int32_t> chunk(tokens.data() + b, n);
+          const StepSeq s{.table = &seq, .tokens = chunk, .logits = LogitsMode::kAll};
+          const StepSeq se{.table = &exact, .tokens = chunk, .logits = LogitsMode::kAll};
+          ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&s, 1), &logits).ok()) << where;
+          ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&se, 1), &exact_logits).ok()) << where;
+          (*pool)->check_invariants();
+          all_equal &=
+              std::memcmp(logits.data(), exact_logits.data(), logits.size() * sizeof(float)) == 0;
+          record_step(seq, b, n, seq.group(0).length() - n, vis);
+          for (int r = 0; r < n; ++r) {
+            const int pos = b + r;
+            ASSERT_LT(logits_rel_err(logits.data() + static_cast<size_t>(r) * spec.n_vocab,
+                                     masked_reference(w_, tokens, pos + 1, KvDtype::kF32, vis,
+                                                      /*rotate_by_slot=*/false)),
+                      kLogitTol)
+                << where << " position " << pos;
+          }
+          const int64_t slack_eff = slack > 0 ? slack : p;
+          for (int gi = 0; gi < seq.n_groups(); ++gi) {
+            if ((*pool)->group(gi).window > 0) continue;
+            if (b >= n_prompt) {
+              EXPECT_LE(seq.group(gi).length(), budget + rc.window + slack_eff)
+                  << where << " group " << gi << " at " << b;
+            }
+          }
+          b += n;
+        }
+        if (budget >= n_prompt + n_decode) {
+          EXPECT_TRUE(all_equal) << where << ": a budget covering the sequence changed bits";
+          EXPECT_FALSE(seq.compacted()) << where;
+        } else {
+          EXPECT_TRUE(seq.compacted()) << where;
+          EXPECT_GT(seq.retention_stats().n_blocks_freed, 0) << where;
+        }
+        seq.release();
+        exact.release();
+        EXPECT_EQ((*pool)->n_free(), (*pool)->n_blocks()) << where;
+      }
+    }
+  }
+}
+
 CacheIdentity test_identity() {
   CacheIdentity id;
   id.weights_digest = Hash128{7, 8};

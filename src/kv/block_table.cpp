@@ -22,6 +22,7 @@ BlockTable::BlockTable(BlockTable&& other) noexcept
       retention_stats_(other.retention_stats_),
       obs_(std::move(other.obs_)),
       obs_shape_(other.obs_shape_),
+      mass_(std::move(other.mass_)),
       groups_(std::move(other.groups_)) {
   // The vector's buffer moved: the group tables keep their addresses (and
   // registrations). The moved-from table stays usable and empty.
@@ -36,6 +37,7 @@ BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
   retention_stats_ = other.retention_stats_;
   obs_ = std::move(other.obs_);
   obs_shape_ = other.obs_shape_;
+  mass_ = std::move(other.mass_);
   groups_ = std::move(other.groups_);
   other.make_groups();
   return *this;
@@ -58,24 +60,52 @@ Status BlockTable::set_retention(const RetentionConfig& config) {
     KV_TRY_STATUS(retention_supported(pool_->layout()));
   }
   retention_ = config;
+  mass_.clear();
+  if (config.is_h2o()) mass_.resize(groups_.size());
   return Status{};
 }
 
+void BlockTable::trim_mass() {
+  for (size_t g = 0; g < mass_.size(); ++g) {
+    mass_[g].resize(static_cast<size_t>(groups_[g].length()), 0.0f);
+  }
+}
+
+float* BlockTable::key_mass(int l, int64_t n_keys) {
+  KV_CHECK(wants_mass() && mass_.size() == groups_.size(), "key_mass: the table is not h2o");
+  std::vector<float>& m = mass_[static_cast<size_t>(pool_->groups().slot(l).group)];
+  if (static_cast<int64_t>(m.size()) < n_keys) m.resize(static_cast<size_t>(n_keys), 0.0f);
+  return m.data();
+}
+
+std::span<const float> BlockTable::group_mass(int g) const {
+  if (static_cast<size_t>(g) >= mass_.size()) return {};
+  return mass_[static_cast<size_t>(g)];
+}
+
 int64_t BlockTable::apply_retention() {
-  if (retention_.policy != RetentionPolicy::kStreamingLlm) return 0;
+  const bool h2o = retention_.is_h2o();
+  if (retention_.policy != RetentionPolicy::kStreamingLlm && !h2o) return 0;
   const int64_t length = this->length();
   const int64_t slack = retention_.slack > 0 ? retention_.slack : pool_->block_size();
+  if (h2o) trim_mass();
   int64_t n_freed = 0;
   std::vector<int32_t> identity;
-  for (GroupTable& g : groups_) {
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    GroupTable& g = groups_[gi];
     if (pool_->group(g.group()).window > 0) continue;  // windows are exact and bounded
-    std::span<const int32_t> positions = g.positions();
-    if (!g.compacted()) {
-      identity.resize(static_cast<size_t>(g.length()));
-      for (size_t i = 0; i < identity.size(); ++i) identity[i] = static_cast<int32_t>(i);
-      positions = identity;
+    std::vector<int64_t> keep;
+    if (h2o) {
+      keep = h2o_keep_slots(retention_, mass_[gi]);
+    } else {
+      std::span<const int32_t> positions = g.positions();
+      if (!g.compacted()) {
+        identity.resize(static_cast<size_t>(g.length()));
+        for (size_t i = 0; i < identity.size(); ++i) identity[i] = static_cast<int32_t>(i);
+        positions = identity;
+      }
+      keep = retention_keep_slots(retention_, positions, length);
     }
-    const std::vector<int64_t> keep = retention_keep_slots(retention_, positions, length);
     if (g.length() - static_cast<int64_t>(keep.size()) < slack) continue;
     const int64_t before = retention_stats_.n_blocks_freed;
     const Status st = g.compact(keep, &retention_stats_);
@@ -84,6 +114,11 @@ int64_t BlockTable::apply_retention() {
       ++retention_stats_.n_deferred;
       ++pool_->retention_.n_deferred;
       continue;
+    }
+    if (h2o) {  // survivors carry their mass to their new slots
+      std::vector<float>& m = mass_[gi];
+      for (size_t i = 0; i < keep.size(); ++i) m[i] = m[static_cast<size_t>(keep[i])];
+      m.resize(keep.size());
     }
     n_freed += retention_stats_.n_blocks_freed - before;
   }
@@ -121,13 +156,16 @@ bool BlockTable::tail_shared() const {
 int64_t BlockTable::drop_invisible() {
   int64_t n = 0;
   for (GroupTable& g : groups_) n += g.drop_invisible();
-  if (retention_.active()) n += apply_retention();
+  // h2o compacts before one-token steps only (prepare_step).
+  if (retention_.active() && !retention_.is_h2o()) n += apply_retention();
   return n;
 }
 
 int64_t BlockTable::prepare_step(int64_t n_new) {
   int64_t n = drop_invisible();
+  if (retention_.is_h2o()) trim_mass();
   if (n_new == 1 && !obs_.empty()) n += apply_snapkv();
+  if (n_new == 1 && retention_.is_h2o()) n += apply_retention();
   return n;
 }
 
@@ -174,6 +212,7 @@ void BlockTable::release() {
   for (GroupTable& g : groups_) g.release();
   retention_stats_ = RetentionStats{};
   obs_.clear();
+  for (std::vector<float>& m : mass_) m.clear();
 }
 
 BlockRef BlockTable::share_block(int64_t i) const {
@@ -197,6 +236,8 @@ BlockTable BlockTable::fork() const {
   t.retention_ = retention_;
   t.obs_ = obs_;  // a fork before the first decode step still applies SnapKV
   t.obs_shape_ = obs_shape_;
+  t.mass_ = mass_;
+  t.trim_mass();
   return t;
 }
 
@@ -219,6 +260,8 @@ Result<BlockTable> BlockTable::clone_private() const {
     t.groups_[g] = std::move(*c);
   }
   t.retention_ = retention_;
+  t.mass_ = mass_;
+  t.trim_mass();
   return t;
 }
 

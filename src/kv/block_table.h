@@ -107,10 +107,21 @@ class BlockTable {
     int head_dim = 0;
     float scale = 0.0f;  // multiplies q.k before the softmax
   };
-  bool wants_queries() const { return retention_.selects_at_prefill_end(); }
+  bool wants_queries() const { return retention_.observed_rows() > 0; }
   void observe_queries(int l, int64_t pos, const float* q, int64_t n_tokens,
                        const QueryShape& shape);
   int64_t apply_snapkv();
+
+  // H2O (retention.h): accumulated attention mass per resident slot of each
+  // KV group. The forward pass hands key_mass(l, n) to the decode kernel
+  // (AttnSeq::key_mass) for layer l's n keys: [n] floats of l's group, new
+  // slots 0, valid until the next table call. At the end of a prefill
+  // apply_snapkv() adds the prompt's last `obs` queries' attention; before
+  // each one-token step apply_retention() keeps h2o_keep_slots() and
+  // compacts, carrying each survivor's mass along. Empty when not h2o.
+  bool wants_mass() const { return retention_.is_h2o(); }
+  float* key_mass(int l, int64_t n_keys);
+  std::span<const float> group_mass(int g) const;
 
   // The primary group's table (all layers for a single-group model).
   int64_t n_blocks() const { return groups_[0].n_blocks(); }
@@ -138,7 +149,8 @@ class BlockTable {
   // released.
   int64_t drop_invisible();
   // What reserve(n_new) / reserve_all do first: drop_invisible(), and
-  // apply_snapkv() when n_new == 1. Returns the blocks released.
+  // apply_snapkv() when n_new == 1 (then h2o's apply_retention()). Returns
+  // the blocks released.
   int64_t prepare_step(int64_t n_new);
 
   // drop_invisible(), then capacity() >= length() + n_new in every group
@@ -183,6 +195,11 @@ class BlockTable {
   };
   std::vector<ObservedQueries> obs_;  // [n_layers] while rows are held, else empty
   QueryShape obs_shape_;
+  // H2O: [n_groups][>= committed resident slots] accumulated mass (empty
+  // vectors when not h2o); entries past a group's length() are stale
+  // (rolled back) and cut by prepare_step().
+  std::vector<std::vector<float>> mass_;
+  void trim_mass();
   std::vector<GroupTable> groups_;  // [n_groups]; never reallocated (tables register by address)
 };
 

@@ -20,9 +20,19 @@ Status validate_retention(const RetentionConfig& c) {
   }
   if (c.window < 1) {
     return bad("window=" + std::to_string(c.window) +
-               (c.selects_at_prefill_end()
-                    ? " must be >= 1 (the observation window)"
+               (c.selects_at_prefill_end() ? " must be >= 1 (the observation window)"
+                : c.is_h2o()
+                    ? " must be >= 1 (the recent tokens kept)"
                     : " must be >= 1 (the recent tokens each query sees, itself included)"));
+  }
+  if (c.is_h2o()) {
+    if (c.budget < 1) return bad("budget=" + std::to_string(c.budget) + " must be >= 1");
+    if (c.slack < 0) {
+      return bad("slack=" + std::to_string(c.slack) + " must be >= 1 (or 0 for the block size)");
+    }
+    if (c.obs < 0 || c.obs > kMax) {
+      return bad("obs=" + std::to_string(c.obs) + " must be in [0, " + std::to_string(kMax) + "]");
+    }
   }
   if (c.policy == RetentionPolicy::kStreamingLlm) {
     if (c.sinks < 0) return bad("sinks=" + std::to_string(c.sinks) + " must be >= 0");
@@ -63,11 +73,15 @@ Result<RetentionConfig> parse_retention(std::string_view spec) {
     c.policy = RetentionPolicy::kPyramidKv;
     c.window = 32;
     known = "budget, beta, window, kernel, gqa";
+  } else if (name == "h2o") {
+    c.policy = RetentionPolicy::kH2o;
+    known = "budget, window, slack, obs";
   } else {
     return bad("unknown policy '" + std::string(name) +
-               "' (known: none, streamingllm, snapkv, pyramidkv)");
+               "' (known: none, streamingllm, snapkv, pyramidkv, h2o)");
   }
   const bool snap = c.selects_at_prefill_end();
+  const bool h2o = c.is_h2o();
   bool have_window = false, have_budget = false;
   size_t at = 0;
   while (at < params.size()) {
@@ -98,11 +112,13 @@ Result<RetentionConfig> parse_retention(std::string_view spec) {
     if (key == "window") {
       field = &c.window;
       have_window = true;
-    } else if (!snap && key == "sinks") {
+    } else if (!snap && !h2o && key == "sinks") {
       field = &c.sinks;
     } else if (!snap && key == "slack") {
       field = &c.slack;
-    } else if (snap && key == "budget") {
+    } else if (h2o && key == "obs") {
+      field = &c.obs;
+    } else if ((snap || h2o) && key == "budget") {
       field = &c.budget;
       have_budget = true;
     } else if (snap && key == "kernel") {
@@ -119,7 +135,12 @@ Result<RetentionConfig> parse_retention(std::string_view spec) {
     if (key == "slack" && x < 1) return bad("slack=" + std::to_string(x) + " must be >= 1");
     *field = x;
   }
-  if (!snap && !have_window) {
+  if (h2o && (!have_window || !have_budget)) {
+    return bad(
+        "h2o needs budget=N (heavy hitters) and window=N (recent tokens), e.g. "
+        "h2o:budget=512,window=512");
+  }
+  if (!snap && !h2o && !have_window) {
     return bad("streamingllm needs window=N (e.g. streamingllm:sinks=4,window=1024)");
   }
   if (snap && !have_budget) {
@@ -141,6 +162,10 @@ std::string retention_name(const RetentionConfig& c) {
       return "snapkv:budget=" + std::to_string(c.budget) + ",window=" + std::to_string(c.window) +
              ",kernel=" + std::to_string(c.kernel) +
              ",gqa=" + (c.gqa == GqaRule::kMean ? "mean" : "union");
+    case RetentionPolicy::kH2o:
+      return "h2o:budget=" + std::to_string(c.budget) + ",window=" + std::to_string(c.window) +
+             (c.slack > 0 ? ",slack=" + std::to_string(c.slack) : std::string()) +
+             ",obs=" + std::to_string(c.obs);
     case RetentionPolicy::kPyramidKv:
       return "pyramidkv:budget=" + std::to_string(c.budget) + ",beta=" + std::to_string(c.beta) +
              ",window=" + std::to_string(c.window) + ",kernel=" + std::to_string(c.kernel) +
@@ -189,6 +214,29 @@ std::vector<int64_t> retention_keep_slots(const RetentionConfig& c,
     const int64_t p = positions[static_cast<size_t>(i)];
     if (p < c.sinks || p >= recent) keep.push_back(i);
   }
+  return keep;
+}
+
+std::vector<int64_t> h2o_keep_slots(const RetentionConfig& c, std::span<const float> mass) {
+  KV_CHECK(c.is_h2o(), "h2o_keep_slots: not an h2o config");
+  const auto n = static_cast<int64_t>(mass.size());
+  std::vector<int64_t> keep;
+  if (n <= c.budget + c.window) {
+    keep.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) keep[static_cast<size_t>(i)] = i;
+    return keep;
+  }
+  const int64_t n_old = n - c.window;  // > budget
+  keep.resize(static_cast<size_t>(n_old));
+  for (int64_t i = 0; i < n_old; ++i) keep[static_cast<size_t>(i)] = i;
+  std::nth_element(keep.begin(), keep.begin() + c.budget, keep.end(), [&](int64_t a, int64_t b) {
+    const float ma = mass[static_cast<size_t>(a)];
+    const float mb = mass[static_cast<size_t>(b)];
+    return ma != mb ? ma > mb : a < b;
+  });
+  keep.resize(static_cast<size_t>(c.budget));
+  std::sort(keep.begin(), keep.end());
+  for (int64_t i = n_old; i < n; ++i) keep.push_back(i);
   return keep;
 }
 
