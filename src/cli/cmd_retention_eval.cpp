@@ -434,10 +434,13 @@ int run_retention_eval(const std::vector<std::string>& argv) {
       if (w == 0 && r.kind != RetentionPolicy::kNone) {
         r.example = retention_name(policy_config(r.kind, r.budget.resolve(*ctx)));
       }
+      // One start per row (streamingllm prefills here); the greedy run
+      // decodes from a fork of it taken before any decode step.
+      auto t = start_row(c, r, base, base_first, prompt, &first);
+      if (!t) return fail("retention-eval", t.error().message);
+      BlockTable tg = t->fork();
       // Teacher-forced scoring by decode steps.
       {
-        auto t = start_row(c, r, base, base_first, prompt, &first);
-        if (!t) return fail("retention-eval", t.error().message);
         std::vector<float> row_logits;
         const auto t0 = Clock::now();
         for (int64_t j = 0; j < *n_score; ++j) {
@@ -452,6 +455,7 @@ int run_retention_eval(const std::vector<std::string>& argv) {
         r.decode_steps += *n_score;
         r.resident_bytes += static_cast<double>(t->n_resident_blocks() * e.pool().block_bytes());
         r.resident_tokens += static_cast<double>(resident_tokens_mean(*t));
+        t->release();
         if (ri == 0) full_rows = row_logits;
         for (int64_t j = 0; j + 1 < *n_score; ++j) {
           const float* rf = full_rows.data() + j * c.n_vocab;
@@ -471,9 +475,7 @@ int run_retention_eval(const std::vector<std::string>& argv) {
       }
       // Greedy continuation after the prompt.
       {
-        auto t = start_row(c, r, base, base_first, prompt, &first);
-        if (!t) return fail("retention-eval", t.error().message);
-        auto g = greedy_from(c, *t, first, static_cast<int>(*n_gen));
+        auto g = greedy_from(c, tg, first, static_cast<int>(*n_gen));
         if (!g) return fail("retention-eval", g.error().message);
         if (ri == 0) full_greedy = *g;
         for (size_t i = 0; i < g->size(); ++i) r.greedy_same += (*g)[i] == full_greedy[i] ? 1 : 0;
