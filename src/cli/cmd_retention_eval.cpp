@@ -22,7 +22,8 @@
 // Budget B -> policy parameters: streamingllm sinks=4, window=B-4;
 // snapkv / pyramidkv budget=B-32, window=32, kernel 7, gqa=mean (PyramidKV:
 // B-32 is the mean per layer, beta 20); h2o budget=B/2 heavy hitters,
-// window=B-B/2 recent, obs=32. Compacting policies keep up to slack - 1
+// window=B-B/2 recent, obs=32; topk (reads, not memory) k=ceil(B/P) blocks
+// per decode query. Compacting policies keep up to slack - 1
 // (the block size) more between compactions and SnapKV keeps the union of
 // a layer's KV heads, so "kept" reports what stayed.
 //
@@ -143,7 +144,7 @@ Result<std::vector<double>> parse_fractions(const std::string& list) {
 }
 
 // The policy's parameters for a budget of B prompt tokens (see the header).
-RetentionConfig policy_config(RetentionPolicy policy, int64_t b) {
+RetentionConfig policy_config(RetentionPolicy policy, int64_t b, int64_t block_size) {
   RetentionConfig c;
   c.policy = policy;
   switch (policy) {
@@ -158,6 +159,9 @@ RetentionConfig policy_config(RetentionPolicy policy, int64_t b) {
       c.window = kObs;
       c.budget = std::max<int64_t>(1, b - kObs);
       c.gqa = GqaRule::kMean;
+      break;
+    case RetentionPolicy::kTopK:  // reads, not memory: ceil(B / P) blocks per query
+      c.topk = std::max<int64_t>(1, (b + block_size - 1) / block_size);
       break;
     case RetentionPolicy::kH2o:
       c.budget = std::max<int64_t>(1, b / 2);
@@ -203,7 +207,8 @@ Result<BlockTable> start_row(Ctx& c, const Row& r, const BlockTable& base,
   const RetentionConfig rc =
       r.kind == RetentionPolicy::kNone
           ? RetentionConfig{}
-          : policy_config(r.kind, r.budget.resolve(static_cast<int64_t>(prompt.size())));
+          : policy_config(r.kind, r.budget.resolve(static_cast<int64_t>(prompt.size())),
+                          c.engine->pool().block_size());
   if (r.kind == RetentionPolicy::kStreamingLlm) {
     BlockTable t = c.engine->new_table();
     KV_TRY_STATUS(t.set_retention(rc));
@@ -308,7 +313,8 @@ int run_retention_eval(const std::vector<std::string>& argv) {
             "tokens, decode tokens/s; and passkey retrieval (a 5-digit key at each "
             "--passkey-depths fraction of filler text of each --passkey-lengths tokens, "
             "answered by 8 greedy tokens). Budget B maps to streamingllm:sinks=4,window=B-4; "
-            "snapkv/pyramidkv:budget=B-32,window=32,gqa=mean; h2o:budget=B/2,window=B-B/2. "
+            "snapkv/pyramidkv:budget=B-32,window=32,gqa=mean; h2o:budget=B/2,window=B-B/2; "
+            "topk:k=ceil(B/P) (reads only: nothing is dropped). "
             "The full cache is the first row. --kv-retention is not used (the policies are "
             "the rows).",
             specs)
@@ -358,10 +364,11 @@ int run_retention_eval(const std::vector<std::string>& argv) {
   for (const std::string& name : *policy_names) {
     auto parsed = parse_retention(name == "streamingllm" ? name + ":window=8"
                                   : name == "h2o"        ? name + ":budget=8,window=8"
+                                  : name == "topk"       ? name + ":k=1"
                                                          : name + ":budget=8");
     if (!parsed || !parsed->active()) {
       return fail("retention-eval", "--policies: unknown policy '" + name +
-                                        "' (known: streamingllm, snapkv, pyramidkv, h2o)");
+                                        "' (known: streamingllm, snapkv, pyramidkv, h2o, topk)");
     }
     for (const Budget& b : *budgets) {
       Row r;
@@ -432,7 +439,8 @@ int run_retention_eval(const std::vector<std::string>& argv) {
                                   ri + 1, rows.size()));
       }
       if (w == 0 && r.kind != RetentionPolicy::kNone) {
-        r.example = retention_name(policy_config(r.kind, r.budget.resolve(*ctx)));
+        r.example =
+            retention_name(policy_config(r.kind, r.budget.resolve(*ctx), e.pool().block_size()));
       }
       // One start per row (streamingllm prefills here); the greedy run
       // decodes from a fork of it taken before any decode step.

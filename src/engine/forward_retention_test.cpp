@@ -10,6 +10,7 @@
 // leaks nothing.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <set>
@@ -363,6 +364,81 @@ TEST_P(Retention, H2oEqualsMaskedRecomputationAndStaysWithinBudget) {
         EXPECT_EQ((*pool)->n_free(), (*pool)->n_blocks()) << where;
       }
     }
+  }
+}
+
+// Per-query top-k reads (Quest): with k covering every block the logits
+// are the exact cache's bits; with a small k each decode row equals the
+// float64 recomputation that masks every key outside the blocks it read
+// (its own block plus the chosen full blocks), nothing is dropped, and the
+// counters report the blocks read.
+TEST_P(Retention, TopKReadsEqualMaskedRecomputationAndCoveringIsExact) {
+  const SyntheticSpec& spec = GetParam().spec;
+  std::mt19937 rng(spec.seed + 19);
+  std::uniform_int_distribution<int32_t> tok(0, spec.n_vocab - 1);
+  const int n_prompt = 18, n_decode = 24, p = 4;
+  std::vector<int32_t> tokens(n_prompt + n_decode);
+  for (auto& t : tokens) t = tok(rng);
+  for (int64_t k : {int64_t{3}, int64_t{100}}) {
+    const std::string where = "k " + std::to_string(k);
+    auto pool =
+        BlockPool::create(testing::window_layout(spec, KvDtype::kF32, p), {.n_tokens = 512});
+    ASSERT_TRUE(pool.ok());
+    BlockTable seq(**pool), exact(**pool);
+    ASSERT_TRUE(seq.set_retention({.policy = RetentionPolicy::kTopK, .topk = k}).ok());
+    std::vector<float> logits, exact_logits;
+    bool all_equal = true;
+    Visibility vis;
+    vis.seen.resize(static_cast<size_t>(spec.n_layers));
+    for (int b = 0; b < n_prompt + n_decode;) {
+      const int n = b < n_prompt ? std::min(8, n_prompt - b) : 1;
+      const std::span<const int32_t> chunk(tokens.data() + b, n);
+      const StepSeq s{.table = &seq, .tokens = chunk, .logits = LogitsMode::kAll};
+      const StepSeq se{.table = &exact, .tokens = chunk, .logits = LogitsMode::kAll};
+      ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&s, 1), &logits).ok()) << where;
+      ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&se, 1), &exact_logits).ok()) << where;
+      all_equal &=
+          std::memcmp(logits.data(), exact_logits.data(), logits.size() * sizeof(float)) == 0;
+      // What each row read, per layer: everything (prompt rows, window
+      // layers, k covering the blocks) or the chosen full blocks + its own.
+      for (int l = 0; l < spec.n_layers; ++l) {
+        for (int r = 0; r < n; ++r) {
+          const int pos = b + r;
+          std::set<int> mine;
+          const std::vector<int64_t>& choice = seq.topk_choice(l);
+          const bool all =
+              n > 1 || choice.empty() || (*pool)->group((*pool)->groups().slot(l).group).window > 0;
+          for (int j = 0; j <= pos; ++j) {
+            const bool own = j / p == pos / p;
+            if (all || own || std::count(choice.begin(), choice.end(), j / p) > 0) mine.insert(j);
+          }
+          vis.seen[static_cast<size_t>(l)].push_back(std::move(mine));
+        }
+      }
+      for (int r = 0; r < n; ++r) vis.slot_at_write.push_back(b + r);
+      for (int r = 0; r < n; ++r) {
+        const int pos = b + r;
+        ASSERT_LT(logits_rel_err(logits.data() + static_cast<size_t>(r) * spec.n_vocab,
+                                 masked_reference(w_, tokens, pos + 1, KvDtype::kF32, vis,
+                                                  /*rotate_by_slot=*/false)),
+                  kLogitTol)
+            << where << " position " << pos;
+      }
+      b += n;
+    }
+    EXPECT_FALSE(seq.compacted());
+    EXPECT_EQ(seq.group(0).length(), n_prompt + n_decode);
+    const RetentionStats& rs = seq.retention_stats();
+    EXPECT_GT(rs.n_topk_blocks_total, 0);
+    if (k >= 100) {
+      EXPECT_TRUE(all_equal) << "k covering every block changed bits";
+      EXPECT_EQ(rs.n_topk_blocks_read, rs.n_topk_blocks_total);
+    } else {
+      EXPECT_LT(rs.n_topk_blocks_read, rs.n_topk_blocks_total);
+    }
+    seq.release();
+    exact.release();
+    EXPECT_EQ((*pool)->n_free(), (*pool)->n_blocks());
   }
 }
 

@@ -120,6 +120,19 @@ class BlockTable {
   // each one-token step apply_retention() keeps h2o_keep_slots() and
   // compacts, carrying each survivor's mass along. Empty when not h2o.
   bool wants_mass() const { return retention_.is_h2o(); }
+
+  // topk (retention.h): per model layer and logical block, each KV head's
+  // per-channel minimum and maximum of the stored keys ([n_kv][2][d]
+  // floats per block), as decoded from the pool: write() refreshes the
+  // blocks it touches, key_summary() rebuilds blocks this table did not
+  // write (a prefix hit, a copy-on-write copy). key_summary(l, n) covers
+  // full blocks [0, n) of layer l. Empty unless topk.
+  bool topk_reads() const { return retention_.is_topk(); }
+  std::span<const float> key_summary(int l, int64_t n_blocks);
+  // Counts one decode query's blocks read / present in one layer.
+  void count_topk_reads(int64_t n_read, int64_t n_total);
+  // The full blocks layer l's last top-k read chose (empty: read all).
+  std::vector<int64_t>& topk_choice(int l);
   float* key_mass(int l, int64_t n_keys);
   std::span<const float> group_mass(int g) const;
 
@@ -200,6 +213,15 @@ class BlockTable {
   // (rolled back) and cut by prepare_step().
   std::vector<std::vector<float>> mass_;
   void trim_mass();
+  // topk: [n_layers] key summaries (see key_summary()).
+  struct KeySummary {
+    std::vector<float> mm;      // [n_blocks][n_kv][2][d]
+    std::vector<int32_t> id;    // [n_blocks] block id summarized (-1: none)
+    std::vector<int32_t> n;     // [n_blocks] slots summarized
+    std::vector<int64_t> last;  // the last top-k choice
+  };
+  std::vector<KeySummary> summ_;
+  void summarize(int l, int64_t b, int64_t n_valid);
   std::vector<GroupTable> groups_;  // [n_groups]; never reallocated (tables register by address)
 };
 

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -564,6 +565,83 @@ TEST(Compaction, H2oCarriesMassAndPositions) {
   pool->check_invariants();
   t.release();
   EXPECT_EQ(pool->n_free(), pool->n_blocks());
+}
+
+// Quest's block choice: the bound is an upper bound of every q.k in the
+// block (for every q head), and the chosen blocks are the k of highest
+// bound (ties: the earlier block), ascending.
+TEST(RetentionSelect, TopKBlocksBoundAndChoice) {
+  auto c = parse_retention("topk:k=4");
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  EXPECT_TRUE(c->is_topk());
+  EXPECT_EQ(c->topk, 4);
+  EXPECT_EQ(retention_name(*c), "topk:k=4");
+  for (const char* bad : {"topk", "topk:k=0", "topk:k=x", "topk:n=3", "topk:k=2,window=3"}) {
+    EXPECT_FALSE(parse_retention(bad).ok()) << bad;
+  }
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  const int n_q = 6, n_kv = 2, d = 8, P = 4, g = n_q / n_kv;
+  for (int trial = 0; trial < 50; ++trial) {
+    const int64_t n_full = 1 + static_cast<int64_t>(rng() % 12);
+    const int64_t k = 1 + static_cast<int64_t>(rng() % 14);
+    std::vector<float> keys(static_cast<size_t>(n_full * P * n_kv * d)), q(n_q * d);
+    for (float& x : keys) x = trial % 5 == 0 ? static_cast<float>(rng() % 3) : nd(rng);
+    for (float& x : q) x = nd(rng);
+    std::vector<float> summ(static_cast<size_t>(n_full * n_kv * 2 * d));
+    for (int64_t b = 0; b < n_full; ++b) {
+      for (int h = 0; h < n_kv; ++h) {
+        for (int ch = 0; ch < d; ++ch) {
+          float mn = INFINITY, mx = -INFINITY;
+          for (int t = 0; t < P; ++t) {
+            const float x = keys[static_cast<size_t>(((b * P + t) * n_kv + h) * d + ch)];
+            mn = std::min(mn, x);
+            mx = std::max(mx, x);
+          }
+          summ[static_cast<size_t>(((b * n_kv + h) * 2) * d + ch)] = mn;
+          summ[static_cast<size_t>(((b * n_kv + h) * 2 + 1) * d + ch)] = mx;
+        }
+      }
+    }
+    // Reference bound per block and the choice by rank.
+    std::vector<double> ub(static_cast<size_t>(n_full));
+    for (int64_t b = 0; b < n_full; ++b) {
+      double best = -INFINITY;
+      for (int h = 0; h < n_q; ++h) {
+        double bound = 0;
+        for (int ch = 0; ch < d; ++ch) {
+          const double qc = q[static_cast<size_t>(h * d + ch)];
+          bound += std::max(qc * summ[static_cast<size_t>(((b * n_kv + h / g) * 2) * d + ch)],
+                            qc * summ[static_cast<size_t>(((b * n_kv + h / g) * 2 + 1) * d + ch)]);
+        }
+        best = std::max(best, bound);
+        for (int t = 0; t < P; ++t) {  // the bound bounds every key of the block
+          double dot = 0;
+          for (int ch = 0; ch < d; ++ch) {
+            dot += double{q[static_cast<size_t>(h * d + ch)]} *
+                   keys[static_cast<size_t>(((b * P + t) * n_kv + h / g) * d + ch)];
+          }
+          EXPECT_LE(dot, bound + 1e-4);
+        }
+      }
+      ub[static_cast<size_t>(b)] = best;
+    }
+    const std::vector<int64_t> got = topk_blocks(q, n_q, n_kv, d, summ, n_full, k);
+    std::vector<int64_t> want;
+    for (int64_t b = 0; b < n_full; ++b) {
+      int64_t before = 0;
+      for (int64_t o = 0; o < n_full; ++o) {
+        // float sums: compare with the tolerance of their rounding
+        const bool higher = ub[static_cast<size_t>(o)] > ub[static_cast<size_t>(b)] + 1e-4;
+        const bool tie = std::abs(ub[static_cast<size_t>(o)] - ub[static_cast<size_t>(b)]) <= 1e-4;
+        before += (higher || (tie && o < b)) ? 1 : 0;
+      }
+      if (before < k) want.push_back(b);
+    }
+    EXPECT_EQ(got, want) << "trial " << trial;
+    EXPECT_EQ(static_cast<int64_t>(got.size()), std::min(n_full, k));
+    EXPECT_TRUE(std::is_sorted(got.begin(), got.end()));
+  }
 }
 
 TEST(Compaction, UnsupportedFormatsAreRefused) {

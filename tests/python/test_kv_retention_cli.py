@@ -116,7 +116,26 @@ def test_h2o_compacts_while_decoding_and_a_covering_budget_is_exact(runs):
     assert wide["kv_stats"]["retention"]["compactions"] == 0
 
 
+def test_topk_reads_fewer_blocks_and_covering_k_is_exact(runs):
+    exact = runs[0]
+    res, _ = run_json("--no-prefix-cache", "--kv-retention", "topk:k=3")
+    r = res["kv_stats"]["retention"]
+    g = res["kv_stats"]["groups"][0]
+    n_logical = res["prompt_tokens"] + res["completion_tokens"] - 1
+    # Nothing dropped: the full history stays; decode queries read 3 blocks
+    # per layer of the up to ceil(n / 16) there are.
+    assert r["compactions"] == 0 and g["tokens_resident"] == n_logical
+    assert 0 < r["topk_blocks_read"] < r["topk_blocks_total"]
+    assert r["topk_blocks_read"] <= 3 * 30 * res["completion_tokens"]
+    wide, _ = run_json("--no-prefix-cache", "--kv-retention", "topk:k=1000")
+    assert wide["tokens"] == exact["tokens"]
+    wr = wide["kv_stats"]["retention"]
+    assert wr["topk_blocks_read"] == wr["topk_blocks_total"] > 0
+
+
 @pytest.mark.parametrize("spec,msg", [
+    ("topk:k=0", "k=0 must be in [1,"),
+    ("topk", "topk takes one parameter, k=N"),
     ("h2o:budget=8", "h2o needs budget=N (heavy hitters) and window=N"),
     ("h2o:budget=8,window=8,kernel=3", "unknown h2o parameter 'kernel'"),
     ("lru:budget=3", "unknown policy 'lru'"),
@@ -165,7 +184,8 @@ def test_server_request_field_default_stats_and_metrics():
         for field in ({"policy": "streamingllm", "sinks": 2, "window": 16, "slack": 4},
                       "streamingllm:sinks=2,window=16",
                       {"policy": "snapkv", "budget": 16, "window": 8, "gqa": "mean"},
-                      {"policy": "h2o", "budget": 16, "window": 16, "obs": 8}):
+                      {"policy": "h2o", "budget": 16, "window": 16, "obs": 8},
+                      {"policy": "topk", "k": 2}):
             r = requests.post(srv.base + "/v1/chat/completions",
                               json={"messages": [{"role": "user", "content": PROMPT}],
                                     "max_tokens": 60, "temperature": 0, "kv_retention": field},
