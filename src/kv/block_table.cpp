@@ -168,6 +168,12 @@ int64_t BlockTable::apply_retention() {
     if (pool_->group(g.group()).window > 0) continue;  // windows are exact and bounded
     std::vector<int64_t> keep;
     if (h2o) {
+      // MLA groups get no mass (their attention is another kernel): kept whole.
+      bool standard = true;
+      for (int i = 0; i < g.layout().n_layers(); ++i) {
+        standard = standard && g.layout().layer(i).kind == KvLayerKind::kStandard;
+      }
+      if (!standard) continue;
       keep = h2o_keep_slots(retention_, mass_[gi]);
     } else {
       std::span<const int32_t> positions = g.positions();
@@ -269,7 +275,8 @@ void BlockTable::write(int l, int64_t pos, const float* k_rows, const float* v_r
   GroupTable& g = groups_[static_cast<size_t>(s.group)];
   g.write(s.index, pos - g.n_evicted(), k_rows, v_rows, n_tokens);
   // topk: refresh the touched blocks' key bounds (full-attention layers).
-  if (!summ_.empty() && n_tokens > 0 && pool_->group(s.group).window == 0) {
+  if (!summ_.empty() && n_tokens > 0 && pool_->group(s.group).window == 0 &&
+      pool_->layout().layer(l).kind == KvLayerKind::kStandard) {
     const int64_t P = pool_->block_size();
     for (int64_t b = pos / P; b <= (pos + n_tokens - 1) / P; ++b) {
       summarize(l, b, std::min(P, pos + n_tokens - b * P));
