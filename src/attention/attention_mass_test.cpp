@@ -81,7 +81,7 @@ std::vector<double> reference_mass(const MassWorld& s, bool round_query) {
   std::vector<float> gscale(static_cast<size_t>(d / kQueryGroup + 1));
   for (int h = 0; h < n_q; ++h) {
     std::vector<double> qd(static_cast<size_t>(d));
-    for (int i = 0; i < d; ++i) qs[i] = s.q[static_cast<size_t>(h * d + i)] * s.p.scale;
+    for (int i = 0; i < d; ++i) qs[i] = s.q[static_cast<size_t>(h) * d + i] * s.p.scale;
     if (round_query) {
       round_query_int8(qs.data(), d, codes.data(), gscale.data());
       for (int i = 0; i < d; ++i) qd[i] = double{gscale[i / kQueryGroup]} * codes[i];
@@ -232,7 +232,8 @@ TEST(AttentionMass, RefusesPrefillRowsAndWindows) {
 TEST(H2oDecode, SelectionMatchesFloat64PaperSimulation) {
   ThreadPool threads(2);
   int n_compared = 0, n_ambiguous = 0;
-  for (const auto& [n_q, n_kv] : {std::pair{6, 2}, std::pair{4, 4}}) {
+  for (const auto& heads : {std::pair{6, 2}, std::pair{4, 4}}) {
+    const int n_q = heads.first, n_kv = heads.second;
     for (const auto& [budget, window] : {std::pair{6, 4}, std::pair{3, 9}, std::pair{5, 200}}) {
       for (const int obs : {0, 12}) {
         const int d = 32, n_prompt = 12, n_total = 60;
@@ -268,8 +269,9 @@ TEST(H2oDecode, SelectionMatchesFloat64PaperSimulation) {
             for (size_t i = 0; i < keys.size(); ++i) {
               double dot = 0.0;
               for (int c = 0; c < d; ++c) {
-                dot += double{q[static_cast<size_t>(t * q_dim + h * d + c)]} *
-                       k[static_cast<size_t>(keys[i] * kv_dim + (h / g) * d + c)];
+                dot +=
+                    double{q[static_cast<size_t>(t) * q_dim + static_cast<size_t>(h) * d + c]} *
+                    k[static_cast<size_t>(keys[i]) * kv_dim + static_cast<size_t>(h / g) * d + c];
               }
               sc[i] = dot * scale;
               mx = std::max(mx, sc[i]);
