@@ -610,7 +610,7 @@ TEST(RetentionSelect, TopKBlocksBoundAndChoice) {
       for (int h = 0; h < n_q; ++h) {
         double bound = 0;
         for (int ch = 0; ch < d; ++ch) {
-          const double qc = q[static_cast<size_t>(h * d + ch)];
+          const double qc = q[static_cast<size_t>(h) * d + ch];
           bound += std::max(qc * summ[static_cast<size_t>(((b * n_kv + h / g) * 2) * d + ch)],
                             qc * summ[static_cast<size_t>(((b * n_kv + h / g) * 2 + 1) * d + ch)]);
         }
@@ -618,7 +618,7 @@ TEST(RetentionSelect, TopKBlocksBoundAndChoice) {
         for (int t = 0; t < P; ++t) {  // the bound bounds every key of the block
           double dot = 0;
           for (int ch = 0; ch < d; ++ch) {
-            dot += double{q[static_cast<size_t>(h * d + ch)]} *
+            dot += double{q[static_cast<size_t>(h) * d + ch]} *
                    keys[static_cast<size_t>(((b * P + t) * n_kv + h / g) * d + ch)];
           }
           EXPECT_LE(dot, bound + 1e-4);
