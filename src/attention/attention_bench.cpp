@@ -297,6 +297,81 @@ void decode_args(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_DecodeAttention)->Apply(decode_args)->Unit(benchmark::kMicrosecond)->UseManualTime();
 
+// BM_DecodeMass/ctx/shape/fmt/threads: the H2O key-mass output's cost. The
+// same paged step without and with AttnSeq::key_mass, interleaved run by
+// run; the reported time is the plain median, the counter `mass/plain` the
+// ratio of the medians (wall) and `mass/plain_cpu` of process CPU time.
+// Also `budget/exact`: the step over a 1/8 prefix of the keys (the
+// attention of a retention budget of ctx/8, e.g. 1K of 8K) / the full step.
+void BM_DecodeMass(benchmark::State& state) {
+  const int ctx = static_cast<int>(state.range(0));
+  const Shape sh = kShapes[state.range(1)];
+  const KvDtype fmt = kFormats[state.range(2)];
+  ThreadPool pool(static_cast<int>(state.range(3)));
+  KvSetup paged = make_kv(sh, fmt, ctx, true);
+  std::vector<float> q(static_cast<size_t>(sh.n_q_heads) * sh.head_dim);
+  std::vector<float> out(q.size()), mass(static_cast<size_t>(ctx));
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  for (float& x : q) x = nd(rng);
+  const AttnParams p{.n_q_heads = sh.n_q_heads,
+                     .n_kv_heads = sh.n_kv_heads,
+                     .head_dim = sh.head_dim,
+                     .scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim))};
+  auto step = [&](bool with_mass, int n_keys) {
+    std::fill(mass.begin(), mass.end(), 0.0f);
+    const AttnSeq seq{.block_table = paged.table.data(),
+                      .n_blocks = static_cast<int32_t>(paged.table.size()),
+                      .n_past = n_keys - 1,
+                      .n_new = 1,
+                      .q = q.data(),
+                      .out = out.data(),
+                      .key_mass = with_mass ? mass.data() : nullptr};
+    const double c0 = process_cpu_seconds();
+    const auto t0 = Clock::now();
+    const Status st = paged_attention(paged.view, p, std::span<const AttnSeq>(&seq, 1), &pool);
+    Timing tm{std::chrono::duration<double>(Clock::now() - t0).count(), process_cpu_seconds() - c0};
+    benchmark::DoNotOptimize(out.data());
+    benchmark::DoNotOptimize(mass.data());
+    if (!st.ok()) tm.wall = -1.0;
+    return tm;
+  };
+  std::vector<double> t[3][2];  // plain, mass, budget
+  auto add = [&](int which, const Timing& tm) {
+    t[which][0].push_back(tm.wall);
+    t[which][1].push_back(tm.cpu);
+  };
+  for (auto _ : state) {
+    const Timing tp = step(false, ctx);
+    if (tp.wall < 0) {
+      state.SkipWithError("paged_attention failed");
+      break;
+    }
+    state.SetIterationTime(tp.wall);
+    add(0, tp);
+    add(1, step(true, ctx));
+    add(2, step(false, std::max(1, ctx / 8)));
+  }
+  for (int c = 0; c < 2; ++c) {
+    const std::string sfx = c == 0 ? "" : "_cpu";
+    state.counters["mass/plain" + sfx] = median(t[1][c]) / median(t[0][c]);
+    state.counters["budget/exact" + sfx] = median(t[2][c]) / median(t[0][c]);
+  }
+  state.SetLabel(std::string(kv_dtype_name(fmt)) + "/" +
+                 attention_kernel_name(fmt, fmt, sh.head_dim));
+}
+
+void mass_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"ctx", "shape", "fmt", "threads"});
+  for (int threads : {2, 1}) {
+    for (int fmt : {1, 4}) {
+      for (int ctx : {1024, 8192, 32768}) b->Args({ctx, 0, fmt, threads});
+    }
+  }
+}
+
+BENCHMARK(BM_DecodeMass)->Apply(mass_args)->Unit(benchmark::kMicrosecond)->UseManualTime();
+
 }  // namespace
 }  // namespace kvstack
 

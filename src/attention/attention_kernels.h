@@ -74,6 +74,16 @@ struct TileArgs {
   float* part_m = nullptr;
   float* part_l = nullptr;
   float* part_acc = nullptr;  // [n_vec, head_dim]
+  // Key mass (AttnSeq::key_mass; decode tiles only, window 0), or null:
+  // the kernel stores, for vector i and every key t it reads,
+  // mass_p[i * mass_stride + t] = exp(s_it - m) with m its running max after
+  // the chunk holding t, and mass_m[i * mass_m_stride + t / C] = that m,
+  // C = decode_mass_chunk(its path) (chunks start at multiples of C: split-K
+  // pieces start at multiples of 512 and the window is 0).
+  float* mass_p = nullptr;
+  float* mass_m = nullptr;
+  int64_t mass_stride = 0;
+  int64_t mass_m_stride = 0;
 };
 
 // First position visible to a query at position `pos`.
@@ -103,6 +113,17 @@ HeadStream v_stream(const PagedKvLayerView& kv, int h);
 enum class KernelPath : uint8_t { kScalar, kAvx2, kAvx512Vnni };
 // "scalar", "avx2", "avx512-vnni".
 const char* kernel_path_name(KernelPath path);
+
+// Keys per running-max record of a decode kernel's key-mass output
+// (TileArgs::mass_m): its chunk (1 for the scalar kernel, which updates the
+// max per key).
+constexpr int kMassChunkAvx2 = 32;
+constexpr int kMassChunkVnni = 64;
+inline int decode_mass_chunk(KernelPath path) {
+  return path == KernelPath::kAvx2         ? kMassChunkAvx2
+         : path == KernelPath::kAvx512Vnni ? kMassChunkVnni
+                                           : 1;
+}
 
 // The kernels of one call: for decode rows (a sequence with n_new == 1) and
 // for prefill rows (n_new > 1).

@@ -42,6 +42,7 @@ namespace kvstack::attn_detail {
 namespace {
 
 constexpr int kChunk = 32;  // keys per chunk (multiple of 16)
+static_assert(kChunk == kMassChunkAvx2, "key-mass records are per decode chunk");
 // Decode: chunk i + kAhead is prefetched while chunk i is computed (2 and 3
 // measured no faster).
 constexpr int kAhead = 1;
@@ -1085,6 +1086,12 @@ KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
       }
       for (int h = v0; h < v0 + g; ++h) {
         alpha[h] = softmax_update(s + h * kChunk, n, m + h, l + h);
+      }
+      if (a.mass_p != nullptr) {  // H2O key mass: this chunk's p and max
+        for (int h = v0; h < v0 + g; ++h) {
+          std::memcpy(a.mass_p + h * a.mass_stride + c0, s + h * kChunk, sizeof(float) * n);
+          a.mass_m[h * a.mass_m_stride + c0 / kChunk] = m[h];
+        }
       }
       for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
         const int sg = g / n_sub + (sub < g % n_sub ? 1 : 0);

@@ -57,6 +57,7 @@ namespace kvstack::attn_detail {
 namespace {
 
 constexpr int kChunk = 64;  // keys per chunk: four blocks of 16
+static_assert(kChunk == kMassChunkVnni, "key-mass records are per decode chunk");
 constexpr int kVecs = kChunk / 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kMaxSub = 4;  // query vectors per q.K / p.V pass
@@ -729,6 +730,12 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
         h0 += sg;
       }
       for (int h = v0; h < v0 + g; ++h) alpha[h] = softmax_update(s + h * kChunk, n, m + h, l + h);
+      if (a.mass_p != nullptr) {  // H2O key mass: this chunk's p and max
+        for (int h = v0; h < v0 + g; ++h) {
+          std::memcpy(a.mass_p + h * a.mass_stride + c0, s + h * kChunk, sizeof(float) * n);
+          a.mass_m[h * a.mass_m_stride + c0 / kChunk] = m[h];
+        }
+      }
       gather_meta(vm, hh * a.v.meta_head_stride, n, n_vfields, &vmeta);
       for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
         const int big = sub < g % n_sub ? 1 : 0;

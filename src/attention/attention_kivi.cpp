@@ -274,6 +274,9 @@ Status validate_kivi_attention_args(const PagedKvLayerView& kv, const AttnParams
     const AttnSeq& s = seqs[i];
     auto who = [i] { return "sequence " + std::to_string(i) + ": "; };
     if (s.n_past < 0 || s.n_new < 0) return bad(who() + "n_past / n_new negative");
+    if (s.key_mass != nullptr) {
+      return bad(who() + "key_mass (H2O attention mass) is not supported for KIVI K/V");
+    }
     if (s.n_new == 0) continue;
     if (s.q == nullptr || s.out == nullptr) return bad(who() + "q or out is null");
     const int64_t n_tokens = int64_t{s.n_past} + s.n_new;

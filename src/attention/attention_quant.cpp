@@ -141,6 +141,11 @@ Status paged_attention_quant_reference(const PagedKvLayerView& kv, const AttnPar
         }
         float* out = s.out + (int64_t{r} * p.n_q_heads + h) * d;
         for (int i = 0; i < d; ++i) out[i] = static_cast<float>(acc[i] / sum);
+        if (s.key_mass != nullptr) {
+          for (int32_t t = lo; t <= pos; ++t) {
+            s.key_mass[t] += static_cast<float>(std::exp(scores[t - lo] - mx) / sum);
+          }
+        }
       }
     }
   }

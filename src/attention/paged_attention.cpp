@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention/attention_kernels.h"
@@ -59,15 +60,37 @@ struct MergeGroup {
   int64_t first_offset;
 };
 
+// Key-mass buffers of one sequence with AttnSeq::key_mass (offsets into
+// Plan::mass): p [n_q_heads, n_keys] (exp(s - m_chunk) per key), chunk
+// maxima [n_q_heads, n_chunks], then the final (max, sum) [n_q_heads, 2].
+struct MassSeq {
+  int32_t seq;
+  int32_t n_keys;
+  int32_t chunk;  // keys per max record (the decode kernel's chunk)
+  int32_t n_chunks;
+  int64_t p_offset;
+  int64_t m_offset;
+  int64_t ml_offset;
+};
+
 struct Plan {
   std::vector<WorkItem> items;
   std::vector<MergeGroup> merges;
   attn_detail::ScratchBuffer partials;
+  std::vector<MassSeq> mass_seqs;
+  std::vector<int32_t> mass_of_seq;  // [n_seqs] index into mass_seqs, or -1
+  attn_detail::ScratchBuffer mass;
 };
 
 Plan& thread_plan() {
   thread_local Plan plan;
   return plan;
+}
+
+// (mass sequence, first key) pieces of the key-mass pass.
+std::vector<std::pair<int32_t, int32_t>>& mass_work() {
+  thread_local std::vector<std::pair<int32_t, int32_t>> work;
+  return work;
 }
 
 Error bad(const std::string& what) {
@@ -121,7 +144,10 @@ void make_plan(Plan& plan, const AttnParams& p, std::span<const AttnSeq> seqs,
       for (int32_t h = 0; h < p.n_kv_heads; h += n_heads) {
         WorkItem t{static_cast<int32_t>(si),        h,  row0,   n_rows, key_begin, key_end,
                    int64_t{len} * n_rows * n_heads, -1, n_heads};
-        if (len <= piece) {
+        // A sequence accumulating key mass always takes the split-K path
+        // (one piece when short): the merge gives every q head's final max
+        // and sum. One piece merges to the same bits finish_tile writes.
+        if (len <= piece && s.key_mass == nullptr) {
           plan.items.push_back(t);
           continue;
         }
@@ -152,6 +178,24 @@ void make_plan(Plan& plan, const AttnParams& p, std::span<const AttnSeq> seqs,
     return x.key_begin < y.key_begin;
   });
   plan.partials.get(static_cast<size_t>(std::max<int64_t>(offset, 1)));
+  // Key-mass buffers (decode rows asking for AttnSeq::key_mass).
+  plan.mass_seqs.clear();
+  plan.mass_of_seq.assign(seqs.size(), -1);
+  int64_t mass_floats = 0;
+  for (size_t si = 0; si < seqs.size(); ++si) {
+    const AttnSeq& s = seqs[si];
+    if (s.key_mass == nullptr || s.n_new != 1) continue;
+    const int32_t n_keys = s.n_past + 1;
+    const int32_t chunk = attn_detail::decode_mass_chunk(kc.decode);
+    const int32_t n_chunks = (n_keys + chunk - 1) / chunk;
+    MassSeq ms{static_cast<int32_t>(si), n_keys, chunk, n_chunks, mass_floats, 0, 0};
+    ms.m_offset = ms.p_offset + int64_t{p.n_q_heads} * n_keys;
+    ms.ml_offset = ms.m_offset + int64_t{p.n_q_heads} * n_chunks;
+    mass_floats = ms.ml_offset + 2 * int64_t{p.n_q_heads};
+    plan.mass_of_seq[si] = static_cast<int32_t>(plan.mass_seqs.size());
+    plan.mass_seqs.push_back(ms);
+  }
+  if (mass_floats > 0) plan.mass.get(static_cast<size_t>(mass_floats));
 }
 
 // Runs fn(i) for i in [0, n) on the pool's threads, each taking the next
@@ -230,6 +274,11 @@ Status validate_attention_args(const PagedKvLayerView& kv, const AttnParams& p,
       }
     }
     if (s.q == nullptr || s.out == nullptr) return bad(who() + "q or out is null");
+    if (s.key_mass != nullptr && (s.n_new != 1 || p.window != 0)) {
+      return bad(who() + "key_mass (H2O attention mass) needs a decode row (n_new 1, not " +
+                 std::to_string(s.n_new) + ") and full attention (window 0, not " +
+                 std::to_string(p.window) + ")");
+    }
   }
   if (any_work && (kv.k == nullptr || kv.v == nullptr)) return bad("KV view has null k or v");
   return {};
@@ -267,6 +316,7 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
   Plan& plan = thread_plan();  // a reference: workers must see this thread's plan
   make_plan(plan, p, seqs, kc);
   float* partials = plan.partials.get(1);
+  float* mass = plan.mass.get(1);
 
   run_dynamic(pool, plan.items.size(), [&](size_t i) {
     const WorkItem& it = plan.items[i];
@@ -297,6 +347,14 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
       a.part_l = a.part_m + n_vec;
       a.part_acc = a.part_l + n_vec;
     }
+    if (const int32_t mi = plan.mass_of_seq[it.seq]; mi >= 0) {
+      const MassSeq& ms = plan.mass_seqs[static_cast<size_t>(mi)];
+      const int q0 = it.kv_head * g;  // the tile's first q head
+      a.mass_p = mass + ms.p_offset + int64_t{q0} * ms.n_keys;
+      a.mass_m = mass + ms.m_offset + int64_t{q0} * ms.n_chunks;
+      a.mass_stride = ms.n_keys;
+      a.mass_m_stride = ms.n_chunks;
+    }
     const KernelPath path = seqs[it.seq].n_new == 1 ? kc.decode : kc.prefill;
     if (path == KernelPath::kScalar) {
       tile_scalar(a);
@@ -321,6 +379,59 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
                                   : s.out + (mg.row0 + v / g) * row_stride +
                                         (int64_t{mg.kv_head} * g + v % g) * d;
       merge_split_k(partials + mg.first_offset, mg.n_parts, slot_floats, n_vec, v, d, dst);
+    }
+    if (const int32_t mi = plan.mass_of_seq[mg.seq]; mi >= 0) {
+      // The q heads' final softmax max and sum, for the key-mass pass.
+      float* ml = mass + plan.mass_seqs[static_cast<size_t>(mi)].ml_offset;
+      for (int v = 0; v < n_vec; ++v) {
+        const float* parts = partials + mg.first_offset;
+        float m_max = -std::numeric_limits<float>::infinity();
+        for (int pi = 0; pi < mg.n_parts; ++pi)
+          m_max = std::max(m_max, parts[pi * slot_floats + v]);
+        float l_sum = 0.0f;
+        for (int pi = 0; pi < mg.n_parts; ++pi) {
+          const float mp = parts[pi * slot_floats + v];
+          if (mp == -std::numeric_limits<float>::infinity()) continue;
+          l_sum += std::exp(mp - m_max) * parts[pi * slot_floats + n_vec + v];
+        }
+        const int qh = mg.kv_head * g + v;
+        ml[2 * qh] = m_max;
+        ml[2 * qh + 1] = l_sum;
+      }
+    }
+  });
+
+  // Key mass: key_mass[t] += sum_h p_h[t] exp(m_h[chunk(t)] - M_h) / L_h, in
+  // pieces of keys (disjoint writes), q heads in order (deterministic).
+  if (plan.mass_seqs.empty()) return;
+  constexpr int32_t kMassPiece = 1024;
+  std::vector<std::pair<int32_t, int32_t>>& work = mass_work();
+  work.clear();
+  for (size_t mi = 0; mi < plan.mass_seqs.size(); ++mi) {
+    for (int32_t t0 = 0; t0 < plan.mass_seqs[mi].n_keys; t0 += kMassPiece) {
+      work.emplace_back(static_cast<int32_t>(mi), t0);
+    }
+  }
+  run_dynamic(pool, work.size(), [&](size_t i) {
+    const MassSeq& ms = plan.mass_seqs[static_cast<size_t>(work[i].first)];
+    const int32_t t0 = work[i].second;
+    const int32_t t1 = std::min(ms.n_keys, t0 + kMassPiece);
+    float* dst = seqs[ms.seq].key_mass;
+    const float* ml = mass + ms.ml_offset;
+    for (int qh = 0; qh < p.n_q_heads; ++qh) {
+      const float m_fin = ml[2 * qh];
+      const float l_fin = ml[2 * qh + 1];
+      if (!(l_fin > 0.0f)) continue;
+      const float inv = 1.0f / l_fin;
+      const float* ph = mass + ms.p_offset + int64_t{qh} * ms.n_keys;
+      const float* mh = mass + ms.m_offset + int64_t{qh} * ms.n_chunks;
+      for (int32_t c0 = t0; c0 < t1;) {
+        const int32_t ci = c0 / ms.chunk;
+        const int32_t c1 = std::min(t1, (ci + 1) * ms.chunk);
+        const float corr = std::exp(mh[ci] - m_fin) * inv;
+        for (int32_t t = c0; t < c1; ++t) dst[t] += ph[t] * corr;
+        c0 = c1;
+      }
     }
   });
 }
@@ -391,6 +502,11 @@ Status paged_attention_reference(const PagedKvLayerView& kv, const AttnParams& p
         }
         float* out = s.out + (int64_t{r} * p.n_q_heads + h) * d;
         for (int i = 0; i < d; ++i) out[i] = static_cast<float>(acc[i] / sum);
+        if (s.key_mass != nullptr) {
+          for (int32_t t = lo; t <= pos; ++t) {
+            s.key_mass[t] += static_cast<float>(std::exp(scores[t - lo] - mx) / sum);
+          }
+        }
       }
     }
   }

@@ -45,6 +45,15 @@ struct AttnSeq {
   int32_t n_new = 0;                     // query tokens in this chunk (0: nothing to do)
   const float* q = nullptr;              // [n_new, n_q_heads, head_dim], contiguous
   float* out = nullptr;                  // [n_new, n_q_heads, head_dim], contiguous
+  // H2O (kv/retention.h): optional [n_past + 1] accumulated attention mass.
+  // When set (REQUIRES n_new == 1 and AttnParams::window == 0), the call
+  // adds to key_mass[t], for every key t, the sum over all n_q_heads query
+  // heads of the softmax probability the decode row gives key t: the
+  // probabilities the decode kernel computes anyway, stored per key as
+  // exp(s - m_chunk) with the chunk's running max and rescaled once per
+  // chunk after the split-K merge (no second pass over K or V). The output
+  // is bitwise the same as without it. Not supported for KIVI views.
+  float* key_mass = nullptr;
 };
 
 // Causal attention of every query row over the cached positions it may see:

@@ -67,7 +67,11 @@ std::vector<OptionSpec> engine_options() {
        "last W prompt queries (32) vote, max-pooled over K (7); each KV head keeps its top B "
        "prompt tokens plus the window; a KV head's query heads union (default) or average), "
        "pyramidkv:budget=B[,beta=X] and snapkv's keys (B is the mean per layer: layer 0 "
-       "keeps 2B - B/X, the last B/X, linear in between; beta 20); "
+       "keeps 2B - B/X, the last B/X, linear in between; beta 20), "
+       "h2o:budget=B,window=W[,slack=N][,obs=O] (before each decode step every layer keeps "
+       "its last W tokens plus the B older ones of highest accumulated attention probability, "
+       "summed over its query heads and every decode query, seeded by the prompt's last O "
+       "queries (32); compacts when N tokens are droppable); "
        "serve: the default for requests without \"kv_retention\""},
       {"no-prefix-cache", 0, "", "do not share KV between requests (no prefix cache)"},
       {"kv-host-mem", 0, "SIZE",

@@ -145,7 +145,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
     pc.prefill_chunk = config.prefill_chunk;
   }
   // SnapKV chooses per layer: one slot map per layer frees what each chose.
-  pc.one_layer_per_group = config.kv_retention.selects_at_prefill_end();
+  pc.one_layer_per_group = config.kv_retention.per_layer_groups();
   auto pool = BlockPool::create(*layout, pc);
   if (!pool) return pool.error();
   e->pool_ = std::move(*pool);

@@ -215,6 +215,7 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   // Write this layer's K/V for every sequence, then attend through the tables.
   std::vector<AttnSeq> seqs;
   seqs.reserve(batch.size());
+  topk_ids_.clear();  // gathered tables of topk decode rows, alive until the call
   row = 0;
   for (const StepSeq& s : batch) {
     const auto n = static_cast<int64_t>(s.tokens.size());
@@ -230,14 +231,45 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
     // Layer l's group table: entries before the window may be kNullBlock
     // (never read: the kernels start at the first visible key).
     const std::span<const int32_t> ids = s.table->ids_for_layer(kl);
-    seqs.push_back(AttnSeq{.block_table = ids.data(),
-                           .n_blocks = static_cast<int32_t>(ids.size()),
+    const int64_t n_resident = s.table->resident_length(kl);
+    // H2O (kv/retention.h): decode rows of full-attention layers add their
+    // attention probabilities to the slots' accumulated mass (a layer that
+    // reads another layer's K/V adds nothing: one mass per stored layer).
+    float* mass = n == 1 && s.table->wants_mass() && c.window(l) == 0 && kl == l
+                      ? s.table->key_mass(kl, n_resident + 1)
+                      : nullptr;
+    // topk (kv/retention.h): a decode row of a full-attention layer reads
+    // its own block plus the k - 1 full blocks of highest key bound.
+    std::span<const int32_t> read_ids = ids;
+    int64_t read_past = n_resident;
+    if (n == 1 && s.table->topk_reads() && c.window(l) == 0) {
+      const int64_t P = view.block_size;
+      const int64_t n_keys = n_resident + 1;
+      const int64_t n_full = (n_keys + P - 1) / P - 1;  // every block but the query's
+      const int64_t k = s.table->retention().topk;
+      std::vector<int64_t>& choice = s.table->topk_choice(kl);
+      choice.clear();
+      if (n_full + 1 > k) {
+        choice =
+            topk_blocks(std::span<const float>(q_.data() + row * q_dim, q_dim), c.n_heads,
+                        c.n_kv_heads, c.head_dim, s.table->key_summary(kl, n_full), n_full, k - 1);
+        std::vector<int32_t>& g = topk_ids_.emplace_back();
+        for (int64_t b : choice) g.push_back(ids[static_cast<size_t>(b)]);
+        g.push_back(ids[static_cast<size_t>(n_full)]);
+        read_ids = g;
+        read_past = (k - 1) * P + (n_keys - n_full * P) - 1;
+      }
+      s.table->count_topk_reads(std::min(k, n_full + 1), n_full + 1);
+    }
+    seqs.push_back(AttnSeq{.block_table = read_ids.data(),
+                           .n_blocks = static_cast<int32_t>(read_ids.size()),
                            // Resident slots (retention compacts them;
                            // RoPE above used logical positions).
-                           .n_past = static_cast<int32_t>(s.table->resident_length(kl)),
+                           .n_past = static_cast<int32_t>(read_past),
                            .n_new = static_cast<int32_t>(n),
                            .q = q_.data() + row * q_dim,
-                           .out = attn_.data() + row * q_dim});
+                           .out = attn_.data() + row * q_dim,
+                           .key_mass = mass});
     row += n;
   }
   const AttnParams ap{.n_q_heads = c.n_heads,

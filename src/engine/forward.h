@@ -14,6 +14,7 @@
 // for matmuls and attention.
 #pragma once
 
+#include <deque>
 #include <memory>
 #include <span>
 #include <vector>
@@ -93,6 +94,8 @@ class Forward {
   // Workspace, grown on demand ([n_tok, ...] float32 each).
   int64_t capacity_ = 0;
   std::vector<float> x_, h_, q_, k_, v_, attn_, gate_, up_;
+  // topk decode rows' gathered block tables (a deque: stable addresses).
+  std::deque<std::vector<int32_t>> topk_ids_;
   std::vector<int32_t> pos_;
 };
 

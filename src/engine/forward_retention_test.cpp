@@ -10,6 +10,7 @@
 // leaks nothing.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <set>
@@ -288,6 +289,156 @@ TEST_P(Retention, PrefillEndSelectionEqualsMaskedRecomputationAndFreesBlocks) {
         EXPECT_EQ((*pool)->n_free(), (*pool)->n_blocks()) << where;
       }
     }
+  }
+}
+
+// H2O through the forward pass: the decode kernels accumulate each slot's
+// attention mass, every one-token step keeps each layer group's recent
+// window plus its heavy hitters, and every logits row still equals the
+// masked float64 recomputation with original positions; a budget covering
+// the sequence gives the exact cache's bits; resident tokens stay within
+// budget + window + slack per layer; blocks return to the pool.
+TEST_P(Retention, H2oEqualsMaskedRecomputationAndStaysWithinBudget) {
+  const SyntheticSpec& spec = GetParam().spec;
+  std::mt19937 rng(spec.seed + 17);
+  std::uniform_int_distribution<int32_t> tok(0, spec.n_vocab - 1);
+  const int n_prompt = 21, n_decode = 30, p = 4;
+  std::vector<int32_t> tokens(n_prompt + n_decode);
+  for (auto& t : tokens) t = tok(rng);
+  for (int64_t budget : {int64_t{5}, int64_t{100}}) {
+    for (int64_t slack : {int64_t{1}, int64_t{0}}) {
+      for (int64_t obs : {int64_t{0}, int64_t{8}}) {
+        const std::string where = "budget " + std::to_string(budget) + " slack " +
+                                  std::to_string(slack) + " obs " + std::to_string(obs);
+        auto pool = BlockPool::create(testing::window_layout(spec, KvDtype::kF32, p),
+                                      {.n_tokens = 512, .one_layer_per_group = true});
+        ASSERT_TRUE(pool.ok());
+        BlockTable seq(**pool), exact(**pool);
+        const RetentionConfig rc{.policy = RetentionPolicy::kH2o,
+                                 .window = 6,
+                                 .slack = slack,
+                                 .budget = budget,
+                                 .obs = obs};
+        ASSERT_TRUE(seq.set_retention(rc).ok());
+        Visibility vis;
+        std::vector<float> logits, exact_logits;
+        bool all_equal = true;
+        for (int b = 0; b < n_prompt + n_decode;) {
+          const int n = b < n_prompt ? std::min(8, n_prompt - b) : 1;
+          const std::span<const int32_t> chunk(tokens.data() + b, n);
+          const StepSeq s{.table = &seq, .tokens = chunk, .logits = LogitsMode::kAll};
+          const StepSeq se{.table = &exact, .tokens = chunk, .logits = LogitsMode::kAll};
+          ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&s, 1), &logits).ok()) << where;
+          ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&se, 1), &exact_logits).ok()) << where;
+          (*pool)->check_invariants();
+          all_equal &=
+              std::memcmp(logits.data(), exact_logits.data(), logits.size() * sizeof(float)) == 0;
+          record_step(seq, b, n, seq.group(0).length() - n, vis);
+          for (int r = 0; r < n; ++r) {
+            const int pos = b + r;
+            ASSERT_LT(logits_rel_err(logits.data() + static_cast<size_t>(r) * spec.n_vocab,
+                                     masked_reference(w_, tokens, pos + 1, KvDtype::kF32, vis,
+                                                      /*rotate_by_slot=*/false)),
+                      kLogitTol)
+                << where << " position " << pos;
+          }
+          const int64_t slack_eff = slack > 0 ? slack : p;
+          for (int gi = 0; gi < seq.n_groups(); ++gi) {
+            if ((*pool)->group(gi).window > 0) continue;
+            if (b >= n_prompt) {
+              EXPECT_LE(seq.group(gi).length(), budget + rc.window + slack_eff)
+                  << where << " group " << gi << " at " << b;
+            }
+          }
+          b += n;
+        }
+        if (budget >= n_prompt + n_decode) {
+          EXPECT_TRUE(all_equal) << where << ": a budget covering the sequence changed bits";
+          EXPECT_FALSE(seq.compacted()) << where;
+        } else {
+          EXPECT_TRUE(seq.compacted()) << where;
+          EXPECT_GT(seq.retention_stats().n_blocks_freed, 0) << where;
+        }
+        seq.release();
+        exact.release();
+        EXPECT_EQ((*pool)->n_free(), (*pool)->n_blocks()) << where;
+      }
+    }
+  }
+}
+
+// Per-query top-k reads (Quest): with k covering every block the logits
+// are the exact cache's bits; with a small k each decode row equals the
+// float64 recomputation that masks every key outside the blocks it read
+// (its own block plus the chosen full blocks), nothing is dropped, and the
+// counters report the blocks read.
+TEST_P(Retention, TopKReadsEqualMaskedRecomputationAndCoveringIsExact) {
+  const SyntheticSpec& spec = GetParam().spec;
+  std::mt19937 rng(spec.seed + 19);
+  std::uniform_int_distribution<int32_t> tok(0, spec.n_vocab - 1);
+  const int n_prompt = 18, n_decode = 24, p = 4;
+  std::vector<int32_t> tokens(n_prompt + n_decode);
+  for (auto& t : tokens) t = tok(rng);
+  for (int64_t k : {int64_t{3}, int64_t{100}}) {
+    const std::string where = "k " + std::to_string(k);
+    auto pool =
+        BlockPool::create(testing::window_layout(spec, KvDtype::kF32, p), {.n_tokens = 512});
+    ASSERT_TRUE(pool.ok());
+    BlockTable seq(**pool), exact(**pool);
+    ASSERT_TRUE(seq.set_retention({.policy = RetentionPolicy::kTopK, .topk = k}).ok());
+    std::vector<float> logits, exact_logits;
+    bool all_equal = true;
+    Visibility vis;
+    vis.seen.resize(static_cast<size_t>(spec.n_layers));
+    for (int b = 0; b < n_prompt + n_decode;) {
+      const int n = b < n_prompt ? std::min(8, n_prompt - b) : 1;
+      const std::span<const int32_t> chunk(tokens.data() + b, n);
+      const StepSeq s{.table = &seq, .tokens = chunk, .logits = LogitsMode::kAll};
+      const StepSeq se{.table = &exact, .tokens = chunk, .logits = LogitsMode::kAll};
+      ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&s, 1), &logits).ok()) << where;
+      ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&se, 1), &exact_logits).ok()) << where;
+      all_equal &=
+          std::memcmp(logits.data(), exact_logits.data(), logits.size() * sizeof(float)) == 0;
+      // What each row read, per layer: everything (prompt rows, window
+      // layers, k covering the blocks) or the chosen full blocks + its own.
+      for (int l = 0; l < spec.n_layers; ++l) {
+        for (int r = 0; r < n; ++r) {
+          const int pos = b + r;
+          std::set<int> mine;
+          const std::vector<int64_t>& choice = seq.topk_choice(l);
+          const bool all =
+              n > 1 || choice.empty() || (*pool)->group((*pool)->groups().slot(l).group).window > 0;
+          for (int j = 0; j <= pos; ++j) {
+            const bool own = j / p == pos / p;
+            if (all || own || std::count(choice.begin(), choice.end(), j / p) > 0) mine.insert(j);
+          }
+          vis.seen[static_cast<size_t>(l)].push_back(std::move(mine));
+        }
+      }
+      for (int r = 0; r < n; ++r) vis.slot_at_write.push_back(b + r);
+      for (int r = 0; r < n; ++r) {
+        const int pos = b + r;
+        ASSERT_LT(logits_rel_err(logits.data() + static_cast<size_t>(r) * spec.n_vocab,
+                                 masked_reference(w_, tokens, pos + 1, KvDtype::kF32, vis,
+                                                  /*rotate_by_slot=*/false)),
+                  kLogitTol)
+            << where << " position " << pos;
+      }
+      b += n;
+    }
+    EXPECT_FALSE(seq.compacted());
+    EXPECT_EQ(seq.group(0).length(), n_prompt + n_decode);
+    const RetentionStats& rs = seq.retention_stats();
+    EXPECT_GT(rs.n_topk_blocks_total, 0);
+    if (k >= 100) {
+      EXPECT_TRUE(all_equal) << "k covering every block changed bits";
+      EXPECT_EQ(rs.n_topk_blocks_read, rs.n_topk_blocks_total);
+    } else {
+      EXPECT_LT(rs.n_topk_blocks_read, rs.n_topk_blocks_total);
+    }
+    seq.release();
+    exact.release();
+    EXPECT_EQ((*pool)->n_free(), (*pool)->n_blocks());
   }
 }
 

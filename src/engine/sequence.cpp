@@ -362,14 +362,16 @@ std::string prefix_stats_json(const KvPrefixStats& s) {
   out += "]";
   {
     const RetentionStats& r = s.retention;
-    char buf[256];
-    std::snprintf(buf, sizeof(buf),
-                  ", \"retention\": {\"compactions\": %lld, \"tokens_dropped\": %lld, "
-                  "\"blocks_freed\": %lld, \"bytes_moved\": %lld, \"deferred\": %lld}",
-                  static_cast<long long>(r.n_compactions),
-                  static_cast<long long>(r.n_tokens_dropped),
-                  static_cast<long long>(r.n_blocks_freed), static_cast<long long>(r.n_bytes_moved),
-                  static_cast<long long>(r.n_deferred));
+    char buf[384];
+    std::snprintf(
+        buf, sizeof(buf),
+        ", \"retention\": {\"compactions\": %lld, \"tokens_dropped\": %lld, "
+        "\"blocks_freed\": %lld, \"bytes_moved\": %lld, \"deferred\": %lld, "
+        "\"topk_blocks_read\": %lld, \"topk_blocks_total\": %lld}",
+        static_cast<long long>(r.n_compactions), static_cast<long long>(r.n_tokens_dropped),
+        static_cast<long long>(r.n_blocks_freed), static_cast<long long>(r.n_bytes_moved),
+        static_cast<long long>(r.n_deferred), static_cast<long long>(r.n_topk_blocks_read),
+        static_cast<long long>(r.n_topk_blocks_total));
     out += buf;
   }
   return out + "}";
@@ -396,7 +398,17 @@ namespace {
 
 // The retention line of format_prefix_stats (empty when nothing compacted).
 std::string format_retention_stats(const RetentionStats& r) {
-  if (r.n_compactions == 0 && r.n_deferred == 0) return "";
+  std::string topk;
+  if (r.n_topk_blocks_total > 0) {
+    char b[160];
+    std::snprintf(b, sizeof(b), "top-k reads: %lld of %lld blocks read (%.1f%%)\n",
+                  static_cast<long long>(r.n_topk_blocks_read),
+                  static_cast<long long>(r.n_topk_blocks_total),
+                  100.0 * static_cast<double>(r.n_topk_blocks_read) /
+                      static_cast<double>(r.n_topk_blocks_total));
+    topk = b;
+  }
+  if (r.n_compactions == 0 && r.n_deferred == 0) return topk;
   char buf[320];
   std::snprintf(buf, sizeof(buf),
                 "retention: %lld compactions dropped %lld tokens, freed %lld blocks, moved %lld "
@@ -404,7 +416,7 @@ std::string format_retention_stats(const RetentionStats& r) {
                 static_cast<long long>(r.n_compactions), static_cast<long long>(r.n_tokens_dropped),
                 static_cast<long long>(r.n_blocks_freed), static_cast<long long>(r.n_bytes_moved),
                 static_cast<long long>(r.n_deferred));
-  return buf;
+  return buf + topk;
 }
 
 }  // namespace

@@ -1,8 +1,11 @@
 #include "kv/block_table.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <utility>
+
+#include "kv/kv_write.h"
 
 namespace kvstack {
 
@@ -22,6 +25,8 @@ BlockTable::BlockTable(BlockTable&& other) noexcept
       retention_stats_(other.retention_stats_),
       obs_(std::move(other.obs_)),
       obs_shape_(other.obs_shape_),
+      mass_(std::move(other.mass_)),
+      summ_(std::move(other.summ_)),
       groups_(std::move(other.groups_)) {
   // The vector's buffer moved: the group tables keep their addresses (and
   // registrations). The moved-from table stays usable and empty.
@@ -36,6 +41,8 @@ BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
   retention_stats_ = other.retention_stats_;
   obs_ = std::move(other.obs_);
   obs_shape_ = other.obs_shape_;
+  mass_ = std::move(other.mass_);
+  summ_ = std::move(other.summ_);
   groups_ = std::move(other.groups_);
   other.make_groups();
   return *this;
@@ -58,24 +65,125 @@ Status BlockTable::set_retention(const RetentionConfig& config) {
     KV_TRY_STATUS(retention_supported(pool_->layout()));
   }
   retention_ = config;
+  mass_.clear();
+  if (config.is_h2o()) mass_.resize(groups_.size());
+  summ_.clear();
+  if (config.is_topk()) summ_.resize(static_cast<size_t>(pool_->groups().n_layers()));
   return Status{};
 }
 
+void BlockTable::summarize(int l, int64_t b, int64_t n_valid) {
+  KeySummary& ks = summ_[static_cast<size_t>(l)];
+  const PagedKvLayerView view = pool_->layer_view(l);
+  const int n_kv = view.n_kv_heads, d = view.head_dim;
+  const int64_t per_block = int64_t{n_kv} * 2 * d;
+  const auto nb = static_cast<size_t>(b + 1);
+  if (ks.id.size() < nb) {
+    ks.mm.resize(nb * static_cast<size_t>(per_block));
+    ks.id.resize(nb, -1);
+    ks.n.resize(nb, 0);
+  }
+  const std::span<const int32_t> ids = ids_for_layer(l);
+  const int64_t P = pool_->block_size();
+  std::vector<float> k(static_cast<size_t>(n_valid * n_kv * d)), v(k.size());
+  read_kv(view, ids, b * P, n_valid, k.data(), v.data());
+  float* mm = ks.mm.data() + b * per_block;
+  for (int h = 0; h < n_kv; ++h) {
+    float* mn = mm + int64_t{h} * 2 * d;
+    float* mx = mn + d;
+    std::fill(mn, mn + d, std::numeric_limits<float>::infinity());
+    std::fill(mx, mx + d, -std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < n_valid; ++t) {
+      const float* kt = k.data() + (t * n_kv + h) * d;
+      for (int c = 0; c < d; ++c) {
+        mn[c] = std::min(mn[c], kt[c]);
+        mx[c] = std::max(mx[c], kt[c]);
+      }
+    }
+  }
+  ks.id[static_cast<size_t>(b)] = ids[static_cast<size_t>(b)];
+  ks.n[static_cast<size_t>(b)] = static_cast<int32_t>(n_valid);
+}
+
+std::span<const float> BlockTable::key_summary(int l, int64_t n_blocks) {
+  KV_CHECK(topk_reads() && l >= 0 && static_cast<size_t>(l) < summ_.size(),
+           "key_summary: the table is not topk");
+  const std::span<const int32_t> ids = ids_for_layer(l);
+  const int64_t P = pool_->block_size();
+  KV_CHECK(n_blocks * P <= resident_length(l) + P, "key_summary: blocks past the keys");
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const KeySummary& ks = summ_[static_cast<size_t>(l)];
+    const bool fresh = static_cast<size_t>(b) < ks.id.size() &&
+                       ks.id[static_cast<size_t>(b)] == ids[static_cast<size_t>(b)] &&
+                       ks.n[static_cast<size_t>(b)] == P;
+    if (!fresh) summarize(l, b, P);
+  }
+  const KeySummary& ks = summ_[static_cast<size_t>(l)];
+  const PagedKvLayerView view = pool_->layer_view(l);
+  return std::span<const float>(ks.mm).first(
+      static_cast<size_t>(n_blocks * view.n_kv_heads * 2 * view.head_dim));
+}
+
+void BlockTable::count_topk_reads(int64_t n_read, int64_t n_total) {
+  retention_stats_.n_topk_blocks_read += n_read;
+  retention_stats_.n_topk_blocks_total += n_total;
+  pool_->retention_.n_topk_blocks_read += n_read;
+  pool_->retention_.n_topk_blocks_total += n_total;
+}
+
+std::vector<int64_t>& BlockTable::topk_choice(int l) {
+  KV_CHECK(topk_reads() && l >= 0 && static_cast<size_t>(l) < summ_.size(),
+           "topk_choice: the table is not topk");
+  return summ_[static_cast<size_t>(l)].last;
+}
+
+void BlockTable::trim_mass() {
+  for (size_t g = 0; g < mass_.size(); ++g) {
+    mass_[g].resize(static_cast<size_t>(groups_[g].length()), 0.0f);
+  }
+}
+
+float* BlockTable::key_mass(int l, int64_t n_keys) {
+  KV_CHECK(wants_mass() && mass_.size() == groups_.size(), "key_mass: the table is not h2o");
+  std::vector<float>& m = mass_[static_cast<size_t>(pool_->groups().slot(l).group)];
+  if (static_cast<int64_t>(m.size()) < n_keys) m.resize(static_cast<size_t>(n_keys), 0.0f);
+  return m.data();
+}
+
+std::span<const float> BlockTable::group_mass(int g) const {
+  if (static_cast<size_t>(g) >= mass_.size()) return {};
+  return mass_[static_cast<size_t>(g)];
+}
+
 int64_t BlockTable::apply_retention() {
-  if (retention_.policy != RetentionPolicy::kStreamingLlm) return 0;
+  const bool h2o = retention_.is_h2o();
+  if (retention_.policy != RetentionPolicy::kStreamingLlm && !h2o) return 0;
   const int64_t length = this->length();
   const int64_t slack = retention_.slack > 0 ? retention_.slack : pool_->block_size();
+  if (h2o) trim_mass();
   int64_t n_freed = 0;
   std::vector<int32_t> identity;
-  for (GroupTable& g : groups_) {
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    GroupTable& g = groups_[gi];
     if (pool_->group(g.group()).window > 0) continue;  // windows are exact and bounded
-    std::span<const int32_t> positions = g.positions();
-    if (!g.compacted()) {
-      identity.resize(static_cast<size_t>(g.length()));
-      for (size_t i = 0; i < identity.size(); ++i) identity[i] = static_cast<int32_t>(i);
-      positions = identity;
+    std::vector<int64_t> keep;
+    if (h2o) {
+      // MLA groups get no mass (their attention is another kernel): kept whole.
+      bool standard = true;
+      for (int i = 0; i < g.layout().n_layers(); ++i) {
+        standard = standard && g.layout().layer(i).kind == KvLayerKind::kStandard;
+      }
+      if (!standard) continue;
+      keep = h2o_keep_slots(retention_, mass_[gi]);
+    } else {
+      std::span<const int32_t> positions = g.positions();
+      if (!g.compacted()) {
+        identity.resize(static_cast<size_t>(g.length()));
+        for (size_t i = 0; i < identity.size(); ++i) identity[i] = static_cast<int32_t>(i);
+        positions = identity;
+      }
+      keep = retention_keep_slots(retention_, positions, length);
     }
-    const std::vector<int64_t> keep = retention_keep_slots(retention_, positions, length);
     if (g.length() - static_cast<int64_t>(keep.size()) < slack) continue;
     const int64_t before = retention_stats_.n_blocks_freed;
     const Status st = g.compact(keep, &retention_stats_);
@@ -84,6 +192,11 @@ int64_t BlockTable::apply_retention() {
       ++retention_stats_.n_deferred;
       ++pool_->retention_.n_deferred;
       continue;
+    }
+    if (h2o) {  // survivors carry their mass to their new slots
+      std::vector<float>& m = mass_[gi];
+      for (size_t i = 0; i < keep.size(); ++i) m[i] = m[static_cast<size_t>(keep[i])];
+      m.resize(keep.size());
     }
     n_freed += retention_stats_.n_blocks_freed - before;
   }
@@ -121,13 +234,16 @@ bool BlockTable::tail_shared() const {
 int64_t BlockTable::drop_invisible() {
   int64_t n = 0;
   for (GroupTable& g : groups_) n += g.drop_invisible();
-  if (retention_.active()) n += apply_retention();
+  // h2o compacts before one-token steps only (prepare_step).
+  if (retention_.active() && !retention_.is_h2o()) n += apply_retention();
   return n;
 }
 
 int64_t BlockTable::prepare_step(int64_t n_new) {
   int64_t n = drop_invisible();
+  if (retention_.is_h2o()) trim_mass();
   if (n_new == 1 && !obs_.empty()) n += apply_snapkv();
+  if (n_new == 1 && retention_.is_h2o()) n += apply_retention();
   return n;
 }
 
@@ -158,6 +274,14 @@ void BlockTable::write(int l, int64_t pos, const float* k_rows, const float* v_r
   const KvLayerSlot s = pool_->groups().slot(l);
   GroupTable& g = groups_[static_cast<size_t>(s.group)];
   g.write(s.index, pos - g.n_evicted(), k_rows, v_rows, n_tokens);
+  // topk: refresh the touched blocks' key bounds (full-attention layers).
+  if (!summ_.empty() && n_tokens > 0 && pool_->group(s.group).window == 0 &&
+      pool_->layout().layer(l).kind == KvLayerKind::kStandard) {
+    const int64_t P = pool_->block_size();
+    for (int64_t b = pos / P; b <= (pos + n_tokens - 1) / P; ++b) {
+      summarize(l, b, std::min(P, pos + n_tokens - b * P));
+    }
+  }
 }
 
 void BlockTable::commit(int64_t n_new) {
@@ -174,6 +298,8 @@ void BlockTable::release() {
   for (GroupTable& g : groups_) g.release();
   retention_stats_ = RetentionStats{};
   obs_.clear();
+  for (std::vector<float>& m : mass_) m.clear();
+  for (KeySummary& ks : summ_) ks = KeySummary{};
 }
 
 BlockRef BlockTable::share_block(int64_t i) const {
@@ -197,6 +323,9 @@ BlockTable BlockTable::fork() const {
   t.retention_ = retention_;
   t.obs_ = obs_;  // a fork before the first decode step still applies SnapKV
   t.obs_shape_ = obs_shape_;
+  t.mass_ = mass_;
+  t.trim_mass();
+  t.summ_ = summ_;
   return t;
 }
 
@@ -219,6 +348,9 @@ Result<BlockTable> BlockTable::clone_private() const {
     t.groups_[g] = std::move(*c);
   }
   t.retention_ = retention_;
+  t.mass_ = mass_;
+  t.trim_mass();
+  t.summ_ = summ_;  // block ids differ: key_summary() rebuilds them
   return t;
 }
 

@@ -107,10 +107,34 @@ class BlockTable {
     int head_dim = 0;
     float scale = 0.0f;  // multiplies q.k before the softmax
   };
-  bool wants_queries() const { return retention_.selects_at_prefill_end(); }
+  bool wants_queries() const { return retention_.observed_rows() > 0; }
   void observe_queries(int l, int64_t pos, const float* q, int64_t n_tokens,
                        const QueryShape& shape);
   int64_t apply_snapkv();
+
+  // H2O (retention.h): accumulated attention mass per resident slot of each
+  // KV group. The forward pass hands key_mass(l, n) to the decode kernel
+  // (AttnSeq::key_mass) for layer l's n keys: [n] floats of l's group, new
+  // slots 0, valid until the next table call. At the end of a prefill
+  // apply_snapkv() adds the prompt's last `obs` queries' attention; before
+  // each one-token step apply_retention() keeps h2o_keep_slots() and
+  // compacts, carrying each survivor's mass along. Empty when not h2o.
+  bool wants_mass() const { return retention_.is_h2o(); }
+
+  // topk (retention.h): per model layer and logical block, each KV head's
+  // per-channel minimum and maximum of the stored keys ([n_kv][2][d]
+  // floats per block), as decoded from the pool: write() refreshes the
+  // blocks it touches, key_summary() rebuilds blocks this table did not
+  // write (a prefix hit, a copy-on-write copy). key_summary(l, n) covers
+  // full blocks [0, n) of layer l. Empty unless topk.
+  bool topk_reads() const { return retention_.is_topk(); }
+  std::span<const float> key_summary(int l, int64_t n_blocks);
+  // Counts one decode query's blocks read / present in one layer.
+  void count_topk_reads(int64_t n_read, int64_t n_total);
+  // The full blocks layer l's last top-k read chose (empty: read all).
+  std::vector<int64_t>& topk_choice(int l);
+  float* key_mass(int l, int64_t n_keys);
+  std::span<const float> group_mass(int g) const;
 
   // The primary group's table (all layers for a single-group model).
   int64_t n_blocks() const { return groups_[0].n_blocks(); }
@@ -138,7 +162,8 @@ class BlockTable {
   // released.
   int64_t drop_invisible();
   // What reserve(n_new) / reserve_all do first: drop_invisible(), and
-  // apply_snapkv() when n_new == 1. Returns the blocks released.
+  // apply_snapkv() when n_new == 1 (then h2o's apply_retention()). Returns
+  // the blocks released.
   int64_t prepare_step(int64_t n_new);
 
   // drop_invisible(), then capacity() >= length() + n_new in every group
@@ -183,6 +208,20 @@ class BlockTable {
   };
   std::vector<ObservedQueries> obs_;  // [n_layers] while rows are held, else empty
   QueryShape obs_shape_;
+  // H2O: [n_groups][>= committed resident slots] accumulated mass (empty
+  // vectors when not h2o); entries past a group's length() are stale
+  // (rolled back) and cut by prepare_step().
+  std::vector<std::vector<float>> mass_;
+  void trim_mass();
+  // topk: [n_layers] key summaries (see key_summary()).
+  struct KeySummary {
+    std::vector<float> mm;      // [n_blocks][n_kv][2][d]
+    std::vector<int32_t> id;    // [n_blocks] block id summarized (-1: none)
+    std::vector<int32_t> n;     // [n_blocks] slots summarized
+    std::vector<int64_t> last;  // the last top-k choice
+  };
+  std::vector<KeySummary> summ_;
+  void summarize(int l, int64_t b, int64_t n_valid);
   std::vector<GroupTable> groups_;  // [n_groups]; never reallocated (tables register by address)
 };
 

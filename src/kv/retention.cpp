@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
+#include <limits>
 
 namespace kvstack {
 namespace {
@@ -15,14 +17,30 @@ Error bad(const std::string& what) {
 Status validate_retention(const RetentionConfig& c) {
   if (c.policy == RetentionPolicy::kNone) return {};
   constexpr int64_t kMax = int64_t{1} << 30;
+  if (c.is_topk()) {
+    if (c.topk < 1 || c.topk > kMax) {
+      return bad("k=" + std::to_string(c.topk) + " must be in [1, " + std::to_string(kMax) + "]");
+    }
+    return {};
+  }
   if (c.sinks > kMax || c.window > kMax || c.slack > kMax || c.budget > kMax || c.kernel > kMax) {
     return bad("parameters must be at most " + std::to_string(kMax));
   }
   if (c.window < 1) {
     return bad("window=" + std::to_string(c.window) +
-               (c.selects_at_prefill_end()
-                    ? " must be >= 1 (the observation window)"
+               (c.selects_at_prefill_end() ? " must be >= 1 (the observation window)"
+                : c.is_h2o()
+                    ? " must be >= 1 (the recent tokens kept)"
                     : " must be >= 1 (the recent tokens each query sees, itself included)"));
+  }
+  if (c.is_h2o()) {
+    if (c.budget < 1) return bad("budget=" + std::to_string(c.budget) + " must be >= 1");
+    if (c.slack < 0) {
+      return bad("slack=" + std::to_string(c.slack) + " must be >= 1 (or 0 for the block size)");
+    }
+    if (c.obs < 0 || c.obs > kMax) {
+      return bad("obs=" + std::to_string(c.obs) + " must be in [0, " + std::to_string(kMax) + "]");
+    }
   }
   if (c.policy == RetentionPolicy::kStreamingLlm) {
     if (c.sinks < 0) return bad("sinks=" + std::to_string(c.sinks) + " must be >= 0");
@@ -63,11 +81,27 @@ Result<RetentionConfig> parse_retention(std::string_view spec) {
     c.policy = RetentionPolicy::kPyramidKv;
     c.window = 32;
     known = "budget, beta, window, kernel, gqa";
+  } else if (name == "topk") {
+    c.policy = RetentionPolicy::kTopK;
+    if (params.rfind("k=", 0) != 0 || params.find(',') != std::string_view::npos) {
+      return bad("topk takes one parameter, k=N (blocks each decode query reads), e.g. topk:k=16");
+    }
+    const std::string_view val = params.substr(2);
+    const auto [p, ec] = std::from_chars(val.data(), val.data() + val.size(), c.topk);
+    if (ec != std::errc() || p != val.data() + val.size()) {
+      return bad("parameter k='" + std::string(val) + "' is not an integer");
+    }
+    KV_TRY_STATUS(validate_retention(c));
+    return c;
+  } else if (name == "h2o") {
+    c.policy = RetentionPolicy::kH2o;
+    known = "budget, window, slack, obs";
   } else {
     return bad("unknown policy '" + std::string(name) +
-               "' (known: none, streamingllm, snapkv, pyramidkv)");
+               "' (known: none, streamingllm, snapkv, pyramidkv, h2o, topk)");
   }
   const bool snap = c.selects_at_prefill_end();
+  const bool h2o = c.is_h2o();
   bool have_window = false, have_budget = false;
   size_t at = 0;
   while (at < params.size()) {
@@ -98,11 +132,13 @@ Result<RetentionConfig> parse_retention(std::string_view spec) {
     if (key == "window") {
       field = &c.window;
       have_window = true;
-    } else if (!snap && key == "sinks") {
+    } else if (!snap && !h2o && key == "sinks") {
       field = &c.sinks;
     } else if (!snap && key == "slack") {
       field = &c.slack;
-    } else if (snap && key == "budget") {
+    } else if (h2o && key == "obs") {
+      field = &c.obs;
+    } else if ((snap || h2o) && key == "budget") {
       field = &c.budget;
       have_budget = true;
     } else if (snap && key == "kernel") {
@@ -119,7 +155,12 @@ Result<RetentionConfig> parse_retention(std::string_view spec) {
     if (key == "slack" && x < 1) return bad("slack=" + std::to_string(x) + " must be >= 1");
     *field = x;
   }
-  if (!snap && !have_window) {
+  if (h2o && (!have_window || !have_budget)) {
+    return bad(
+        "h2o needs budget=N (heavy hitters) and window=N (recent tokens), e.g. "
+        "h2o:budget=512,window=512");
+  }
+  if (!snap && !h2o && !have_window) {
     return bad("streamingllm needs window=N (e.g. streamingllm:sinks=4,window=1024)");
   }
   if (snap && !have_budget) {
@@ -141,6 +182,12 @@ std::string retention_name(const RetentionConfig& c) {
       return "snapkv:budget=" + std::to_string(c.budget) + ",window=" + std::to_string(c.window) +
              ",kernel=" + std::to_string(c.kernel) +
              ",gqa=" + (c.gqa == GqaRule::kMean ? "mean" : "union");
+    case RetentionPolicy::kH2o:
+      return "h2o:budget=" + std::to_string(c.budget) + ",window=" + std::to_string(c.window) +
+             (c.slack > 0 ? ",slack=" + std::to_string(c.slack) : std::string()) +
+             ",obs=" + std::to_string(c.obs);
+    case RetentionPolicy::kTopK:
+      return "topk:k=" + std::to_string(c.topk);
     case RetentionPolicy::kPyramidKv:
       return "pyramidkv:budget=" + std::to_string(c.budget) + ",beta=" + std::to_string(c.beta) +
              ",window=" + std::to_string(c.window) + ",kernel=" + std::to_string(c.kernel) +
@@ -190,6 +237,70 @@ std::vector<int64_t> retention_keep_slots(const RetentionConfig& c,
     if (p < c.sinks || p >= recent) keep.push_back(i);
   }
   return keep;
+}
+
+std::vector<int64_t> h2o_keep_slots(const RetentionConfig& c, std::span<const float> mass) {
+  KV_CHECK(c.is_h2o(), "h2o_keep_slots: not an h2o config");
+  const auto n = static_cast<int64_t>(mass.size());
+  std::vector<int64_t> keep;
+  if (n <= c.budget + c.window) {
+    keep.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) keep[static_cast<size_t>(i)] = i;
+    return keep;
+  }
+  const int64_t n_old = n - c.window;  // > budget
+  keep.resize(static_cast<size_t>(n_old));
+  for (int64_t i = 0; i < n_old; ++i) keep[static_cast<size_t>(i)] = i;
+  std::nth_element(keep.begin(), keep.begin() + c.budget, keep.end(), [&](int64_t a, int64_t b) {
+    const float ma = mass[static_cast<size_t>(a)];
+    const float mb = mass[static_cast<size_t>(b)];
+    return ma != mb ? ma > mb : a < b;
+  });
+  keep.resize(static_cast<size_t>(c.budget));
+  std::sort(keep.begin(), keep.end());
+  for (int64_t i = n_old; i < n; ++i) keep.push_back(i);
+  return keep;
+}
+
+std::vector<int64_t> topk_blocks(std::span<const float> q, int n_q_heads, int n_kv_heads,
+                                 int head_dim, std::span<const float> summary, int64_t n_full,
+                                 int64_t k_full) {
+  const int d = head_dim, g = n_q_heads / n_kv_heads;
+  KV_CHECK(g * n_kv_heads == n_q_heads &&
+               static_cast<int64_t>(q.size()) == int64_t{n_q_heads} * d &&
+               static_cast<int64_t>(summary.size()) >= n_full * n_kv_heads * 2 * d,
+           "topk_blocks: bad shapes");
+  std::vector<int64_t> out(static_cast<size_t>(std::max<int64_t>(n_full, 0)));
+  for (int64_t b = 0; b < n_full; ++b) out[static_cast<size_t>(b)] = b;
+  if (n_full <= k_full) return out;
+  std::vector<float> ub(static_cast<size_t>(n_full));
+  for (int64_t b = 0; b < n_full; ++b) {
+    float best = -std::numeric_limits<float>::infinity();
+    for (int h = 0; h < n_q_heads; ++h) {
+      const float* mn = summary.data() + ((b * n_kv_heads + h / g) * 2) * d;
+      const float* mx = mn + d;
+      const float* qh = q.data() + int64_t{h} * d;
+      // Eight partial sums: lets the compiler vectorize the bound.
+      float acc[8] = {};
+      int c = 0;
+      for (; c + 8 <= d; c += 8) {
+        for (int u = 0; u < 8; ++u)
+          acc[u] += std::max(qh[c + u] * mn[c + u], qh[c + u] * mx[c + u]);
+      }
+      float s = 0.0f;
+      for (; c < d; ++c) s += std::max(qh[c] * mn[c], qh[c] * mx[c]);
+      for (const float a : acc) s += a;
+      best = std::max(best, s);
+    }
+    ub[static_cast<size_t>(b)] = best;
+  }
+  std::nth_element(out.begin(), out.begin() + k_full, out.end(), [&](int64_t a, int64_t b) {
+    const float ua = ub[static_cast<size_t>(a)], ubb = ub[static_cast<size_t>(b)];
+    return ua != ubb ? ua > ubb : a < b;
+  });
+  out.resize(static_cast<size_t>(k_full));
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 void snapkv_mark_unit(const RetentionConfig& c, std::span<const float> attn, int group,

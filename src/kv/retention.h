@@ -37,6 +37,35 @@
 //                 k_0 - (k_0 - k_{L-1}) l / (L - 1) (rounded down; beta 20).
 //                 A sequence that never decodes (perplexity) is never
 //                 compacted.
+//   h2o           Heavy-Hitter Oracle: before every one-token step, each
+//                 full-attention KV group keeps its `window` most recent
+//                 resident tokens and, among the older ones, the `budget`
+//                 of highest accumulated attention mass (ties: the earlier
+//                 token); the new token then attends to those budget +
+//                 window plus itself. Mass of slot t = the sum, over every
+//                 decode query so far and over all query heads of the
+//                 group's layers, of its softmax probability on t (the
+//                 decode kernels accumulate it as they attend:
+//                 AttnSeq::key_mass), plus, at the end of each prefill, the
+//                 same sum over the prompt's last `obs` queries (32; 0:
+//                 decode queries only; the paper sums every prompt query,
+//                 obs = the prompt length does that at O(obs n) cost).
+//                 GQA rule: the group's query heads' masses are summed and
+//                 ranked (the `mean` rule; one slot map serves the whole
+//                 KV group). Multi-token steps (prompts) never compact: the
+//                 prompt is resident until the first decode step. The
+//                 engine gives every layer its own group under h2o too.
+//   topk          per-query top-k block reads (Quest): nothing is dropped
+//                 and nothing compacts (the full history stays resident and
+//                 publishable: the stored K/V are exact). Each table keeps,
+//                 per layer and block, every KV head's per-channel min and
+//                 max of the stored keys (BlockTable::key_summary); a decode
+//                 query reads only k blocks of each full-attention layer:
+//                 its own (last, partial) block plus the k - 1 full blocks
+//                 of highest upper bound on q.k, ub(block) = max over q heads
+//                 of sum_c max(q_c min_c, q_c max_c) (topk_blocks). Prompt
+//                 rows read everything. Saves bandwidth, not memory. With k
+//                 covering every block the output is the exact cache's.
 //
 // Positions. Survivors keep their ORIGINAL logical positions: keys are stored
 // already rotated, new tokens get position = logical length (not the
@@ -81,6 +110,8 @@ enum class RetentionPolicy : uint8_t {
   kStreamingLlm = 1,
   kSnapKv = 2,
   kPyramidKv = 3,
+  kH2o = 4,
+  kTopK = 5,  // per-query top-k block reads (Quest); nothing is dropped
 };
 
 // SnapKV's rule for the query heads of one KV head (GQA).
@@ -100,7 +131,19 @@ struct RetentionConfig {
   int64_t kernel = 7;  // snapkv: max-pooling kernel, odd, >= 1
   GqaRule gqa = GqaRule::kUnion;  // snapkv, pyramidkv
   int64_t beta = 20;              // pyramidkv: first-to-last budget steepness (>= 1)
+  // h2o: budget = heavy hitters kept (>= 1), window = recent tokens kept
+  // (>= 1), slack as streamingllm's; obs = prompt queries whose attention
+  // seeds the mass at the end of prefill (>= 0).
+  int64_t obs = 32;
+  // topk: blocks each decode query reads per full-attention layer (>= 1).
+  int64_t topk = 0;
   bool active() const { return policy != RetentionPolicy::kNone; }
+  bool is_topk() const { return policy == RetentionPolicy::kTopK; }
+  bool is_h2o() const { return policy == RetentionPolicy::kH2o; }
+  // Query rows of the prompt's end the table keeps (BlockTable::observe_queries).
+  int64_t observed_rows() const { return is_h2o() ? obs : selects_at_prefill_end() ? window : 0; }
+  // Selection per layer: the engine gives each layer its own KV group.
+  bool per_layer_groups() const { return selects_at_prefill_end() || is_h2o(); }
   // SnapKV-style selection at the end of prefill (snapkv, pyramidkv).
   bool selects_at_prefill_end() const {
     return policy == RetentionPolicy::kSnapKv || policy == RetentionPolicy::kPyramidKv;
@@ -110,8 +153,9 @@ struct RetentionConfig {
 // Parses "none", "streamingllm:sinks=S,window=W[,slack=N]" (sinks defaults
 // to 4, window is required) or "snapkv:budget=B[,window=W][,kernel=K]
 // [,gqa=union|mean]" (window 32, kernel 7, gqa union by default) or
-// "pyramidkv:budget=B[,beta=X]" plus snapkv's keys; keys in any order. Errors (kInvalidArgument)
-// name the policy, key or value at fault.
+// "pyramidkv:budget=B[,beta=X]" plus snapkv's keys, or
+// "h2o:budget=B,window=W[,slack=N][,obs=O]" or "topk:k=K"; keys in any order. Errors
+// (kInvalidArgument) name the policy, key or value at fault.
 Result<RetentionConfig> parse_retention(std::string_view spec);
 // The canonical text of a config ("none", "streamingllm:sinks=4,window=1024,slack=16").
 std::string retention_name(const RetentionConfig& config);
@@ -129,6 +173,22 @@ Status retention_supported(const KvLayout& layout);
 // slack rule (whether dropping is worth a compaction now) is the caller's.
 std::vector<int64_t> retention_keep_slots(const RetentionConfig& config,
                                           std::span<const int32_t> positions, int64_t length);
+
+// H2O's choice for one KV group before a one-token step: `mass` holds the
+// accumulated attention mass of its n resident slots (ascending positions).
+// Keeps the last `window` slots and, among slots [0, n - window), the
+// `budget` of highest mass (ties: the earlier slot); every slot when n <=
+// budget + window. Returns ascending slot indices. REQUIRES config.is_h2o().
+std::vector<int64_t> h2o_keep_slots(const RetentionConfig& config, std::span<const float> mass);
+
+// Quest's choice for one decode query: `q` [n_q_heads, head_dim] (as the
+// kernel sees it, before the scale), `summary` [n_full][n_kv_heads][2]
+// [head_dim] per-channel key minima then maxima of each full block.
+// Returns the `k_full` block indices of highest upper bound (ties: the
+// earlier block), ascending; every block when n_full <= k_full.
+std::vector<int64_t> topk_blocks(std::span<const float> q, int n_q_heads, int n_kv_heads,
+                                 int head_dim, std::span<const float> summary, int64_t n_full,
+                                 int64_t k_full);
 
 // Prompt tokens layer `layer` of `n_layers` keeps under `config`: budget
 // for snapkv, the pyramid schedule above for pyramidkv.
@@ -164,6 +224,9 @@ struct RetentionStats {
   int64_t n_blocks_freed = 0;    // blocks compaction released from tables
   int64_t n_bytes_moved = 0;     // K/V bytes copied (rows moved + copy-on-write blocks)
   int64_t n_deferred = 0;        // compactions skipped: copy-on-write found no block
+  // topk: blocks decode queries read / would have read (per layer, summed).
+  int64_t n_topk_blocks_read = 0;
+  int64_t n_topk_blocks_total = 0;
 };
 
 }  // namespace kvstack

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -80,11 +81,28 @@ TEST(RetentionParse, AcceptsPoliciesAndNamesEveryError) {
   auto d = parse_retention("streamingllm:window=8,slack=1,sinks=0");
   ASSERT_TRUE(d.ok());
   EXPECT_EQ(retention_name(*d), "streamingllm:sinks=0,window=8,slack=1");
+  auto h = parse_retention("h2o:window=16,budget=64,slack=2");
+  ASSERT_TRUE(h.ok()) << h.error().message;
+  EXPECT_TRUE(h->is_h2o());
+  EXPECT_EQ(h->budget, 64);
+  EXPECT_EQ(h->window, 16);
+  EXPECT_EQ(h->obs, 32);
+  EXPECT_TRUE(h->per_layer_groups());
+  EXPECT_EQ(retention_name(*h), "h2o:budget=64,window=16,slack=2,obs=32");
+  auto h0 = parse_retention("h2o:budget=8,window=4,obs=0");
+  ASSERT_TRUE(h0.ok());
+  EXPECT_EQ(h0->observed_rows(), 0);
   auto none = parse_retention("none");
   ASSERT_TRUE(none.ok());
   EXPECT_FALSE(none->active());
   const std::pair<const char*, const char*> bad[] = {
-      {"h2o:budget=3", "unknown policy 'h2o'"},
+      {"lru:budget=3", "unknown policy 'lru'"},
+      {"h2o:budget=3", "h2o needs budget=N (heavy hitters) and window=N"},
+      {"h2o:window=3", "h2o needs budget=N"},
+      {"h2o:budget=0,window=3", "budget=0 must be >= 1"},
+      {"h2o:budget=2,window=3,obs=-1", "obs=-1 must be in"},
+      {"h2o:budget=2,window=3,sinks=1", "unknown h2o parameter 'sinks'"},
+      {"h2o:budget=2,window=3,gqa=union", "unknown h2o parameter 'gqa'"},
       {"streamingllm:sinks=4", "needs window=N"},
       {"streamingllm:window=0", "window=0 must be >= 1"},
       {"streamingllm:window=x", "window='x' is not an integer"},
@@ -472,6 +490,158 @@ TEST(Compaction, StreamingRunStaysWithinBudget) {
   EXPECT_GT(rs.n_bytes_moved, 0);
   t.release();
   EXPECT_EQ(pool->n_free(), pool->n_blocks());
+}
+
+// H2O's selection from its definition: the `window` most recent slots stay;
+// an older slot stays when fewer than `budget` older slots rank strictly
+// before it (higher mass, or equal mass and earlier). Masses from a small
+// set of values (many exact ties), windows and budgets larger than the
+// sequence.
+TEST(RetentionSelect, H2oKeepSlotsMatchesDefinition) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int64_t n = static_cast<int64_t>(rng() % 70);
+    const int64_t budget = 1 + static_cast<int64_t>(rng() % 30);
+    const int64_t window = 1 + static_cast<int64_t>(rng() % 40);
+    std::vector<float> mass(static_cast<size_t>(n));
+    for (float& m : mass)
+      m = trial % 3 == 0 ? static_cast<float>(rng() % 4) * 0.25f : (rng() % 1000) / 7.0f;
+    const RetentionConfig c{.policy = RetentionPolicy::kH2o, .window = window, .budget = budget};
+    const std::vector<int64_t> keep = h2o_keep_slots(c, mass);
+    std::vector<int64_t> want;
+    const int64_t n_old = std::max<int64_t>(0, n - window);
+    for (int64_t i = 0; i < n; ++i) {
+      if (i >= n_old) {
+        want.push_back(i);
+        continue;
+      }
+      int64_t before = 0;
+      for (int64_t j = 0; j < n_old; ++j) {
+        const double mj = mass[static_cast<size_t>(j)], mi = mass[static_cast<size_t>(i)];
+        before += (mj > mi || (mj == mi && j < i)) ? 1 : 0;
+      }
+      if (before < budget) want.push_back(i);
+    }
+    EXPECT_EQ(keep, want) << "trial " << trial << " n " << n << " budget " << budget << " window "
+                          << window;
+    EXPECT_EQ(static_cast<int64_t>(keep.size()), std::min(n, budget + window));
+  }
+}
+
+// H2O on a table: compaction keeps h2o_keep_slots' slots with their mass and
+// positions; prompts (multi-token steps) never compact.
+TEST(Compaction, H2oCarriesMassAndPositions) {
+  auto pool = make_pool(KvDtype::kF16, 4, 256);
+  BlockTable t(*pool);
+  const RetentionConfig rc{
+      .policy = RetentionPolicy::kH2o, .window = 3, .slack = 1, .budget = 4, .obs = 0};
+  ASSERT_TRUE(t.set_retention(rc).ok());
+  append(t, 12);  // a prompt: nothing dropped
+  EXPECT_FALSE(t.compacted());
+  // Decode-time mass (what the kernels would add), then a one-token step.
+  float* m = t.key_mass(0, 12);
+  const float vals[12] = {5, 1, 9, 9, 0, 2, 7, 3, 8, 1, 1, 1};
+  std::copy(vals, vals + 12, m);
+  std::vector<std::vector<float>> before;
+  for (int64_t p = 0; p < 12; ++p) before.push_back(stored(t, 0, p));
+  append(t, 1);
+  EXPECT_TRUE(t.compacted());
+  const GroupTable& g = t.group(0);
+  // Kept: the top 4 of the older 9 (masses 9, 9, 8, 7: positions 2, 3, 8,
+  // 6), the recent 9, 10, 11, then the new 12.
+  const std::vector<int64_t> want_pos = {2, 3, 6, 8, 9, 10, 11, 12};
+  ASSERT_EQ(g.length(), static_cast<int64_t>(want_pos.size()));
+  for (size_t i = 0; i < want_pos.size(); ++i) {
+    EXPECT_EQ(g.position(static_cast<int64_t>(i)), want_pos[i]) << i;
+    if (want_pos[i] < 12) {
+      EXPECT_EQ(stored(t, 0, want_pos[i]), before[static_cast<size_t>(want_pos[i])])
+          << "position " << want_pos[i];
+    }
+  }
+  const std::span<const float> mass = t.group_mass(0);
+  const std::vector<float> want_mass = {9, 9, 7, 8, 1, 1, 1};
+  for (size_t i = 0; i < want_mass.size(); ++i) EXPECT_EQ(mass[i], want_mass[i]) << i;
+  EXPECT_EQ(t.retention_stats().n_tokens_dropped, 5);
+  pool->check_invariants();
+  t.release();
+  EXPECT_EQ(pool->n_free(), pool->n_blocks());
+}
+
+// Quest's block choice: the bound is an upper bound of every q.k in the
+// block (for every q head), and the chosen blocks are the k of highest
+// bound (ties: the earlier block), ascending.
+TEST(RetentionSelect, TopKBlocksBoundAndChoice) {
+  auto c = parse_retention("topk:k=4");
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  EXPECT_TRUE(c->is_topk());
+  EXPECT_EQ(c->topk, 4);
+  EXPECT_EQ(retention_name(*c), "topk:k=4");
+  for (const char* bad : {"topk", "topk:k=0", "topk:k=x", "topk:n=3", "topk:k=2,window=3"}) {
+    EXPECT_FALSE(parse_retention(bad).ok()) << bad;
+  }
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  const int n_q = 6, n_kv = 2, d = 8, P = 4, g = n_q / n_kv;
+  for (int trial = 0; trial < 50; ++trial) {
+    const int64_t n_full = 1 + static_cast<int64_t>(rng() % 12);
+    const int64_t k = 1 + static_cast<int64_t>(rng() % 14);
+    std::vector<float> keys(static_cast<size_t>(n_full * P * n_kv * d)), q(n_q * d);
+    for (float& x : keys) x = trial % 5 == 0 ? static_cast<float>(rng() % 3) : nd(rng);
+    for (float& x : q) x = nd(rng);
+    std::vector<float> summ(static_cast<size_t>(n_full * n_kv * 2 * d));
+    for (int64_t b = 0; b < n_full; ++b) {
+      for (int h = 0; h < n_kv; ++h) {
+        for (int ch = 0; ch < d; ++ch) {
+          float mn = INFINITY, mx = -INFINITY;
+          for (int t = 0; t < P; ++t) {
+            const float x = keys[static_cast<size_t>(((b * P + t) * n_kv + h) * d + ch)];
+            mn = std::min(mn, x);
+            mx = std::max(mx, x);
+          }
+          summ[static_cast<size_t>(((b * n_kv + h) * 2) * d + ch)] = mn;
+          summ[static_cast<size_t>(((b * n_kv + h) * 2 + 1) * d + ch)] = mx;
+        }
+      }
+    }
+    // Reference bound per block and the choice by rank.
+    std::vector<double> ub(static_cast<size_t>(n_full));
+    for (int64_t b = 0; b < n_full; ++b) {
+      double best = -INFINITY;
+      for (int h = 0; h < n_q; ++h) {
+        double bound = 0;
+        for (int ch = 0; ch < d; ++ch) {
+          const double qc = q[static_cast<size_t>(h) * d + ch];
+          bound += std::max(qc * summ[static_cast<size_t>(((b * n_kv + h / g) * 2) * d + ch)],
+                            qc * summ[static_cast<size_t>(((b * n_kv + h / g) * 2 + 1) * d + ch)]);
+        }
+        best = std::max(best, bound);
+        for (int t = 0; t < P; ++t) {  // the bound bounds every key of the block
+          double dot = 0;
+          for (int ch = 0; ch < d; ++ch) {
+            dot += double{q[static_cast<size_t>(h) * d + ch]} *
+                   keys[static_cast<size_t>(((b * P + t) * n_kv + h / g) * d + ch)];
+          }
+          EXPECT_LE(dot, bound + 1e-4);
+        }
+      }
+      ub[static_cast<size_t>(b)] = best;
+    }
+    const std::vector<int64_t> got = topk_blocks(q, n_q, n_kv, d, summ, n_full, k);
+    std::vector<int64_t> want;
+    for (int64_t b = 0; b < n_full; ++b) {
+      int64_t before = 0;
+      for (int64_t o = 0; o < n_full; ++o) {
+        // float sums: compare with the tolerance of their rounding
+        const bool higher = ub[static_cast<size_t>(o)] > ub[static_cast<size_t>(b)] + 1e-4;
+        const bool tie = std::abs(ub[static_cast<size_t>(o)] - ub[static_cast<size_t>(b)]) <= 1e-4;
+        before += (higher || (tie && o < b)) ? 1 : 0;
+      }
+      if (before < k) want.push_back(b);
+    }
+    EXPECT_EQ(got, want) << "trial " << trial;
+    EXPECT_EQ(static_cast<int64_t>(got.size()), std::min(n_full, k));
+    EXPECT_TRUE(std::is_sorted(got.begin(), got.end()));
+  }
 }
 
 TEST(Compaction, UnsupportedFormatsAreRefused) {

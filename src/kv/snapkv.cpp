@@ -30,8 +30,8 @@ void BlockTable::observe_queries(int l, int64_t pos, const float* q, int64_t n_t
   }
   o.rows.insert(o.rows.end(), q, q + n_tokens * q_dim);
   const int64_t n = static_cast<int64_t>(o.rows.size()) / q_dim;
-  if (n > retention_.window) {
-    const int64_t cut = n - retention_.window;
+  if (n > retention_.observed_rows()) {
+    const int64_t cut = n - retention_.observed_rows();
     o.rows.erase(o.rows.begin(), o.rows.begin() + cut * q_dim);
     o.start += cut;
   }
@@ -47,7 +47,7 @@ int64_t BlockTable::apply_snapkv() {
   const int64_t length = this->length();
   const int64_t q_dim = int64_t{obs_shape_.n_q_heads} * obs_shape_.head_dim;
   // Every layer must hold rows up to the committed length (the prompt's end).
-  int64_t n_obs = retention_.window;
+  int64_t n_obs = retention_.observed_rows();
   for (const ObservedQueries& o : obs) {
     const int64_t n = static_cast<int64_t>(o.rows.size()) / q_dim;
     if (n == 0 || o.start + n < length) return 0;
@@ -56,6 +56,8 @@ int64_t BlockTable::apply_snapkv() {
   if (n_obs <= 0) return 0;
   int64_t n_freed = 0;
   std::vector<float> k, v, attn;
+  const bool h2o = retention_.is_h2o();
+  if (h2o) trim_mass();
   for (GroupTable& gt : groups_) {
     const KvGroup& group = pool_->group(gt.group());
     if (group.window > 0) continue;  // windows are exact and bounded
@@ -64,7 +66,10 @@ int64_t BlockTable::apply_snapkv() {
     RetentionConfig rc = retention_;
     rc.budget =
         retention_layer_budget(retention_, group.layers.front(), pool_->groups().n_layers());
-    if (n_keys - n_obs <= rc.budget) continue;
+    if (!h2o && n_keys - n_obs <= rc.budget) continue;
+    // h2o: the observation rows' probabilities seed the slots' mass (the
+    // selection happens before each decode step, apply_retention).
+    float* mass = h2o ? mass_[static_cast<size_t>(&gt - groups_.data())].data() : nullptr;
     std::vector<uint8_t> keep(static_cast<size_t>(n_keys), 0);
     for (int64_t j = n_keys - n_obs; j < n_keys; ++j) keep[static_cast<size_t>(j)] = 1;
     bool ok = true;
@@ -129,10 +134,18 @@ int64_t BlockTable::apply_snapkv() {
         } else {
           rows(0, n_rows);
         }
-        snapkv_mark_unit(rc, attn, n_group, n_obs, n_keys, keep);
+        if (h2o) {
+          // Rows (qi, r) in order: a fixed summation order per slot.
+          for (int64_t row_i = 0; row_i < n_rows; ++row_i) {
+            const float* row = attn.data() + row_i * n_keys;
+            for (int64_t j = 0; j < n_keys; ++j) mass[j] += row[j];
+          }
+        } else {
+          snapkv_mark_unit(rc, attn, n_group, n_obs, n_keys, keep);
+        }
       }
     }
-    if (!ok) continue;
+    if (!ok || h2o) continue;
     std::vector<int64_t> slots;
     for (int64_t j = 0; j < n_keys; ++j) {
       if (keep[static_cast<size_t>(j)] != 0) slots.push_back(j);

@@ -228,6 +228,12 @@ std::string prometheus_text(const SchedulerMetrics& m, const BlockPoolStats& poo
   append_metric(out, "kvstack:kv_retention_bytes_moved_total", "counter",
                 "KV bytes retention compaction copied (moved rows, copy-on-write blocks).",
                 static_cast<double>(pool.retention.n_bytes_moved), labels);
+  append_metric(out, "kvstack:kv_topk_blocks_read_total", "counter",
+                "KV blocks decode queries read under topk (per layer).",
+                static_cast<double>(pool.retention.n_topk_blocks_read), labels);
+  append_metric(out, "kvstack:kv_topk_blocks_total", "counter",
+                "KV blocks those queries would have read without topk (per layer).",
+                static_cast<double>(pool.retention.n_topk_blocks_total), labels);
   append_metric(out, "kvstack:prefix_cache_queries_total", "counter",
                 "Prompt tokens looked up in the prefix cache.",
                 static_cast<double>(m.n_prefix_queries), labels);
@@ -535,7 +541,9 @@ void HttpServer::routes() {
                                   {"tokens_dropped", p.retention.n_tokens_dropped},
                                   {"blocks_freed", p.retention.n_blocks_freed},
                                   {"bytes_moved", p.retention.n_bytes_moved},
-                                  {"deferred", p.retention.n_deferred}};
+                                  {"deferred", p.retention.n_deferred},
+                                  {"topk_blocks_read", p.retention.n_topk_blocks_read},
+                                  {"topk_blocks_total", p.retention.n_topk_blocks_total}};
       // Per KV group (kv_groups.h): a hybrid model's full and window groups.
       json groups = json::array();
       for (const BlockPoolGroupStats& g : p.groups) {

@@ -463,14 +463,17 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const std
   if (auto it = body.find("kv_retention"); it != body.end() && !it->is_null()) {
     // {"policy": "streamingllm", "sinks": 4, "window": 1024[, "slack": 16]},
     // {"policy": "snapkv", "budget": 1024, "window": 32[, "kernel": 7]
-    // [, "gqa": "mean"]}, or the CLI's text form "streamingllm:sinks=4,window=1024".
+    // [, "gqa": "mean"]}, {"policy": "h2o", "budget": 512, "window": 512[, "slack": 16]
+    // [, "obs": 32]}, or the CLI's text form "streamingllm:sinks=4,window=1024".
     std::string spec;
     if (it->is_string()) {
       spec = it->get<std::string>();
     } else if (it->is_object()) {
       const auto pol = it->find("policy");
       if (pol == it->end() || !pol->is_string()) {
-        return bad("kv_retention", "'kv_retention' needs a string 'policy' (none, streamingllm)");
+        return bad(
+            "kv_retention",
+            "'kv_retention' needs a string 'policy' (none, streamingllm, snapkv, pyramidkv, h2o)");
       }
       spec = pol->get<std::string>();
       std::string params;

@@ -5,7 +5,9 @@ resident tokens stay within sinks + window + slack while the logical length
 grows, the freed blocks return (fewer blocks allocated and fewer pool bytes
 resident than the exact run of the same length), and the compaction totals
 reach --kv-stats. A window covering the whole sequence gives the exact
-run's tokens. Bad policies are CLI errors naming the fault.
+run's tokens. H2O compacts every layer while decoding and stays within
+budget + window + slack; a covering budget gives the exact tokens. Bad
+policies are CLI errors naming the fault.
 
 `kvstack serve`: the request field "kv_retention" (object or text form) and
 the deployment default; bad values get a 400 naming kv_retention; the
@@ -96,7 +98,46 @@ def test_pyramidkv_keeps_less_in_deeper_layers():
     assert groups[-1]["tokens_resident"] >= 6 + 8
 
 
+def test_h2o_compacts_while_decoding_and_a_covering_budget_is_exact(runs):
+    exact = runs[0]
+    res, _ = run_json("--no-prefix-cache", "--kv-retention", "h2o:budget=24,window=24")
+    r = res["kv_stats"]["retention"]
+    groups = res["kv_stats"]["groups"]
+    n_logical = res["prompt_tokens"] + res["completion_tokens"] - 1
+    # One KV group per layer; each compacts while decoding and stays within
+    # budget + window + slack (the block size, 16).
+    assert len(groups) == 30
+    assert r["compactions"] >= 30 and r["blocks_freed"] > 0 and r["bytes_moved"] > 0
+    for g in groups:
+        assert g["tokens_resident"] <= 24 + 24 + 16
+    assert sum(n_logical - g["tokens_resident"] for g in groups) == r["tokens_dropped"]
+    wide, _ = run_json("--no-prefix-cache", "--kv-retention", "h2o:budget=4096,window=64")
+    assert wide["tokens"] == exact["tokens"]
+    assert wide["kv_stats"]["retention"]["compactions"] == 0
+
+
+def test_topk_reads_fewer_blocks_and_covering_k_is_exact(runs):
+    exact = runs[0]
+    res, _ = run_json("--no-prefix-cache", "--kv-retention", "topk:k=3")
+    r = res["kv_stats"]["retention"]
+    g = res["kv_stats"]["groups"][0]
+    n_logical = res["prompt_tokens"] + res["completion_tokens"] - 1
+    # Nothing dropped: the full history stays; decode queries read 3 blocks
+    # per layer of the up to ceil(n / 16) there are.
+    assert r["compactions"] == 0 and g["tokens_resident"] == n_logical
+    assert 0 < r["topk_blocks_read"] < r["topk_blocks_total"]
+    assert r["topk_blocks_read"] <= 3 * 30 * res["completion_tokens"]
+    wide, _ = run_json("--no-prefix-cache", "--kv-retention", "topk:k=1000")
+    assert wide["tokens"] == exact["tokens"]
+    wr = wide["kv_stats"]["retention"]
+    assert wr["topk_blocks_read"] == wr["topk_blocks_total"] > 0
+
+
 @pytest.mark.parametrize("spec,msg", [
+    ("topk:k=0", "k=0 must be in [1,"),
+    ("topk", "topk takes one parameter, k=N"),
+    ("h2o:budget=8", "h2o needs budget=N (heavy hitters) and window=N"),
+    ("h2o:budget=8,window=8,kernel=3", "unknown h2o parameter 'kernel'"),
     ("lru:budget=3", "unknown policy 'lru'"),
     ("snapkv:window=8", "snapkv needs budget=N"),
     ("snapkv:budget=8,kernel=2", "kernel=2 must be odd"),
@@ -142,7 +183,9 @@ def test_server_request_field_default_stats_and_metrics():
         # A narrower window per request (object and text forms) drops more.
         for field in ({"policy": "streamingllm", "sinks": 2, "window": 16, "slack": 4},
                       "streamingllm:sinks=2,window=16",
-                      {"policy": "snapkv", "budget": 16, "window": 8, "gqa": "mean"}):
+                      {"policy": "snapkv", "budget": 16, "window": 8, "gqa": "mean"},
+                      {"policy": "h2o", "budget": 16, "window": 16, "obs": 8},
+                      {"policy": "topk", "k": 2}):
             r = requests.post(srv.base + "/v1/chat/completions",
                               json={"messages": [{"role": "user", "content": PROMPT}],
                                     "max_tokens": 60, "temperature": 0, "kv_retention": field},
@@ -151,7 +194,8 @@ def test_server_request_field_default_stats_and_metrics():
         st = srv.wait_idle()
         assert st["pool"]["retention"]["tokens_dropped"] > dropped_default
         assert st["pool"]["blocks_used"] == 0
-        for bad, msg in [({"policy": "h2o"}, "unknown policy 'h2o'"),
+        for bad, msg in [({"policy": "lru"}, "unknown policy 'lru'"),
+                         ({"policy": "h2o", "budget": 8}, "h2o needs budget=N"),
                          ({"policy": "streamingllm", "window": 0}, "window=0 must be >= 1"),
                          ({"policy": "streamingllm", "window": "8"}, "must be an integer"),
                          ({"policy": "snapkv", "budget": 8, "gqa": 1}, "must be a string"),
