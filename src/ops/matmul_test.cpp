@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <vector>
@@ -340,6 +341,45 @@ TEST(QuantizeAct, SplitLayoutScalarAndAvx2Identical) {
     EXPECT_EQ(d0[b], f16_to_f32(blocks[b].d));
     EXPECT_EQ(s0[b], f16_to_f32(blocks[b].s));
     EXPECT_EQ(0, std::memcmp(blocks[b].qs, q0.data() + b * 32, 32));
+  }
+}
+
+// quantize_row_q8_K's AVX2 path against the scalar reference, bit for bit
+// (d, every q and every bsum), on random rows with outliers, a zero block,
+// blocks whose largest |x| repeats with either sign (the first one wins), a
+// block holding NaNs and one holding an infinity (both handled like the
+// scalar code: NaNs are skipped, a non-finite max goes to the scalar code).
+TEST(QuantizeAct, Q8_KScalarAndAvx2Identical) {
+  if (!cpu_features().avx2) GTEST_SKIP() << "no AVX2";
+  for (int64_t nb : {1, 2, 3, 7}) {
+    const int64_t n = 256 * nb;
+    auto x = random_acts(n, static_cast<uint32_t>(40 + nb));
+    if (nb >= 2) std::fill(x.begin() + 256, x.begin() + 512, 0.f);
+    if (nb >= 3) {
+      x[512 + 9] = 5.f;  // tie of |x| = 5: the first one (negative here) wins
+      x[512 + 3] = -5.f;
+      x[512 + 200] = 5.f;
+    }
+    if (nb >= 7) {
+      x[768 + 17] = std::nanf("");
+      x[768 + 100] = -std::nanf("");
+      x[1024 + 50] = std::numeric_limits<float>::infinity();
+      for (int j = 0; j < 256; ++j) x[1280 + j] = 1e-42f * static_cast<float>(j - 128);
+    }
+    std::vector<BlockQ8_K> a(nb), b(nb);
+    std::memset(a.data(), 0x5a, sizeof(BlockQ8_K) * nb);
+    std::memset(b.data(), 0x5a, sizeof(BlockQ8_K) * nb);
+    {
+      IsaGuard g(Isa::kScalar);
+      quantize_row_q8_K(x.data(), a.data(), n);
+    }
+    {
+      IsaGuard g(Isa::kAvx2);
+      quantize_row_q8_K(x.data(), b.data(), n);
+    }
+    for (int64_t k = 0; k < nb; ++k) {
+      EXPECT_EQ(0, std::memcmp(&a[k], &b[k], sizeof(BlockQ8_K))) << "nb " << nb << " block " << k;
+    }
   }
 }
 
