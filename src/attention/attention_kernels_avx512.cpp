@@ -591,20 +591,6 @@ PvFn pv_fn(int sg) {
   }
 }
 
-// Block base offset and slot of positions [t0, t0 + n) (block table walk).
-inline void chunk_slots(const TileArgs& a, int32_t t0, int n, int64_t* base, int32_t* slot) {
-  int32_t blk = t0 / a.block_size;
-  int32_t off = t0 % a.block_size;
-  for (int j = 0; j < n; ++j) {
-    base[j] = a.block_table[blk] * a.block_stride;
-    slot[j] = off;
-    if (++off == a.block_size) {
-      off = 0;
-      ++blk;
-    }
-  }
-}
-
 // Row and (per-row) metadata addresses of the chunk's keys in one stream of
 // KV head hh.
 inline void stream_rows(const HeadStream& s, int hh, const int64_t* base, const int32_t* slot,
