@@ -367,8 +367,6 @@ TEST(QuantizeAct, Q8_KScalarAndAvx2Identical) {
       for (int j = 0; j < 256; ++j) x[1280 + j] = 1e-42f * static_cast<float>(j - 128);
     }
     std::vector<BlockQ8_K> a(nb), b(nb);
-    std::memset(a.data(), 0x5a, sizeof(BlockQ8_K) * nb);
-    std::memset(b.data(), 0x5a, sizeof(BlockQ8_K) * nb);
     {
       IsaGuard g(Isa::kScalar);
       quantize_row_q8_K(x.data(), a.data(), n);
@@ -378,7 +376,10 @@ TEST(QuantizeAct, Q8_KScalarAndAvx2Identical) {
       quantize_row_q8_K(x.data(), b.data(), n);
     }
     for (int64_t k = 0; k < nb; ++k) {
-      EXPECT_EQ(0, std::memcmp(&a[k], &b[k], sizeof(BlockQ8_K))) << "nb " << nb << " block " << k;
+      SCOPED_TRACE(testing::Message() << "nb " << nb << " block " << k);
+      EXPECT_EQ(std::bit_cast<uint32_t>(a[k].d), std::bit_cast<uint32_t>(b[k].d));
+      EXPECT_EQ(0, std::memcmp(a[k].qs, b[k].qs, sizeof(a[k].qs)));
+      EXPECT_EQ(0, std::memcmp(a[k].bsums, b[k].bsums, sizeof(a[k].bsums)));
     }
   }
 }
