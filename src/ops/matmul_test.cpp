@@ -321,19 +321,39 @@ TEST(QuantizeAct, SplitLayoutScalarAndAvx2Identical) {
   auto x = random_acts(n, 7);
   x[64] = 0.f;  // keep one all-zero block
   for (int j = 64; j < 96; ++j) x[j] = 0.f;
+  // Scales at the ends of f16's range: subnormal d (amax < 127 * 2^-14),
+  // d below f16's smallest subnormal, d that overflows to infinity (amax > 127 * 65504), and blocks
+  // whose d * sum(q) over- or underflows.
+  const float amax_of_block[] = {1e-3f, 1e-6f, 3e-8f, 8.4e6f, 1e9f, 3e5f, 2e-5f};
+  for (int k = 0; k < 7; ++k) {
+    for (int j = 0; j < 32; ++j) {
+      x[(4 + k) * 32 + j] = amax_of_block[k] * (j % 3 == 0 ? 1.f : 0.3f + 0.01f * j);
+    }
+  }
   std::vector<int8_t> q0(n), q1(n);
   std::vector<float> d0(n / 32), d1(n / 32), s0(n / 32), s1(n / 32);
+  std::vector<int32_t> sum0(n / 32), sum1(n / 32, -1);
   {
     IsaGuard g(Isa::kScalar);
-    quantize_act_q8(x.data(), q0.data(), d0.data(), s0.data(), n);
+    quantize_act_q8(x.data(), q0.data(), d0.data(), s0.data(), n, sum0.data());
   }
   {
     IsaGuard g(Isa::kAvx2);
-    quantize_act_q8(x.data(), q1.data(), d1.data(), s1.data(), n);
+    quantize_act_q8(x.data(), q1.data(), d1.data(), s1.data(), n, sum1.data());
   }
   EXPECT_EQ(q0, q1);
   EXPECT_EQ(d0, d1);
   EXPECT_EQ(s0, s1);
+  EXPECT_EQ(sum0, sum1);
+  EXPECT_TRUE(std::isinf(d0[4 + 4])) << "block 8's d overflows f16";
+  EXPECT_GT(d0[4], 0.f);
+  EXPECT_LT(d0[4], 6.2e-5f) << "block 4's d is an f16 subnormal";
+  EXPECT_EQ(d0[4 + 1], 0.f) << "block 5's d underflows f16";
+  for (int64_t b = 0; b < n / 32; ++b) {
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) sum += q0[b * 32 + j];
+    ASSERT_EQ(sum0[b], sum) << "block " << b;
+  }
   // And the split layout agrees with the ggml block layout.
   std::vector<BlockQ8_1> blocks(n / 32);
   quantize_row_q8_1(x.data(), blocks.data(), n);

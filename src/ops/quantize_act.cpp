@@ -34,12 +34,18 @@ inline void quantize_block32_scalar(const float* x, int8_t* q, uint16_t* d16, ui
   *s16 = f32_to_f16(d * static_cast<float>(sum));
 }
 
-void quantize_act_q8_scalar(const float* x, int8_t* qs, float* d, float* s, int64_t n) {
+void quantize_act_q8_scalar(const float* x, int8_t* qs, float* d, float* s, int32_t* qsum,
+                            int64_t n) {
   for (int64_t b = 0; b < n / kQK; ++b) {
     uint16_t d16, s16;
     quantize_block32_scalar(x + b * kQK, qs + b * kQK, &d16, &s16);
     d[b] = f16_to_f32(d16);
     if (s) s[b] = f16_to_f32(s16);
+    if (qsum) {
+      int32_t sum = 0;
+      for (int j = 0; j < kQK; ++j) sum += qs[b * kQK + j];
+      qsum[b] = sum;
+    }
   }
 }
 
@@ -79,13 +85,23 @@ __attribute__((target("avx2,fma,f16c"))) inline float quantize_block32_avx2(cons
   return d;
 }
 
+// f16_to_f32(f32_to_f16(v)) by F16C: the same round to nearest even,
+// subnormals and overflow to infinity; NaNs (whose payload bits the two
+// conversions treat differently) take the software conversion.
+__attribute__((target("avx2,fma,f16c"))) inline float round_f16(float v) {
+  if (std::isnan(v)) return f16_to_f32(f32_to_f16(v));
+  return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
 __attribute__((target("avx2,fma,f16c"))) void quantize_act_q8_avx2(const float* x, int8_t* qs,
-                                                                   float* d, float* s, int64_t n) {
+                                                                   float* d, float* s,
+                                                                   int32_t* qsum, int64_t n) {
   for (int64_t b = 0; b < n / kQK; ++b) {
     int sum = 0;
     const float db = quantize_block32_avx2(x + b * kQK, qs + b * kQK, &sum);
-    d[b] = f16_to_f32(f32_to_f16(db));
-    if (s) s[b] = f16_to_f32(f32_to_f16(db * static_cast<float>(sum)));
+    d[b] = round_f16(db);
+    if (s) s[b] = round_f16(db * static_cast<float>(sum));
+    if (qsum) qsum[b] = sum;
   }
 }
 #endif
@@ -210,11 +226,11 @@ void quantize_row_q8_K(const float* x, BlockQ8_K* y, int64_t n) {
   for (int64_t b = 0; b < n / kQK_K; ++b) quantize_block_q8_K_scalar(x + b * kQK_K, y[b]);
 }
 
-void quantize_act_q8(const float* x, int8_t* qs, float* d, float* s, int64_t n) {
+void quantize_act_q8(const float* x, int8_t* qs, float* d, float* s, int64_t n, int32_t* qsum) {
 #if defined(__x86_64__)
-  if (best_isa() >= Isa::kAvx2) return quantize_act_q8_avx2(x, qs, d, s, n);
+  if (best_isa() >= Isa::kAvx2) return quantize_act_q8_avx2(x, qs, d, s, qsum, n);
 #endif
-  quantize_act_q8_scalar(x, qs, d, s, n);
+  quantize_act_q8_scalar(x, qs, d, s, qsum, n);
 }
 
 }  // namespace kvstack
