@@ -5,11 +5,13 @@
 //
 // q . K: the query (times the attention scale) is rounded to q^, int8 codes
 // per group of 32 elements (round_query_int8, as the int4 AVX2 path does).
-// Sixteen keys at a time, each key's code row is loaded 64 bytes at a time
-// (int8: 64 codes; int4: 32 code bytes split into low and high nibbles) and
-// the 16 x 16 dwords are transposed, so that lane j of dword vector c holds
-// bytes 4c..4c+3 of key j; vpdpbusd with q^'s dword c broadcast then gives
-// every key's group dot in its own lane, with no horizontal sums. int8 codes
+// Sixteen keys at a time, each key's code row is loaded 64 codes at a time
+// and transposed, so that lane j of dword vector c holds codes 4c..4c+3 (in
+// the query's packed order) of key j (int8: 64 code bytes, a 16 x 16 dword
+// transpose; int4: the 32 code bytes as 16 x 8 dwords, split into low and
+// high nibbles after the transpose); vpdpbusd with q^'s dword c broadcast
+// then gives every key's group dot in its own lane, with no horizontal
+// sums. int8 codes
 // are signed, so they are offset by 128 (xor 0x80) into vpdpbusd's unsigned
 // operand and 128 * sum(q^ codes) is taken off once per query; int4 codes are
 // unsigned already and their group minimum enters through sum(q^) as in the
