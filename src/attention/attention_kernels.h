@@ -104,6 +104,11 @@ inline const uint8_t* stream_meta(const TileArgs& a, const HeadStream& s, int32_
          (t % a.block_size) / s.meta_group * s.meta_slot_stride;
 }
 
+// Block base offset (bytes, base[j]) and slot (slot[j]) of logical positions
+// [t0, t0 + n): a block table walk shared by the SIMD kernels (defined in a
+// TU without ISA flags, attention_kernels_scalar.cpp).
+void chunk_slots(const TileArgs& a, int32_t t0, int n, int64_t* base, int32_t* slot);
+
 // Streams of KV head h of a view (K and V each in their own format; a KIVI
 // K gets its key-group metadata records).
 HeadStream k_stream(const PagedKvLayerView& kv, int h);

@@ -848,20 +848,6 @@ DecodeFns decode_table(KvDtype t) {
   });
 }
 
-// Block base offset and slot of positions [t0, t0 + n) (block table walk).
-inline void chunk_slots(const TileArgs& a, int32_t t0, int n, int64_t* base, int32_t* slot) {
-  int32_t blk = t0 / a.block_size;
-  int32_t off = t0 % a.block_size;
-  for (int j = 0; j < n; ++j) {
-    base[j] = a.block_table[blk] * a.block_stride;
-    slot[j] = off;
-    if (++off == a.block_size) {
-      off = 0;
-      ++blk;
-    }
-  }
-}
-
 inline void stream_rows(const HeadStream& s, int hh, const int64_t* base, const int32_t* slot,
                         int n, const uint8_t** rows, const uint8_t** metas) {
   const uint8_t* data = s.data + hh * s.head_stride;

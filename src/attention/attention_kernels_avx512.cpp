@@ -5,11 +5,13 @@
 //
 // q . K: the query (times the attention scale) is rounded to q^, int8 codes
 // per group of 32 elements (round_query_int8, as the int4 AVX2 path does).
-// Sixteen keys at a time, each key's code row is loaded 64 bytes at a time
-// (int8: 64 codes; int4: 32 code bytes split into low and high nibbles) and
-// the 16 x 16 dwords are transposed, so that lane j of dword vector c holds
-// bytes 4c..4c+3 of key j; vpdpbusd with q^'s dword c broadcast then gives
-// every key's group dot in its own lane, with no horizontal sums. int8 codes
+// Sixteen keys at a time, each key's code row is loaded 64 codes at a time
+// and transposed, so that lane j of dword vector c holds codes 4c..4c+3 (in
+// the query's packed order) of key j (int8: 64 code bytes, a 16 x 16 dword
+// transpose; int4: the 32 code bytes as 16 x 8 dwords, split into low and
+// high nibbles after the transpose); vpdpbusd with q^'s dword c broadcast
+// then gives every key's group dot in its own lane, with no horizontal
+// sums. int8 codes
 // are signed, so they are offset by 128 (xor 0x80) into vpdpbusd's unsigned
 // operand and 128 * sum(q^ codes) is taken off once per query; int4 codes are
 // unsigned already and their group minimum enters through sum(q^) as in the
@@ -170,13 +172,17 @@ struct PackedQuery {
   float* corr;    // [1]
 };
 
-// int4 keys' byte order within a 64-element block (int4_block): the 32
-// code bytes of groups (2b, 2b + 1) split as [low nibbles of group 2b, of
-// 2b + 1, high nibbles of 2b, of 2b + 1], 16 each; int4_position(r) is the
-// byte position of block-relative element r (0..63).
+// int4 keys' code order within a 64-element block (qk16): a block is 32
+// code bytes, byte i of 32-element group g holding elements 32g + i (low
+// nibble) and 32g + 16 + i (high nibble), i < 16. qk16 transposes the bytes
+// as dwords (dword k = bytes 4k..4k+3, k < 8) and then splits the nibbles,
+// so its code vector c = 2k + u holds the low (u = 0) or high (u = 1)
+// nibbles of dword k; int4_position(r) is the position of block-relative
+// element r (0..63) in that order (4 c + byte within the dword).
 inline int int4_position(int r) {
-  const int lane = (r / 32) | (r % 32 / 16) << 1;
-  return 16 * lane + r % 16;
+  const int g = r / 32, i = r % 16, u = r % 32 / 16;
+  const int k = 4 * g + i / 4;
+  return 4 * (2 * k + u) + i % 4;
 }
 
 void pack_query(const float* qs, int d, bool int4_order, PackedQuery q) {
@@ -249,14 +255,53 @@ KV_AVX512 void gather_meta(const uint8_t* const* metas0, int64_t off, int n, int
   }
 }
 
-// Code bytes of block b of an int4 row (64 elements, 32 bytes) in
-// int4_position order, one nibble per byte.
-KV_AVX512 inline __m512i int4_block(const uint8_t* row, int b) {
-  const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b));
-  const __m256i m = _mm256_set1_epi8(0x0f);
-  const __m256i lo = _mm256_and_si256(c, m);
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+// Transposes rows r[i] = [key i | key i + 8] (8 dwords in each 256-bit
+// half) so that out[k] lane j = dword k of key j (the transpose of
+// ops/matmul_avx512.cpp's weight panels).
+KV_AVX512 inline void transpose16x8(const __m512i* r, __m512i* out) {
+  __m512i t[8], s[8];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {  // rows 0..3, then 4..7
+    const __m512i* th = t + 4 * h;
+    s[4 * h + 0] = _mm512_unpacklo_epi64(th[0], th[2]);  // k = 0 | 4
+    s[4 * h + 1] = _mm512_unpackhi_epi64(th[0], th[2]);  // k = 1 | 5
+    s[4 * h + 2] = _mm512_unpacklo_epi64(th[1], th[3]);  // k = 2 | 6
+    s[4 * h + 3] = _mm512_unpackhi_epi64(th[1], th[3]);  // k = 3 | 7
+  }
+  const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+  const __m512i hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    out[k] = _mm512_permutex2var_epi64(s[k], lo, s[4 + k]);
+    out[k + 4] = _mm512_permutex2var_epi64(s[k], hi, s[4 + k]);
+  }
+}
+
+// r[c] (c < 16), lane j: the int4 codes of block b of key j (rows at
+// kp[j] + koff) at int4_position order positions 4c..4c+3, one per byte.
+// The 32 packed code bytes are transposed as 8 dwords first and split into
+// nibbles after, so each nibble split serves 16 keys.
+KV_AVX512 inline void int4_blocks16(const uint8_t* const* kp, int64_t koff, int b, __m512i* r) {
+  __m512i rows[8], t[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp[i] + koff + 32 * b));
+    const __m256i c =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp[i + 8] + koff + 32 * b));
+    rows[i] = _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1);
+  }
+  transpose16x8(rows, t);
+  const __m512i m = _mm512_set1_epi8(0x0f);
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    r[2 * k] = _mm512_and_si512(t[k], m);
+    r[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(t[k], 4), m);
+  }
 }
 
 // s[h * kChunk + j0 + j] = q^[h] . K_{j0 + j} for 16 keys (kp[j0 ..]
@@ -275,13 +320,11 @@ KV_AVX512 void qk16(const PackedQuery* q, int d, const uint8_t* const* kp, int64
 #pragma GCC unroll 16
       for (int x = 0; x < 16; ++x)
         r[x] = _mm512_xor_si512(_mm512_loadu_si512(kp[x] + koff + 64 * b), off);
+      transpose16x16(r);
     } else {
-#pragma GCC unroll 16
-      for (int x = 0; x < 16; ++x) r[x] = int4_block(kp[x] + koff, b);
+      int4_blocks16(kp, koff, b, r);
     }
-    transpose16x16(r);
-    // int8: dwords 0..7 are group 2b, 8..15 group 2b + 1. int4: dwords 4L..4L+3
-    // are group 2b + (L & 1).
+    // Code vectors 0..7 are group 2b, 8..15 group 2b + 1 (both formats).
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
       __m512i ia[SG];
@@ -289,7 +332,7 @@ KV_AVX512 void qk16(const PackedQuery* q, int d, const uint8_t* const* kp, int64
       for (int h = 0; h < SG; ++h) ia[h] = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int k = 0; k < 8; ++k) {
-        const int c = F == KvDtype::kInt8 ? 8 * half + k : (k / 4 * 2 + half) * 4 + k % 4;
+        const int c = 8 * half + k;
 #pragma GCC unroll 4
         for (int h = 0; h < SG; ++h) {
           ia[h] = _mm512_dpbusd_epi32(ia[h], r[c],
@@ -589,20 +632,6 @@ PvFn pv_fn(int sg) {
       return pv_chunk<F, 3>;
     default:
       return pv_chunk<F, 4>;
-  }
-}
-
-// Block base offset and slot of positions [t0, t0 + n) (block table walk).
-inline void chunk_slots(const TileArgs& a, int32_t t0, int n, int64_t* base, int32_t* slot) {
-  int32_t blk = t0 / a.block_size;
-  int32_t off = t0 % a.block_size;
-  for (int j = 0; j < n; ++j) {
-    base[j] = a.block_table[blk] * a.block_stride;
-    slot[j] = off;
-    if (++off == a.block_size) {
-      off = 0;
-      ++blk;
-    }
   }
 }
 

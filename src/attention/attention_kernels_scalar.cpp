@@ -19,6 +19,19 @@ ScratchBuffer& thread_scratch() {
   return scratch;
 }
 
+void chunk_slots(const TileArgs& a, int32_t t0, int n, int64_t* base, int32_t* slot) {
+  int32_t blk = t0 / a.block_size;
+  int32_t off = t0 % a.block_size;
+  for (int j = 0; j < n; ++j) {
+    base[j] = a.block_table[blk] * a.block_stride;
+    slot[j] = off;
+    if (++off == a.block_size) {
+      off = 0;
+      ++blk;
+    }
+  }
+}
+
 void tile_scalar(const TileArgs& a) {
   const int d = a.head_dim;
   const int n_vec = a.n_rows * a.group;

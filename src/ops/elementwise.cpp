@@ -229,10 +229,8 @@ const std::vector<uint16_t>& gelu_f16_table() {
   return table;
 }
 
-}  // namespace
-
-void geglu(const float* gate, const float* up, float* out, int64_t n) {
-  const uint16_t* table = gelu_f16_table().data();
+void geglu_scalar(const uint16_t* table, const float* gate, const float* up, float* out,
+                  int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
     if (g <= -10.0f) {
@@ -243,6 +241,53 @@ void geglu(const float* gate, const float* up, float* out, int64_t n) {
       out[i] = f16_to_f32(table[f32_to_f16(g)]) * up[i];
     }
   }
+}
+
+#if defined(__x86_64__)
+// 8 lanes of geglu_scalar, bit for bit: F16C's float -> f16 conversion rounds
+// to nearest even like f32_to_f16 (subnormals included), the table is read by
+// a masked gather (lanes outside (-10, 10) read nothing), and the product is
+// one rounded multiply. A block with a NaN gate goes through the scalar code
+// (its comparisons and NaN payloads are the scalar function's).
+KV_AVX2 void geglu_avx2(const uint16_t* table, const float* gate, const float* up, float* out,
+                        int64_t n) {
+  const __m256 lo = _mm256_set1_ps(-10.0f), hi = _mm256_set1_ps(10.0f);
+  const int* table32 = reinterpret_cast<const int*>(table);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 u = _mm256_loadu_ps(up + i);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(g, g, _CMP_UNORD_Q)) != 0) {
+      geglu_scalar(table, gate + i, up + i, out + i, 8);
+      continue;
+    }
+    const __m256 mid =
+        _mm256_and_ps(_mm256_cmp_ps(g, lo, _CMP_GT_OQ), _mm256_cmp_ps(g, hi, _CMP_LT_OQ));
+    const __m256 big = _mm256_cmp_ps(g, hi, _CMP_GE_OQ);
+    const __m256i h = _mm256_cvtepu16_epi32(_mm256_cvtps_ph(g, _MM_FROUND_TO_NEAREST_INT));
+    // Two bytes past an index are read too; every index used (|value| < 10)
+    // lies well inside the 65536-entry table.
+    const __m256i t = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), table32, h,
+                                                  _mm256_castps_si256(mid), 2);
+    const __m128i t16 = _mm256_castsi256_si128(_mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(t, _mm256_set1_epi32(0xffff)), _mm256_setzero_si256()),
+        0x08));
+    const __m256 gelu = _mm256_blendv_ps(_mm256_cvtph_ps(t16), g, big);
+    // Gates <= -10 give +0 whatever up holds (as the scalar code stores 0).
+    _mm256_storeu_ps(out + i, _mm256_and_ps(_mm256_mul_ps(gelu, u), _mm256_or_ps(mid, big)));
+  }
+  geglu_scalar(table, gate + i, up + i, out + i, n - i);
+}
+#endif
+
+}  // namespace
+
+void geglu(const float* gate, const float* up, float* out, int64_t n) {
+  const uint16_t* table = gelu_f16_table().data();
+#if defined(__x86_64__)
+  if (best_isa() >= Isa::kAvx2) return geglu_avx2(table, gate, up, out, n);
+#endif
+  geglu_scalar(table, gate, up, out, n);
 }
 
 void add(const float* a, const float* b, float* out, int64_t n) {

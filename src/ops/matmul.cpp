@@ -92,12 +92,8 @@ PreparedAct prepare(ActKind kind, const float* x, int64_t m, int64_t n_in, Threa
       int32_t* qsum = grow(ws.qsum, static_cast<size_t>(m * nb));
       for_rows(m, pool, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
-          quantize_act_q8(x + r * n_in, qs + r * n_in, d + r * nb, s ? s + r * nb : nullptr, n_in);
-          for (int64_t b = r * nb; b < (r + 1) * nb; ++b) {
-            int32_t sum = 0;
-            for (int j = 0; j < kQK; ++j) sum += qs[b * kQK + j];
-            qsum[b] = sum;
-          }
+          quantize_act_q8(x + r * n_in, qs + r * n_in, d + r * nb, s ? s + r * nb : nullptr, n_in,
+                          qsum + r * nb);
           if (ds == nullptr) continue;
           for (int64_t b = r * nb; b < (r + 1) * nb; ++b) {
             ds[2 * b] = d[b];

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <vector>
@@ -320,19 +321,39 @@ TEST(QuantizeAct, SplitLayoutScalarAndAvx2Identical) {
   auto x = random_acts(n, 7);
   x[64] = 0.f;  // keep one all-zero block
   for (int j = 64; j < 96; ++j) x[j] = 0.f;
+  // Scales at the ends of f16's range: subnormal d (amax < 127 * 2^-14),
+  // d below f16's smallest subnormal, d that overflows to infinity (amax > 127 * 65504), and blocks
+  // whose d * sum(q) over- or underflows.
+  const float amax_of_block[] = {1e-3f, 1e-6f, 3e-8f, 8.4e6f, 1e9f, 3e5f, 2e-5f};
+  for (int k = 0; k < 7; ++k) {
+    for (int j = 0; j < 32; ++j) {
+      x[(4 + k) * 32 + j] = amax_of_block[k] * (j % 3 == 0 ? 1.f : 0.3f + 0.01f * j);
+    }
+  }
   std::vector<int8_t> q0(n), q1(n);
   std::vector<float> d0(n / 32), d1(n / 32), s0(n / 32), s1(n / 32);
+  std::vector<int32_t> sum0(n / 32), sum1(n / 32, -1);
   {
     IsaGuard g(Isa::kScalar);
-    quantize_act_q8(x.data(), q0.data(), d0.data(), s0.data(), n);
+    quantize_act_q8(x.data(), q0.data(), d0.data(), s0.data(), n, sum0.data());
   }
   {
     IsaGuard g(Isa::kAvx2);
-    quantize_act_q8(x.data(), q1.data(), d1.data(), s1.data(), n);
+    quantize_act_q8(x.data(), q1.data(), d1.data(), s1.data(), n, sum1.data());
   }
   EXPECT_EQ(q0, q1);
   EXPECT_EQ(d0, d1);
   EXPECT_EQ(s0, s1);
+  EXPECT_EQ(sum0, sum1);
+  EXPECT_TRUE(std::isinf(d0[4 + 4])) << "block 8's d overflows f16";
+  EXPECT_GT(d0[4], 0.f);
+  EXPECT_LT(d0[4], 6.2e-5f) << "block 4's d is an f16 subnormal";
+  EXPECT_EQ(d0[4 + 1], 0.f) << "block 5's d underflows f16";
+  for (int64_t b = 0; b < n / 32; ++b) {
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) sum += q0[b * 32 + j];
+    ASSERT_EQ(sum0[b], sum) << "block " << b;
+  }
   // And the split layout agrees with the ggml block layout.
   std::vector<BlockQ8_1> blocks(n / 32);
   quantize_row_q8_1(x.data(), blocks.data(), n);
@@ -340,6 +361,46 @@ TEST(QuantizeAct, SplitLayoutScalarAndAvx2Identical) {
     EXPECT_EQ(d0[b], f16_to_f32(blocks[b].d));
     EXPECT_EQ(s0[b], f16_to_f32(blocks[b].s));
     EXPECT_EQ(0, std::memcmp(blocks[b].qs, q0.data() + b * 32, 32));
+  }
+}
+
+// quantize_row_q8_K's AVX2 path against the scalar reference, bit for bit
+// (d, every q and every bsum), on random rows with outliers, a zero block,
+// blocks whose largest |x| repeats with either sign (the first one wins), a
+// block holding NaNs and one holding an infinity (both handled like the
+// scalar code: NaNs are skipped, a non-finite max goes to the scalar code).
+TEST(QuantizeAct, Q8_KScalarAndAvx2Identical) {
+  if (!cpu_features().avx2) GTEST_SKIP() << "no AVX2";
+  for (int64_t nb : {1, 2, 3, 7}) {
+    const int64_t n = 256 * nb;
+    auto x = random_acts(n, static_cast<uint32_t>(40 + nb));
+    if (nb >= 2) std::fill(x.begin() + 256, x.begin() + 512, 0.f);
+    if (nb >= 3) {
+      x[512 + 9] = 5.f;  // tie of |x| = 5: the first one (negative here) wins
+      x[512 + 3] = -5.f;
+      x[512 + 200] = 5.f;
+    }
+    if (nb >= 7) {
+      x[768 + 17] = std::nanf("");
+      x[768 + 100] = -std::nanf("");
+      x[1024 + 50] = std::numeric_limits<float>::infinity();
+      for (int j = 0; j < 256; ++j) x[1280 + j] = 1e-42f * static_cast<float>(j - 128);
+    }
+    std::vector<BlockQ8_K> a(nb), b(nb);
+    {
+      IsaGuard g(Isa::kScalar);
+      quantize_row_q8_K(x.data(), a.data(), n);
+    }
+    {
+      IsaGuard g(Isa::kAvx2);
+      quantize_row_q8_K(x.data(), b.data(), n);
+    }
+    for (int64_t k = 0; k < nb; ++k) {
+      SCOPED_TRACE(testing::Message() << "nb " << nb << " block " << k);
+      EXPECT_EQ(std::bit_cast<uint32_t>(a[k].d), std::bit_cast<uint32_t>(b[k].d));
+      EXPECT_EQ(0, std::memcmp(a[k].qs, b[k].qs, sizeof(a[k].qs)));
+      EXPECT_EQ(0, std::memcmp(a[k].bsums, b[k].bsums, sizeof(a[k].bsums)));
+    }
   }
 }
 

@@ -34,12 +34,18 @@ inline void quantize_block32_scalar(const float* x, int8_t* q, uint16_t* d16, ui
   *s16 = f32_to_f16(d * static_cast<float>(sum));
 }
 
-void quantize_act_q8_scalar(const float* x, int8_t* qs, float* d, float* s, int64_t n) {
+void quantize_act_q8_scalar(const float* x, int8_t* qs, float* d, float* s, int32_t* qsum,
+                            int64_t n) {
   for (int64_t b = 0; b < n / kQK; ++b) {
     uint16_t d16, s16;
     quantize_block32_scalar(x + b * kQK, qs + b * kQK, &d16, &s16);
     d[b] = f16_to_f32(d16);
     if (s) s[b] = f16_to_f32(s16);
+    if (qsum) {
+      int32_t sum = 0;
+      for (int j = 0; j < kQK; ++j) sum += qs[b * kQK + j];
+      qsum[b] = sum;
+    }
   }
 }
 
@@ -79,13 +85,23 @@ __attribute__((target("avx2,fma,f16c"))) inline float quantize_block32_avx2(cons
   return d;
 }
 
+// f16_to_f32(f32_to_f16(v)) by F16C: the same round to nearest even,
+// subnormals and overflow to infinity; NaNs (whose payload bits the two
+// conversions treat differently) take the software conversion.
+__attribute__((target("avx2,fma,f16c"))) inline float round_f16(float v) {
+  if (std::isnan(v)) return f16_to_f32(f32_to_f16(v));
+  return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
 __attribute__((target("avx2,fma,f16c"))) void quantize_act_q8_avx2(const float* x, int8_t* qs,
-                                                                   float* d, float* s, int64_t n) {
+                                                                   float* d, float* s,
+                                                                   int32_t* qsum, int64_t n) {
   for (int64_t b = 0; b < n / kQK; ++b) {
     int sum = 0;
     const float db = quantize_block32_avx2(x + b * kQK, qs + b * kQK, &sum);
-    d[b] = f16_to_f32(f32_to_f16(db));
-    if (s) s[b] = f16_to_f32(f32_to_f16(db * static_cast<float>(sum)));
+    d[b] = round_f16(db);
+    if (s) s[b] = round_f16(db * static_cast<float>(sum));
+    if (qsum) qsum[b] = sum;
   }
 }
 #endif
@@ -105,42 +121,116 @@ void quantize_row_q8_1(const float* x, BlockQ8_1* y, int64_t n) {
   }
 }
 
-void quantize_row_q8_K(const float* x, BlockQ8_K* y, int64_t n) {
-  for (int64_t b = 0; b < n / kQK_K; ++b, x += kQK_K) {
-    BlockQ8_K& out = y[b];
-    float max = 0.f, amax = 0.f;
-    for (int j = 0; j < kQK_K; ++j) {
-      const float ax = std::fabs(x[j]);
-      if (ax > amax) {
-        amax = ax;
-        max = x[j];
-      }
+namespace {
+
+// One q8_K super-block (256 values), the reference.
+void quantize_block_q8_K_scalar(const float* x, BlockQ8_K& out) {
+  float max = 0.f, amax = 0.f;
+  for (int j = 0; j < kQK_K; ++j) {
+    const float ax = std::fabs(x[j]);
+    if (ax > amax) {
+      amax = ax;
+      max = x[j];
     }
-    if (amax == 0.f) {
-      out.d = 0.f;
-      std::memset(out.qs, 0, sizeof(out.qs));
-      std::memset(out.bsums, 0, sizeof(out.bsums));
-      continue;
-    }
-    const float iscale = -127.f / max;
-    for (int j = 0; j < kQK_K; ++j) {
-      const int v = static_cast<int>(std::nearbyint(iscale * x[j]));
-      out.qs[j] = static_cast<int8_t>(v > 127 ? 127 : v);
-    }
-    for (int g = 0; g < kQK_K / 16; ++g) {
-      int sum = 0;
-      for (int j = 0; j < 16; ++j) sum += out.qs[g * 16 + j];
-      out.bsums[g] = static_cast<int16_t>(sum);
-    }
-    out.d = 1.f / iscale;
   }
+  if (amax == 0.f) {
+    out.d = 0.f;
+    std::memset(out.qs, 0, sizeof(out.qs));
+    std::memset(out.bsums, 0, sizeof(out.bsums));
+    return;
+  }
+  const float iscale = -127.f / max;
+  for (int j = 0; j < kQK_K; ++j) {
+    const int v = static_cast<int>(std::nearbyint(iscale * x[j]));
+    out.qs[j] = static_cast<int8_t>(v > 127 ? 127 : v);
+  }
+  for (int g = 0; g < kQK_K / 16; ++g) {
+    int sum = 0;
+    for (int j = 0; j < 16; ++j) sum += out.qs[g * 16 + j];
+    out.bsums[g] = static_cast<int16_t>(sum);
+  }
+  out.d = 1.f / iscale;
 }
 
-void quantize_act_q8(const float* x, int8_t* qs, float* d, float* s, int64_t n) {
 #if defined(__x86_64__)
-  if (best_isa() >= Isa::kAvx2) return quantize_act_q8_avx2(x, qs, d, s, n);
+// quantize_block_q8_K_scalar in 8 lanes, bit for bit: the same max (the
+// first element of largest |x|; NaNs are skipped by both), the same rounded
+// product iscale * x, half-to-even rounding and clamp, the same sums.
+__attribute__((target("avx2,fma,f16c"))) void quantize_block_q8_K_avx2(const float* x,
+                                                                       BlockQ8_K& out) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  for (int j = 0; j < kQK_K; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    mx = _mm256_max_ps(_mm256_and_ps(v, abs_mask), mx);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  // Zero, non-finite and NaN-holding blocks, and blocks so small that
+  // -127 / max overflows, are the scalar code's (there NaN or infinite
+  // products meet a float -> int conversion whose result only the scalar
+  // code defines).
+  if (amax == 0.f || !std::isfinite(amax) || _mm256_movemask_ps(nan) != 0 ||
+      !std::isfinite(-127.f / amax)) {
+    return quantize_block_q8_K_scalar(x, out);
+  }
+  const __m256 vmax = _mm256_set1_ps(amax);
+  float max = 0.f;
+  for (int j = 0; j < kQK_K; j += 8) {
+    const int eq = _mm256_movemask_ps(
+        _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), abs_mask), vmax, _CMP_EQ_OQ));
+    if (eq != 0) {
+      max = x[j + __builtin_ctz(static_cast<unsigned>(eq))];
+      break;
+    }
+  }
+  const float iscale = -127.f / max;
+  const __m256 vs = _mm256_set1_ps(iscale);
+  const __m256i k127 = _mm256_set1_epi32(127);
+  const int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int g = 0; g < kQK_K / 32; ++g) {
+    __m256i q[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 v = _mm256_mul_ps(vs, _mm256_loadu_ps(x + 32 * g + 8 * k));
+      q[k] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_round_ps(v, kRound)), k127);
+    }
+    // bsums of the two 16-groups: (q0 + q1) and (q2 + q3), summed across lanes.
+    const __m256i s = _mm256_hadd_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    // s: [a01 a23 b01 b23 | a45 a67 b45 b67] (a: group 2g, b: group 2g + 1).
+    const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    const __m128i s2 = _mm_hadd_epi32(s4, s4);
+    out.bsums[2 * g] = static_cast<int16_t>(_mm_cvtsi128_si32(s2));
+    out.bsums[2 * g + 1] = static_cast<int16_t>(_mm_extract_epi32(s2, 1));
+    // Values lie in [-128, 127]: the saturating packs are exact. Packs work
+    // per 128-bit lane, so fix the order.
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qs + 32 * g), p);
+  }
+  out.d = 1.f / iscale;
+}
 #endif
-  quantize_act_q8_scalar(x, qs, d, s, n);
+
+}  // namespace
+
+void quantize_row_q8_K(const float* x, BlockQ8_K* y, int64_t n) {
+#if defined(__x86_64__)
+  if (best_isa() >= Isa::kAvx2) {
+    for (int64_t b = 0; b < n / kQK_K; ++b) quantize_block_q8_K_avx2(x + b * kQK_K, y[b]);
+    return;
+  }
+#endif
+  for (int64_t b = 0; b < n / kQK_K; ++b) quantize_block_q8_K_scalar(x + b * kQK_K, y[b]);
+}
+
+void quantize_act_q8(const float* x, int8_t* qs, float* d, float* s, int64_t n, int32_t* qsum) {
+#if defined(__x86_64__)
+  if (best_isa() >= Isa::kAvx2) return quantize_act_q8_avx2(x, qs, d, s, qsum, n);
+#endif
+  quantize_act_q8_scalar(x, qs, d, s, qsum, n);
 }
 
 }  // namespace kvstack

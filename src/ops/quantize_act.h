@@ -20,8 +20,10 @@ void quantize_row_q8_K(const float* x, BlockQ8_K* y, int64_t n);
 
 // The 32-block quantizer in the split layout the matmul kernels read:
 // qs: [n] int8, d: [n / 32] (f16-rounded scale as float), s: [n / 32]
-// (f16-rounded d * sum(q) as float; may be nullptr when not needed).
-// Scalar and AVX2 versions give identical bits.
-void quantize_act_q8(const float* x, int8_t* qs, float* d, float* s, int64_t n);
+// (f16-rounded d * sum(q) as float; may be nullptr when not needed), qsum:
+// [n / 32] sum of each block's q (may be nullptr).
+// Scalar and AVX2 versions give identical bits (quantize_row_q8_K too).
+void quantize_act_q8(const float* x, int8_t* qs, float* d, float* s, int64_t n,
+                     int32_t* qsum = nullptr);
 
 }  // namespace kvstack
