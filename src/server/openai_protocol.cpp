@@ -227,7 +227,9 @@ std::optional<ApiError> router_extension(Endpoint e, const std::string& key, con
 // vLLM fields beside the router extensions: min_tokens (vllm-router's
 // prefill request sends 1 with max_tokens 1) and kv_transfer_params (kept
 // for the PD agent).
-bool is_pd_field(const std::string& key) { return key == "min_tokens" || key == "kv_transfer_params"; }
+bool is_pd_field(const std::string& key) {
+  return key == "min_tokens" || key == "kv_transfer_params";
+}
 
 std::optional<ApiError> parse_router_fields(const json& body, ParsedRequest* out) {
   if (auto it = body.find("min_tokens"); it != body.end() && !it->is_null()) {
