@@ -18,8 +18,8 @@
 // (KVSTACK_ISA caps it). The SIMD path decodes each tile of 16 keys once
 // into an L1 buffer that all H heads (and up to 4 consecutive prefill rows)
 // read, and splits a decode row along its keys (partial max/sum/accumulator
-// merged) when there are fewer rows than threads. Float32 accumulation on both; mla_attention_test holds the SIMD
-// path to the reference and both to an unabsorbed float64 recomputation.
+// merged) when there are fewer rows than threads. Float32 accumulation on both; mla_attention_test
+// holds the SIMD path to the reference and both to an unabsorbed float64 recomputation.
 // Thread-safety: reentrant; parallel over pieces of (sequence, query row,
 // key range) on the pool.
 #pragma once
