@@ -397,17 +397,28 @@ void DiskStore::reopen_buffered() {
   direct_ = false;
 }
 
-void DiskStore::load_index() {
-  const int fd = ::open(index_path_.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return;  // a fresh directory
-  std::vector<uint8_t> buf;
+namespace {
+
+// Reads the file at `path` into *out (up to the first read error); false
+// when it cannot be opened.
+bool read_whole_file(const std::string& path, std::vector<uint8_t>* out) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
   uint8_t chunk[1 << 16];
   for (;;) {
     const ssize_t n = ::read(fd, chunk, sizeof(chunk));
     if (n <= 0) break;
-    buf.insert(buf.end(), chunk, chunk + n);
+    out->insert(out->end(), chunk, chunk + n);
   }
   ::close(fd);
+  return true;
+}
+
+}  // namespace
+
+void DiskStore::load_index() {
+  std::vector<uint8_t> buf;
+  if (!read_whole_file(index_path_, &buf)) return;  // a fresh directory
   IndexHeader h;
   if (buf.size() < sizeof(h) + 8) {
     ++stats_.n_corrupt;
@@ -451,16 +462,8 @@ void DiskStore::load_index() {
 }
 
 void DiskStore::load_journal() {
-  const int fd = ::open(journal_path_.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return;
   std::vector<uint8_t> buf;
-  uint8_t chunk[1 << 16];
-  for (;;) {
-    const ssize_t n = ::read(fd, chunk, sizeof(chunk));
-    if (n <= 0) break;
-    buf.insert(buf.end(), chunk, chunk + n);
-  }
-  ::close(fd);
+  if (!read_whole_file(journal_path_, &buf)) return;
   IndexHeader h;
   uint64_t sum = 0;
   if (buf.size() < sizeof(h) + 8) return;  // empty, or torn at its header
