@@ -1,4 +1,5 @@
 #include "kv/capacity.h"
+#include "kv/capacity_detail.h"
 
 #include <algorithm>
 #include <cctype>
@@ -21,15 +22,7 @@ SeqHist make_hist(const std::vector<int64_t>& seqs) {
   return SeqHist(m.begin(), m.end());
 }
 
-uint64_t ceil_div(uint64_t a, uint64_t b) {
-  return (a + b - 1) / b;
-}
-
-std::string lower(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
-}
+using detail::ceil_div;
 
 // One cached tensor of a layer: K, V, or the MLA latent [heads, width] per token.
 struct Stream {
@@ -39,11 +32,8 @@ struct Stream {
   int bits = 16;
 };
 
-// Tokens per KIVI key group in a pool of P-token blocks (groups never span
-// blocks): min(g, P).
-int64_t token_group(const GroupSpec& g, int64_t block_size) {
-  return block_size > 0 ? std::min(g.group, block_size) : g.group;
-}
+using detail::per_element;
+using detail::token_group;
 
 int n_streams(const LayerSpec& l, const KvFormat& f, Stream out[2]) {
   if (l.kv_source >= 0) return 0;  // reads another layer's K/V, stores none
@@ -533,174 +523,6 @@ Status validate_arch(const ModelArch& a) {
     }
   }
   return {};
-}
-
-const std::vector<KvFormat>& kv_format_table() {
-  // Defaults follow the quantized-KV issue; every number here is what the
-  // engine's codecs must store. s = metadata bytes per group.
-  static const std::vector<KvFormat> kTable = {
-      {"f32", 32, {}, {}, 0, 2, "IEEE f32"},
-      {"f16", 16, {}, {}, 0, 2, "IEEE f16"},
-      {"bf16", 16, {}, {}, 0, 2, "bfloat16"},
-      {"fp8",
-       8,
-       {GroupAxis::kBlockHead, 0, 4},
-       {GroupAxis::kBlockHead, 0, 4},
-       0,
-       2,
-       "E4M3, one f32 scale per KV block per head"},
-      {"int8",
-       8,
-       {GroupAxis::kHeadDim, 0, 2},
-       {GroupAxis::kHeadDim, 0, 2},
-       0,
-       2,
-       "int8, one f16 scale per token per head (g = head_dim)"},
-      {"int4",
-       4,
-       {GroupAxis::kHeadDim, 32, 4},
-       {GroupAxis::kHeadDim, 32, 4},
-       0,
-       2,
-       "int4, groups of 32 along head dim, f16 scale + f16 min"},
-      {"kivi2",
-       2,
-       {GroupAxis::kTokens, 32, 4},
-       {GroupAxis::kHeadDim, 32, 4},
-       128,
-       2,
-       "KIVI 2-bit: keys per channel in groups of 32 tokens, values per token in groups of 32, "
-       "f16 scale + min, newest 128 tokens in f16"},
-      {"kivi4",
-       4,
-       {GroupAxis::kTokens, 32, 4},
-       {GroupAxis::kHeadDim, 32, 4},
-       128,
-       2,
-       "KIVI 4-bit: as kivi2 with 4-bit codes"},
-  };
-  return kTable;
-}
-
-Result<KvFormat> find_kv_format(std::string_view name) {
-  const std::string n = lower(name);
-  std::string known;
-  for (const auto& f : kv_format_table()) {
-    if (f.name == n) return f;
-    known += (known.empty() ? "" : ", ") + f.name;
-  }
-  return make_error(Errc::kInvalidArgument,
-                    "unknown KV dtype '" + std::string(name) + "' (known: " + known + ")");
-}
-
-Result<KvFormat> customize_kv_format(KvFormat f, std::optional<int64_t> group,
-                                     std::optional<int64_t> meta_bytes,
-                                     std::optional<int64_t> residual) {
-  if (!group && !meta_bytes && !residual) return f;
-  if (f.key.axis == GroupAxis::kNone) {
-    return make_error(Errc::kInvalidArgument,
-                      "KV dtype " + f.name +
-                          " is not a grouped format; group/metadata/residual options need fp8, "
-                          "int8, int4, kivi2 or kivi4");
-  }
-  if (group && *group <= 0) {
-    return make_error(Errc::kInvalidArgument, "quant group size must be > 0");
-  }
-  if (meta_bytes && *meta_bytes < 0) {
-    return make_error(Errc::kInvalidArgument, "quant metadata bytes must be >= 0");
-  }
-  if (residual && *residual < 0) {
-    return make_error(Errc::kInvalidArgument, "residual tokens must be >= 0");
-  }
-  for (GroupSpec* g : {&f.key, &f.value}) {
-    if (group && g->axis != GroupAxis::kBlockHead) g->group = *group;
-    if (meta_bytes) g->meta_bytes = *meta_bytes;
-  }
-  if (residual) f.residual_tokens = *residual;
-  f.name += "(custom)";
-  return f;
-}
-
-namespace {
-double per_element(const GroupSpec& g, int bits, int64_t head_dim, int64_t block_size) {
-  double b = bits / 8.0;
-  const double s = static_cast<double>(g.meta_bytes);
-  switch (g.axis) {
-    case GroupAxis::kNone:
-      break;
-    case GroupAxis::kHeadDim: {
-      const int64_t gs = g.group > 0 ? g.group : head_dim;
-      // Groups are whole: ceil(d / g) groups per head per token.
-      b += s *
-           static_cast<double>(
-               ceil_div(static_cast<uint64_t>(head_dim), static_cast<uint64_t>(gs))) /
-           static_cast<double>(head_dim);
-      break;
-    }
-    case GroupAxis::kTokens:
-      b += s / static_cast<double>(token_group(g, block_size));
-      break;
-    case GroupAxis::kBlockHead:
-      b += s / static_cast<double>((block_size > 0 ? block_size : 16) * head_dim);
-      break;
-  }
-  return b;
-}
-}  // namespace
-
-double key_bytes_per_element(const KvFormat& f, int64_t head_dim, int64_t block_size) {
-  return per_element(f.key, f.bits, head_dim, block_size);
-}
-double value_bytes_per_element(const KvFormat& f, int64_t head_dim, int64_t block_size) {
-  return per_element(f.value, f.value_bits > 0 ? f.value_bits : f.bits, head_dim, block_size);
-}
-
-KvFormat combine_kv_formats(const KvFormat& key, const KvFormat& value) {
-  if (key.name == value.name) return key;
-  KvFormat f = key;
-  f.name = key.name + "/" + value.name;
-  f.value = value.value;
-  f.value_bits = value.bits;
-  f.residual_tokens = std::max(key.residual_tokens, value.residual_tokens);
-  f.description = "K: " + key.description + "; V: " + value.description;
-  return f;
-}
-
-int64_t residual_tokens_at(const KvFormat& f, int64_t tokens, int64_t block_size) {
-  const int64_t r = f.residual_tokens;
-  if (r <= 0 || tokens <= 0) return 0;
-  if (tokens < r) return tokens;
-  GroupSpec g = f.key.axis == GroupAxis::kTokens ? f.key : f.value;
-  if (g.axis != GroupAxis::kTokens) g = GroupSpec{GroupAxis::kTokens, 32, 4};
-  const int64_t gs = std::max<int64_t>(1, token_group(g, block_size));
-  return r + (tokens - r) % gs;
-}
-
-const std::vector<WeightFormat>& weight_format_table() {
-  // GGML block sizes (core/ggml_types.h facts): block of `block` weights in
-  // `block_bytes` bytes.
-  static const std::vector<WeightFormat> kTable = {
-      {"f32", 1, 4},      {"f16", 1, 2},      {"bf16", 1, 2},     {"fp8", 1, 1},
-      {"int8", 1, 1},     {"q8_0", 32, 34},   {"q5_0", 32, 22},   {"q5_1", 32, 24},
-      {"q4_0", 32, 18},   {"q4_1", 32, 20},   {"q2_k", 256, 84},  {"q3_k", 256, 110},
-      {"q4_k", 256, 144}, {"q5_k", 256, 176}, {"q6_k", 256, 210}, {"int4", 2, 1},
-  };
-  return kTable;
-}
-
-Result<WeightFormat> find_weight_format(std::string_view name) {
-  const std::string n = lower(name);
-  std::string known;
-  for (const auto& f : weight_format_table()) {
-    if (f.name == n) return f;
-    known += (known.empty() ? "" : ", ") + f.name;
-  }
-  return make_error(Errc::kInvalidArgument,
-                    "unknown weight dtype '" + std::string(name) + "' (known: " + known + ")");
-}
-
-uint64_t weight_bytes_for_params(uint64_t n_params, const WeightFormat& f) {
-  return ceil_div(n_params, static_cast<uint64_t>(f.block)) * static_cast<uint64_t>(f.block_bytes);
 }
 
 int64_t layer_kept_tokens(const LayerSpec& l, int64_t seq_tokens) {
