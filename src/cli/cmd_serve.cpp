@@ -7,6 +7,7 @@
 // (streams included) finish for up to --shutdown-grace seconds, what is left
 // is cancelled (a stream then ends with an error event and [DONE]), and the
 // HTTP server stops once every handler wrote its last event; exit 0.
+#include <arpa/inet.h>
 #include <malloc.h>
 #include <pthread.h>
 
@@ -26,6 +27,33 @@
 
 namespace kvstack::cli {
 namespace {
+
+// "--trusted-proxy 10.0.0.2,::1": numeric IPv4/IPv6 addresses in the form
+// the server compares against (inet_ntop of the peer). Names are refused:
+// resolving them here would trust whatever DNS says at start-up.
+Result<std::vector<std::string>> parse_trusted_proxies(const std::string& text) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while (pos <= text.size() && !text.empty()) {
+    const size_t comma = std::min(text.find(',', pos), text.size());
+    const std::string item = text.substr(pos, comma - pos);
+    unsigned char buf[16];
+    char canon[INET6_ADDRSTRLEN] = {0};
+    if (::inet_pton(AF_INET, item.c_str(), buf) == 1) {
+      ::inet_ntop(AF_INET, buf, canon, sizeof(canon));
+    } else if (::inet_pton(AF_INET6, item.c_str(), buf) == 1) {
+      ::inet_ntop(AF_INET6, buf, canon, sizeof(canon));
+    } else {
+      return make_error(Errc::kInvalidArgument,
+                        "--trusted-proxy: '" + item +
+                            "' is not a numeric IPv4 or IPv6 address (give addresses, "
+                            "comma-separated, no host names)");
+    }
+    out.emplace_back(canon);
+    pos = comma + 1;
+  }
+  return out;
+}
 
 std::string model_id_from_path(const std::string& path) {
   std::string name = path.substr(path.find_last_of('/') + 1);
@@ -118,6 +146,9 @@ int run_serve(const std::vector<std::string>& argv) {
                    "head alone 10 at most)"});
   specs.push_back({"max-conns-per-client", 0, "N",
                    "requests served at once per client address (default: half the HTTP threads)"});
+  specs.push_back({"trusted-proxy", 0, "ADDR[,ADDR]",
+                   "client IP addresses exempt from the per-client limits, e.g. the router in "
+                   "front of this server (its connections carry many users' requests)"});
   specs.push_back({"max-seqs", 0, "N", "sequences decoded together per step (default 16)"});
   specs.push_back({"max-batch-tokens", 0, "N",
                    "tokens per step, decodes + prefill chunks (default max-seqs + 63: 64 prefill "
@@ -188,6 +219,8 @@ int run_serve(const std::vector<std::string>& argv) {
   auto grace = args->get_double("shutdown-grace", 10, 0, 3600);
   auto request_timeout = args->get_double("request-timeout", 30, 0.1, 3600);
   auto per_client = args->get_int("max-conns-per-client", 0, 0, 1 << 20);
+  auto trusted = parse_trusted_proxies(args->get_or("trusted-proxy", ""));
+  if (!trusted) return fail("serve", trusted.error().message);
   auto role = server::parse_pd_role(args->get_or("role", "both"));
   if (!role) return fail("serve", role.error().message);
   auto lease_timeout = args->get_double("kv-lease-timeout", 30, 0.01, 86400);
@@ -243,6 +276,7 @@ int run_serve(const std::vector<std::string>& argv) {
   hc.request_timeout_s = *request_timeout;
   hc.head_timeout_s = std::min(10.0, *request_timeout);
   hc.max_conns_per_client = static_cast<int>(*per_client);
+  hc.trusted_proxies = *trusted;
   server::HttpServer http(hc);
   if (auto st = http.bind(); !st.ok()) return fail("serve", st.error().message);
   // HTTP answers /health (503 "loading") while the model loads.

@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "server/request_head.h"
@@ -207,7 +208,7 @@ bool current_connection_alive() {
   return t_current == nullptr || socket_alive(t_current->fd);
 }
 
-GuardedServer::GuardedServer(GuardLimits limits) : limits_(limits) {
+GuardedServer::GuardedServer(GuardLimits limits) : limits_(std::move(limits)) {
   const int n = std::max(1, limits_.n_threads);
   new_task_queue = [this, n] {
     auto* q = new httplib::ThreadPool(static_cast<size_t>(n));
@@ -238,6 +239,11 @@ void GuardedServer::stop_guard() {
   const uint64_t one = 1;
   (void)!::write(wake_fd_, &one, sizeof(one));
   if (waiter_.joinable()) waiter_.join();
+}
+
+bool GuardedServer::trusted(const std::string& client) const {
+  return std::find(limits_.trusted_proxies.begin(), limits_.trusted_proxies.end(), client) !=
+         limits_.trusted_proxies.end();
 }
 
 GuardStats GuardedServer::stats() const {
@@ -309,7 +315,7 @@ void GuardedServer::waiter_loop() {
       int& mine = waiting_per_client_[c->client];
       mine++;
       // Over a cap: close the oldest waiting connection (of this client first).
-      if (mine > limits_.max_waiting_per_client) {
+      if (mine > limits_.max_waiting_per_client && !trusted(c->client)) {
         for (auto& w : waiting_order_) {
           auto o = w.lock();
           if (o && o->waiting && o->client == c->client) {
@@ -411,7 +417,7 @@ void GuardedServer::hand_over(const std::shared_ptr<Conn>& c) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     int& mine = active_per_client_[c->client];
-    if (mine >= per_client) {
+    if (mine >= per_client && !trusted(c->client)) {
       stats_.client_limit++;
       status = 429;
     } else if (n_active_ >= limits_.n_threads || pool_ == nullptr) {

@@ -29,6 +29,9 @@
 // - Per-client concurrency: at most max_active_per_client connections of one
 //   client address are served at once (429 past that), and at most
 //   n_threads overall (503), so one client cannot take every worker.
+//   Addresses in trusted_proxies (a router in front of the server, which
+//   carries many users' requests on its connections) skip both per-client
+//   caps; the overall caps still hold for them.
 // - Range requests are ignored (full 200 responses): API responses are not
 //   files, and httplib's multipart ranges amplify a response many times.
 // - Every connection serves one request (Connection: close), so every
@@ -52,6 +55,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 namespace kvstack::server {
 
@@ -64,6 +68,7 @@ struct GuardLimits {
   int max_waiting_per_client = 256;  // of those, per client address
   int n_threads = 96;                // worker threads (connections served at once)
   int max_active_per_client = 0;     // served at once per client address (0 = n_threads / 2)
+  std::vector<std::string> trusted_proxies;  // peer addresses exempt from the per-client caps
 };
 
 // Connections closed or refused by the guard, by reason (the /metrics page).
@@ -106,6 +111,7 @@ class GuardedServer : public httplib::Server {
   void hand_over(const std::shared_ptr<Conn>& c);
   void serve(const std::shared_ptr<Conn>& c);
   void reject(const std::shared_ptr<Conn>& c, int status, const std::string& message);
+  bool trusted(const std::string& client) const;
 
   const GuardLimits limits_;
   httplib::TaskQueue* pool_ = nullptr;  // owned by httplib's listen loop

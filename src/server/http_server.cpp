@@ -303,6 +303,7 @@ GuardLimits guard_limits(const ServerConfig& c) {
   g.max_body_bytes = c.max_body_bytes;
   g.n_threads = std::max(4, c.n_http_threads);
   g.max_active_per_client = c.max_conns_per_client;
+  g.trusted_proxies = c.trusted_proxies;
   return g;
 }
 

@@ -61,6 +61,7 @@ struct ServerConfig {
   double head_timeout_s = 10;     // accept -> request head complete, else closed
   double request_timeout_s = 30;  // accept -> request body read, else closed
   int max_conns_per_client = 0;   // served at once per client address (0 = half the threads)
+  std::vector<std::string> trusted_proxies;  // client addresses exempt from that cap (a router)
 };
 
 class HttpServer {

@@ -13,6 +13,7 @@ import gzip
 import json
 import re
 import socket
+import subprocess
 import threading
 import time
 
@@ -20,9 +21,11 @@ import pytest
 import requests
 import requests.adapters
 
+from conftest import KVSTACK_BIN
 from test_server import ServerProcess
 
 HOSTILE = "127.0.0.2"
+PROXY = "127.0.0.3"  # --trusted-proxy: a router's address, exempt from the per-client caps
 HEAD_TIMEOUT = 3.0
 PER_CLIENT = 8
 HEALTH_BOUND = 2.0      # seconds for /health under attack
@@ -33,7 +36,7 @@ COMPLETION_BOUND = 10.0  # seconds for a 2-token completion under attack (shared
 def server():
     s = ServerProcess("--kv-cache-tokens", "2048", "--max-seqs", "4", "--request-timeout",
                       str(HEAD_TIMEOUT), "--max-conns-per-client", str(PER_CLIENT),
-                      admin_key="adm")
+                      "--trusted-proxy", PROXY, admin_key="adm")
     probe(s)  # warm up before the baseline
     s.rss0 = rss_kib(s)
     yield s
@@ -102,10 +105,10 @@ def hostile_session():
     return sess
 
 
-def hostile_socket(s, timeout=10.0):
+def hostile_socket(s, timeout=10.0, source=HOSTILE):
     c = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     c.settimeout(timeout)
-    c.bind((HOSTILE, 0))
+    c.bind((source, 0))
     c.connect(("127.0.0.1", s.port))
     return c
 
@@ -207,6 +210,43 @@ def test_slow_bodies_are_cut_at_the_deadline_and_limited_per_client(server):
     for c in conns:
         c.close()
     assert metric(server, "kvstack:http_connections_dropped_total", "client_limit") >= 12
+
+
+def test_trusted_proxy_skips_the_per_client_limit(server):
+    """A router's connections (--trusted-proxy) are not refused past --max-conns-per-client."""
+    refused0 = metric(server, "kvstack:http_connections_dropped_total", "client_limit")
+    conns = []
+    for _ in range(PER_CLIENT + 4):
+        c = hostile_socket(server, source=PROXY)
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{")
+        conns.append(c)
+    time.sleep(0.5)
+    codes = [read_status(c, timeout=0.02) for c in conns]
+    # All admitted (waiting for their bodies), none refused with 429.
+    assert codes == [None] * len(conns), codes
+    for c in conns:
+        c.close()
+    assert metric(server, "kvstack:http_connections_dropped_total", "client_limit") == refused0
+    # The same burst from an untrusted address is still capped.
+    conns = []
+    for _ in range(PER_CLIENT + 2):
+        c = hostile_socket(server)
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{")
+        conns.append(c)
+    time.sleep(0.5)
+    codes = [read_status(c, timeout=0.02) for c in conns]
+    for c in conns:
+        c.close()
+    assert codes.count(429) == 2, codes
+
+
+def test_trusted_proxy_must_be_an_address():
+    r = subprocess.run([KVSTACK_BIN, "serve", "--trusted-proxy", "router.local"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0
+    assert "--trusted-proxy: 'router.local' is not a numeric IPv4 or IPv6 address" in r.stderr
 
 
 def test_oversize_and_compressed_bodies(server):
