@@ -60,15 +60,25 @@ const std::vector<KvFormat>& kv_format_table() {
   return kTable;
 }
 
-Result<KvFormat> find_kv_format(std::string_view name) {
+namespace {
+// The table entry named `name` (case-insensitive), or an error listing the
+// known names; `what` names the table in the message ("KV dtype").
+template <typename Format>
+Result<Format> find_by_name(const std::vector<Format>& table, std::string_view name,
+                            const char* what) {
   const std::string n = lower(name);
   std::string known;
-  for (const auto& f : kv_format_table()) {
+  for (const auto& f : table) {
     if (f.name == n) return f;
     known += (known.empty() ? "" : ", ") + f.name;
   }
-  return make_error(Errc::kInvalidArgument,
-                    "unknown KV dtype '" + std::string(name) + "' (known: " + known + ")");
+  return make_error(Errc::kInvalidArgument, std::string("unknown ") + what + " '" +
+                                                std::string(name) + "' (known: " + known + ")");
+}
+}  // namespace
+
+Result<KvFormat> find_kv_format(std::string_view name) {
+  return find_by_name(kv_format_table(), name, "KV dtype");
 }
 
 Result<KvFormat> customize_kv_format(KvFormat f, std::optional<int64_t> group,
@@ -140,14 +150,7 @@ const std::vector<WeightFormat>& weight_format_table() {
 }
 
 Result<WeightFormat> find_weight_format(std::string_view name) {
-  const std::string n = lower(name);
-  std::string known;
-  for (const auto& f : weight_format_table()) {
-    if (f.name == n) return f;
-    known += (known.empty() ? "" : ", ") + f.name;
-  }
-  return make_error(Errc::kInvalidArgument,
-                    "unknown weight dtype '" + std::string(name) + "' (known: " + known + ")");
+  return find_by_name(weight_format_table(), name, "weight dtype");
 }
 
 uint64_t weight_bytes_for_params(uint64_t n_params, const WeightFormat& f) {

@@ -215,23 +215,20 @@ def test_slow_bodies_are_cut_at_the_deadline_and_limited_per_client(server):
 def test_trusted_proxy_skips_the_per_client_limit(server):
     """A router's connections (--trusted-proxy) are not refused past --max-conns-per-client."""
     refused0 = metric(server, "kvstack:http_connections_dropped_total", "client_limit")
-    conns = []
-    for _ in range(PER_CLIENT + 4):
-        c = hostile_socket(server, source=PROXY)
-        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000\r\n\r\n{")
-        conns.append(c)
-    time.sleep(0.5)
-    codes = [read_status(c, timeout=0.02) for c in conns]
     # All admitted (waiting for their bodies), none refused with 429.
-    assert codes == [None] * len(conns), codes
-    for c in conns:
-        c.close()
+    codes = slow_body_burst(server, PER_CLIENT + 4, PROXY)
+    assert codes == [None] * (PER_CLIENT + 4), codes
     assert metric(server, "kvstack:http_connections_dropped_total", "client_limit") == refused0
     # The same burst from an untrusted address is still capped.
+    codes = slow_body_burst(server, PER_CLIENT + 2, HOSTILE)
+    assert codes.count(429) == 2, codes
+
+
+def slow_body_burst(server, n, source):
+    """Opens n requests from `source` whose bodies never come; their statuses after 0.5 s."""
     conns = []
-    for _ in range(PER_CLIENT + 2):
-        c = hostile_socket(server)
+    for _ in range(n):
+        c = hostile_socket(server, source=source)
         c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 1000\r\n\r\n{")
         conns.append(c)
@@ -239,7 +236,7 @@ def test_trusted_proxy_skips_the_per_client_limit(server):
     codes = [read_status(c, timeout=0.02) for c in conns]
     for c in conns:
         c.close()
-    assert codes.count(429) == 2, codes
+    return codes
 
 
 def test_trusted_proxy_must_be_an_address():
