@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -90,8 +91,10 @@ Result<double> parse_seconds(const std::string& flag, const std::string& text) {
                     "--" + flag + ": '" + text + "' has unknown unit (use s, ms, us, ns)");
 }
 
-// "5000", "5k", "5000tok/s", "12ktokens/s": tokens per second.
-Result<double> parse_token_rate(const std::string& flag, const std::string& text) {
+// A number with an optional SI prefix and one of `units` (or none), e.g.
+// "5ktok/s" or "989TFLOP/s"; `expected` describes the unit in the error.
+Result<double> parse_scaled(const std::string& flag, const std::string& text,
+                            std::initializer_list<const char*> units, const char* expected) {
   std::string suffix;
   auto v = split_value(flag, text, &suffix);
   if (!v) return v.error();
@@ -100,29 +103,23 @@ Result<double> parse_token_rate(const std::string& flag, const std::string& text
     scale = si_prefix(suffix[0]);
     suffix.erase(suffix.begin());
   }
-  if (suffix.empty() || suffix == "tok/s" || suffix == "tokens/s" || suffix == "/s") {
-    return *v * scale;
+  if (suffix.empty()) return *v * scale;
+  for (const char* u : units) {
+    if (suffix == u) return *v * scale;
   }
-  return make_error(Errc::kInvalidArgument,
-                    "--" + flag + ": '" + text + "' must be tokens per second (e.g. 5000tok/s)");
+  return make_error(Errc::kInvalidArgument, "--" + flag + ": '" + text + "' must be " + expected);
+}
+
+// "5000", "5k", "5000tok/s", "12ktokens/s": tokens per second.
+Result<double> parse_token_rate(const std::string& flag, const std::string& text) {
+  return parse_scaled(flag, text, {"tok/s", "tokens/s", "/s"},
+                      "tokens per second (e.g. 5000tok/s)");
 }
 
 // "989TFLOP/s", "1.5e15", "312 TFLOPS": FLOP per second.
 Result<double> parse_flops(const std::string& flag, const std::string& text) {
-  std::string suffix;
-  auto v = split_value(flag, text, &suffix);
-  if (!v) return v.error();
-  double scale = 1;
-  if (!suffix.empty() && si_prefix(suffix[0]) > 0) {
-    scale = si_prefix(suffix[0]);
-    suffix.erase(suffix.begin());
-  }
-  if (suffix.empty() || suffix == "FLOP/s" || suffix == "FLOPS" || suffix == "flop/s" ||
-      suffix == "flops") {
-    return *v * scale;
-  }
-  return make_error(Errc::kInvalidArgument,
-                    "--" + flag + ": '" + text + "' must be FLOP/s (e.g. 989TFLOP/s)");
+  return parse_scaled(flag, text, {"FLOP/s", "FLOPS", "flop/s", "flops"},
+                      "FLOP/s (e.g. 989TFLOP/s)");
 }
 
 // "7000000000", "7e9", "7B", "135M", "1.5T": a parameter count.
