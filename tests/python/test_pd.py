@@ -240,6 +240,31 @@ def test_pd_output_usage_and_streaming_match_a_single_server(hosts, cluster):
     assert re.search(r"kvstack_kv_transfer_bytes_pulled_total\{[^}]*\} [1-9]", metrics)
 
 
+def ucx_libraries(pid):
+    """UCX libraries mapped into process `pid` (libucp, libucs, libuct, libucm)."""
+    maps = pathlib.Path(f"/proc/{pid}/maps").read_text()
+    return set(re.findall(r"/(libuc[pstm])\.so", maps))
+
+
+def test_ucx_is_loaded_only_by_the_pd_roles(cluster):
+    prefill, decode, both, _ = cluster
+    # Not linked: the binary does not pull UCX (or libucm's memory hooks) in.
+    ldd = subprocess.run(["ldd", str(KVSTACK_BIN)], capture_output=True, text=True).stdout
+    assert "libucp" not in ldd and "libucm" not in ldd and "libucs" not in ldd, ldd
+    # Loaded on demand by the P/D roles only.
+    assert ucx_libraries(both.proc.pid) == set()
+    for w in (prefill, decode):
+        assert {"libucp", "libucs", "libucm"} <= ucx_libraries(w.proc.pid)
+    # Without a UCX runtime a P/D role fails at start-up with an error
+    # naming the library and the package, not a crash.
+    cmd = [KVSTACK_BIN, "serve", "-m", MODEL, "--host", "127.0.0.1", "--port", str(free_port()),
+           "--threads", "1", "--kv-cache-mem", "48M", "--role", "decode"]
+    r = subprocess.run(cmd, env=dict(os.environ, KVSTACK_UCP_LIBRARY="/nonexistent/libucp.so.0"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "/nonexistent/libucp.so.0" in r.stderr and "libucx0" in r.stderr, r.stderr
+
+
 def test_lease_expires_and_a_late_pull_is_a_clear_error(cluster):
     prefill, decode, _, _ = cluster
     before = prefill.stats()["transfer"]
