@@ -311,29 +311,47 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
     stats_.n_pulls_failed++;
     return e;
   };
-  // Identity and layout: the prefill worker's blocks must be this worker's
-  // blocks bit for bit (same weights, KV format, transform, block geometry).
+  // Identity and layout: the prefill worker's blocks are this worker's bit
+  // for bit (same weights, KV format, transform, block geometry), or another
+  // block size / float KV dtype of the same model, converted on arrival
+  // (pd_convert.cpp); anything else is refused.
   std::string mismatch;
+  std::optional<Conversion> conv;
   Hash128 md;
   Hash128 fd;
-  if (!parse_hash(params["model_digest"].get<std::string>(), &md) ||
-      !(md == record_id_.model_digest)) {
-    mismatch =
-        "the prefill worker's model digest differs (another model, adapter or position/"
-        "attention rule): " +
-        params["model_digest"].get<std::string>() + " vs " + record_id_.model_digest.hex();
-  } else if (!parse_hash(params["format_digest"].get<std::string>(), &fd) ||
-             !(fd == record_id_.format_digest)) {
-    mismatch = "the prefill worker's KV format differs: '" +
-               params.value("kv_format", std::string("?")) + "' vs '" +
-               engine_.kv().identity().kv_format + "'";
-  } else if (params["block_size"].get<int64_t>() != record_id_.block_size ||
-             params["block_bytes"].get<int64_t>() != record_id_.payload_bytes) {
-    mismatch =
-        "the block geometry differs: " + std::to_string(params["block_size"].get<int64_t>()) +
-        " tokens / " + std::to_string(params["block_bytes"].get<int64_t>()) +
-        " bytes per block vs " + std::to_string(record_id_.block_size) + " / " +
-        std::to_string(record_id_.payload_bytes) + " here (no layout conversion is done)";
+  const bool md_ok = parse_hash(params["model_digest"].get<std::string>(), &md);
+  const bool same_format =
+      parse_hash(params["format_digest"].get<std::string>(), &fd) && fd == record_id_.format_digest;
+  auto model_differs = [&](const Hash128& ours) {
+    return "the prefill worker's model digest differs (another model, adapter or position/"
+           "attention rule): " +
+           params["model_digest"].get<std::string>() + " vs " + ours.hex();
+  };
+  if (same_format) {
+    if (!md_ok || !(md == record_id_.model_digest)) {
+      mismatch = model_differs(record_id_.model_digest);
+    } else if (params["block_size"].get<int64_t>() != record_id_.block_size ||
+               params["block_bytes"].get<int64_t>() != record_id_.payload_bytes) {
+      mismatch =
+          "the block geometry differs: " + std::to_string(params["block_size"].get<int64_t>()) +
+          " tokens / " + std::to_string(params["block_bytes"].get<int64_t>()) +
+          " bytes per block vs " + std::to_string(record_id_.block_size) + " / " +
+          std::to_string(record_id_.payload_bytes) + " here";
+    }
+  } else {
+    auto plan = plan_conversion(params);
+    if (!plan) {
+      mismatch = "the prefill worker's KV format differs: '" +
+                 params.value("kv_format", std::string("?")) + "' vs '" +
+                 engine_.kv().identity().kv_format +
+                 "' and is not converted: " + plan.error().message;
+    } else if (!md_ok || !(md == plan->record_id.model_digest)) {
+      mismatch = model_differs(plan->record_id.model_digest);
+    } else if (!(fd == plan->record_id.format_digest)) {
+      mismatch = "the prefill worker's format digest does not match its kv_format";
+    } else {
+      conv = std::move(*plan);
+    }
   }
   if (!mismatch.empty()) {
     {
@@ -351,6 +369,7 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
       transfer::PullSession::open(*ucx_, host, port, id, config_.transfer_timeout, puller_.get());
   if (!sess) return failed(sess.error());
   transfer::PullSession& session = **sess;
+  if (conv) return pull_converted(s, session, *conv, prompt, cache_salt, t0);
   const transfer::Offer& o = session.offer();
   const int64_t P = record_id_.block_size;
   if (o.block_bytes != record_id_.payload_bytes ||
@@ -546,6 +565,7 @@ json pd_stats_json(const PdStats& s) {
               {"bytes_pulled", s.n_bytes_pulled},
               {"layout_mismatches", s.n_layout_mismatches},
               {"layout_conversions", s.n_layout_conversions},
+              {"blocks_converted", s.n_blocks_converted},
               {"pull_seconds", s.pull_seconds},
               {"read_seconds", s.read_seconds},
               {"last_pull_seconds", s.last_pull_s},
@@ -589,8 +609,10 @@ std::string pd_prometheus(const PdStats& s, const std::string& labels) {
        d(s.n_bytes_pulled));
   line("layout_mismatches_total", "counter", "Offers refused for another model, format or geometry",
        d(s.n_layout_mismatches));
-  line("layout_conversions_total", "counter", "Layout conversions (none are implemented)",
-       d(s.n_layout_conversions));
+  line("layout_conversions_total", "counter",
+       "Pulls converted from another block size or float KV dtype", d(s.n_layout_conversions));
+  line("blocks_converted_total", "counter", "Producer blocks converted to this worker's layout",
+       d(s.n_blocks_converted));
   line("pull_seconds_total", "counter", "Time in successful pulls (offer, read, verify, publish)",
        s.pull_seconds);
   line("read_seconds_total", "counter", "Time in UCX reads of successful pulls", s.read_seconds);

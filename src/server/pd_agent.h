@@ -17,8 +17,9 @@
 //       block_bytes, kv_format, model_digest, format_digest, ...}.
 //   2. the router copies that object into the decode request. A decode
 //      worker's pull() checks the cache identity and layout against its
-//      own (a mismatch is a clear error; no layout conversion is done, so
-//      conversions stay 0), adopts whatever prefix it already caches, lets
+//      own (another block size or float KV dtype is converted on arrival,
+//      pd_convert.cpp; any other mismatch is a clear error), adopts
+//      whatever prefix it already caches, lets
 //      its own pool allocate blocks for the rest (producer block ids mean
 //      nothing here), reads them over UCX (transfer/ucx_transfer.h),
 //      verifies every block record (block_record.h: identity, chained hash
@@ -96,8 +97,9 @@ struct PdStats {
   int64_t n_blocks_pulled = 0;
   int64_t n_blocks_local = 0;  // offered blocks this worker already cached (not pulled)
   int64_t n_bytes_pulled = 0;
-  int64_t n_layout_mismatches = 0;   // refused: another model, format or block geometry
-  int64_t n_layout_conversions = 0;  // always 0: no conversion path (mismatch is an error)
+  int64_t n_layout_mismatches = 0;   // refused: another model, or a layout not converted
+  int64_t n_layout_conversions = 0;  // pulls converted from another block size / KV dtype
+  int64_t n_blocks_converted = 0;    // producer blocks converted (read into staging)
   double pull_seconds = 0;           // sum over successful pulls (offer + read + verify + publish)
   double read_seconds = 0;           // of which UCX reads
   double last_pull_s = 0;
@@ -176,6 +178,24 @@ class PdAgent {
   // Drops ended leases' references (pool owner's thread), children first.
   static void release(std::vector<transfer::Lease> ended);
   Status check_offer(const nlohmann::json& params) const;
+  // What a decode worker needs to convert another layout's blocks
+  // (transfer/kv_convert.h): the producer's layout and record identity.
+  struct Conversion {
+    KvLayout src;
+    CacheIdentity identity;  // the producer's: this worker's with its kv_format
+    BlockRecordIdentity record_id;
+  };
+  // The conversion of the offer `params` describes, or why there is none
+  // (kUnsupported, naming the pair; pd_convert.cpp).
+  Result<Conversion> plan_conversion(const nlohmann::json& params) const;
+  // pull() for an offer in another layout: reads the producer's records
+  // into a staging buffer, checks them under the producer's identity,
+  // rewrites the tokens into this worker's own blocks and publishes them.
+  Result<std::unique_ptr<PulledPrefix>> pull_converted(Scheduler& s, transfer::PullSession& session,
+                                                       const Conversion& conv,
+                                                       const std::vector<int32_t>& prompt,
+                                                       const std::string& cache_salt,
+                                                       std::chrono::steady_clock::time_point t0);
 
   Engine& engine_;
   PdConfig config_;

@@ -10,7 +10,10 @@ killed mid-transfer, a frozen prefill worker, a client that disconnects, a
 layout mismatch, a retried decode request, a client retry through the router:
 each ends in a clear error or a
 correct answer within the timeouts, and afterwards neither side holds a
-block or a lease (pool and lease counters from /v1/kv/stats).
+block or a lease (pool and lease counters from /v1/kv/stats). Decode
+workers with another block size or f32 KV convert the blocks and give the
+same greedy output; f16 -> bf16 stays a 400. UCX is loaded only by the
+P/D roles (not linked; a missing runtime is a clear start-up error).
 """
 import json
 import os
@@ -296,6 +299,53 @@ def test_layout_mismatch_is_refused_and_ends_the_lease(cluster):
     assert time.time() - t0 < LEASE_S - 1, "the mismatch did not end the lease before its timeout"
     assert decode.stats()["transfer"]["layout_mismatches"] >= 1
     decode.assert_clean()
+
+
+@pytest.mark.parametrize("block_size,kv_dtype", [(32, "f16"), (8, "f16"), (16, "f32"), (32, "f32")])
+def test_decode_worker_with_another_layout_converts_the_blocks(hosts, cluster, block_size, kv_dtype):
+    """A decode worker with another block size and/or f32 KV converts the
+    prefill worker's f16 blocks (transfer/kv_convert.h): the pulled prefix
+    is what its request's lookup hits, and greedy output equals one server's."""
+    prefill, _, both, _ = cluster
+    dec = Worker(hosts[2], "decode", port=8010,
+                 extra=["--block-size", str(block_size), "--kv-dtype", kv_dtype])
+    try:
+        for prompt in (PROMPTS[3], PROMPTS[0] + " " + PROMPTS[1]):
+            ref = both.post("/v1/completions", completion(prompt)).json()
+            params = prefill_request(prefill, prompt)
+            hits = dec.stats()["prefix_cache"]["namespace"]["hit_tokens"]
+            r = dec.post("/v1/completions", completion(prompt, kv_transfer_params=params))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == ref["choices"][0]["text"], prompt[:40]
+            usage, want = r.json()["usage"], params["n_tokens"] // block_size * block_size
+            for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+                assert usage[k] == ref["usage"][k]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == want > 0
+            assert dec.stats()["prefix_cache"]["namespace"]["hit_tokens"] - hits == want
+        tr = dec.assert_clean()["transfer"]
+        assert tr["layout_conversions"] == 2 and tr["pulls_failed"] == 0
+        assert tr["blocks_converted"] >= 2 * (P // block_size if block_size < P else 1)
+        prefill.assert_clean()
+        metrics = requests.get(dec.base + "/metrics", timeout=10).text
+        assert re.search(r"kvstack_kv_transfer_layout_conversions_total\{[^}]*\} 2", metrics)
+    finally:
+        dec.stop()
+
+
+def test_unconvertible_layout_stays_a_clear_400(hosts, cluster):
+    prefill, _, _, _ = cluster
+    dec = Worker(hosts[2], "decode", port=8011, extra=["--kv-dtype", "bf16"])
+    try:
+        params = prefill_request(prefill, PROMPTS[0])
+        r = dec.post("/v1/completions", completion(PROMPTS[0], kv_transfer_params=params))
+        assert r.status_code == 400, r.text
+        msg = r.json()["error"]["message"]
+        assert "not converted" in msg and "f16 -> bf16" in msg, msg
+        prefill.assert_clean(timeout=LEASE_S - 1)  # the refusal ended the lease
+        tr = dec.assert_clean()["transfer"]
+        assert tr["layout_mismatches"] == 1 and tr["layout_conversions"] == 0
+    finally:
+        dec.stop()
 
 
 def test_retried_decode_request_is_an_error_not_a_second_read(cluster):
