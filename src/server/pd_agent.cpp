@@ -125,10 +125,16 @@ Result<std::unique_ptr<PdAgent>> PdAgent::create(Engine& engine, const PdConfig&
   a->ucx_ = std::move(*ucx);
   a->stats_.transports = a->ucx_->transports();
   if (config.role == PdRole::kDecode) {
-    auto puller = transfer::UcxPuller::create(*a->ucx_);
-    if (!puller)
-      return make_error(puller.error().code, std::string(flag) + ": " + puller.error().message);
-    a->puller_ = std::move(*puller);
+    if (config.max_pulls < 1) {
+      return make_error(Errc::kInvalidArgument, "--kv-max-pulls: at least 1");
+    }
+    for (int i = 0; i < config.max_pulls; ++i) {
+      auto puller = transfer::UcxPuller::create(*a->ucx_);
+      if (!puller)
+        return make_error(puller.error().code, std::string(flag) + ": " + puller.error().message);
+      a->free_pullers_.push_back(puller->get());
+      a->pullers_.push_back(std::move(*puller));
+    }
     // Pulled blocks land in pool pages the decode worker has never written:
     // fault the whole (still free, contents meaningless) pool in now, not
     // page by page inside the transfer (measured in docs/benchmarks.md).
@@ -185,11 +191,55 @@ void PdAgent::stop() {
   if (reaper_.joinable()) reaper_.join();
   leases_.end_all();
   server_.reset();  // no puller reads the pool past here
-  puller_.reset();  // closes the decode side's endpoints
+  {
+    // Closes the decode side's endpoints once no pull holds a lane (each
+    // ends within its transfer timeout).
+    std::unique_lock<std::mutex> lock(mu_);
+    lane_cv_.wait(lock, [this] { return free_pullers_.size() == pullers_.size(); });
+    free_pullers_.clear();
+  }
+  pullers_.clear();
   if (sched_ == nullptr ||
       !sched_->inspect([this](Engine&) { release(leases_.drain_ended()); }).ok()) {
     release(leases_.drain_ended());  // the engine thread has returned
   }
+}
+
+// A puller held by one pull; returned to the free list on destruction.
+class PdAgent::Lane {
+ public:
+  Lane(PdAgent& a, transfer::UcxPuller* p) : a_(a), p_(p) {}
+  ~Lane() {
+    {
+      std::lock_guard<std::mutex> lock(a_.mu_);
+      a_.free_pullers_.push_back(p_);
+      a_.stats_.pulls_in_flight--;
+    }
+    a_.lane_cv_.notify_all();
+  }
+  Lane(const Lane&) = delete;
+  Lane& operator=(const Lane&) = delete;
+  transfer::UcxPuller* puller() const { return p_; }
+
+ private:
+  PdAgent& a_;
+  transfer::UcxPuller* p_;
+};
+
+std::unique_ptr<PdAgent::Lane> PdAgent::acquire_lane(Clock::time_point deadline) {
+  const auto t0 = Clock::now();
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!lane_cv_.wait_until(lock, deadline, [this] { return !free_pullers_.empty(); })) {
+    stats_.pull_wait_seconds += seconds_since(t0);
+    return nullptr;
+  }
+  transfer::UcxPuller* p = free_pullers_.back();
+  free_pullers_.pop_back();
+  stats_.pull_wait_seconds += seconds_since(t0);
+  stats_.pulls_in_flight++;
+  stats_.pulls_in_flight_max = std::max(stats_.pulls_in_flight_max, stats_.pulls_in_flight);
+  lock.unlock();
+  return std::make_unique<Lane>(*this, p);
 }
 
 Result<json> PdAgent::offer(Scheduler& s, const std::vector<int32_t>& prompt,
@@ -359,14 +409,22 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
       stats_.n_layout_mismatches++;
     }
     // End the producer's lease now rather than at its timeout.
-    if (auto sess = transfer::PullSession::open(*ucx_, host, port, id, config_.transfer_timeout,
-                                                puller_.get())) {
+    if (auto sess = transfer::PullSession::open(*ucx_, host, port, id, config_.transfer_timeout)) {
       (void)(*sess)->finish(false);
     }
     return failed(make_error(Errc::kInvalidArgument, "kv_transfer_params: " + mismatch));
   }
-  auto sess =
-      transfer::PullSession::open(*ucx_, host, port, id, config_.transfer_timeout, puller_.get());
+  // A lane (UCX worker) for the whole pull; the session is destroyed first.
+  std::unique_ptr<Lane> lane = acquire_lane(t0 + config_.transfer_timeout);
+  if (!lane) {
+    return failed(make_error(Errc::kBusy, "KV transfer: all " + std::to_string(config_.max_pulls) +
+                                              " pulls (--kv-max-pulls) stayed busy for "
+                                              "--kv-transfer-timeout"));
+  }
+  const auto left_open = config_.transfer_timeout -
+                         std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+  auto sess = transfer::PullSession::open(
+      *ucx_, host, port, id, std::max(left_open, std::chrono::milliseconds(1)), lane->puller());
   if (!sess) return failed(sess.error());
   transfer::PullSession& session = **sess;
   if (conv) return pull_converted(s, session, *conv, prompt, cache_salt, t0);
@@ -536,6 +594,7 @@ PdStats PdAgent::stats() const {
     s = stats_;
   }
   s.leases = leases_.stats();
+  s.max_pulls = config_.role == PdRole::kDecode ? config_.max_pulls : 0;
   if (server_) s.server = server_->stats();
   return s;
 }
@@ -564,6 +623,10 @@ json pd_stats_json(const PdStats& s) {
               {"blocks_local", s.n_blocks_local},
               {"bytes_pulled", s.n_bytes_pulled},
               {"layout_mismatches", s.n_layout_mismatches},
+              {"pulls_in_flight", s.pulls_in_flight},
+              {"pulls_in_flight_max", s.pulls_in_flight_max},
+              {"max_pulls", s.max_pulls},
+              {"pull_wait_seconds", s.pull_wait_seconds},
               {"layout_conversions", s.n_layout_conversions},
               {"blocks_converted", s.n_blocks_converted},
               {"pull_seconds", s.pull_seconds},
@@ -613,6 +676,10 @@ std::string pd_prometheus(const PdStats& s, const std::string& labels) {
        "Pulls converted from another block size or float KV dtype", d(s.n_layout_conversions));
   line("blocks_converted_total", "counter", "Producer blocks converted to this worker's layout",
        d(s.n_blocks_converted));
+  line("pulls_in_flight", "gauge", "Pulls holding one of the --kv-max-pulls lanes",
+       d(s.pulls_in_flight));
+  line("pull_wait_seconds_total", "counter", "Time pulls waited for a free lane",
+       s.pull_wait_seconds);
   line("pull_seconds_total", "counter", "Time in successful pulls (offer, read, verify, publish)",
        s.pull_seconds);
   line("read_seconds_total", "counter", "Time in UCX reads of successful pulls", s.read_seconds);

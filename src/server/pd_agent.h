@@ -49,6 +49,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -79,6 +80,9 @@ struct PdConfig {
   // long between the offer and the reads, so a test can kill the prefill
   // worker mid-transfer.
   std::chrono::milliseconds test_pull_stall{0};
+  // Decode: pulls that may run at once (--kv-max-pulls), each on its own
+  // UCX worker ("lane"); more wait for a lane within the transfer timeout.
+  int max_pulls = 4;
 };
 
 // Counters of /metrics and /v1/kv/stats ("transfer"). Units: bytes, seconds.
@@ -94,6 +98,10 @@ struct PdStats {
   int64_t n_pulls = 0;  // pulls started
   int64_t n_pulls_ok = 0;
   int64_t n_pulls_failed = 0;
+  int64_t max_pulls = 0;            // --kv-max-pulls (decode)
+  int64_t pulls_in_flight = 0;      // pulls holding a lane now
+  int64_t pulls_in_flight_max = 0;  // most at once so far (<= max_pulls)
+  double pull_wait_seconds = 0;     // summed wait for a free lane (queueing)
   int64_t n_blocks_pulled = 0;
   int64_t n_blocks_local = 0;  // offered blocks this worker already cached (not pulled)
   int64_t n_bytes_pulled = 0;
@@ -136,6 +144,7 @@ class PulledPrefix {
 
 class PdAgent {
  public:
+  using Clock = std::chrono::steady_clock;
   // REQUIRES: called before the engine thread starts (registers the pool;
   // decode: writes every pool page once, so that pulls do not page-fault);
   // the engine outlives the agent.
@@ -195,7 +204,7 @@ class PdAgent {
                                                        const Conversion& conv,
                                                        const std::vector<int32_t>& prompt,
                                                        const std::string& cache_salt,
-                                                       std::chrono::steady_clock::time_point t0);
+                                                       Clock::time_point t0);
 
   Engine& engine_;
   PdConfig config_;
@@ -204,7 +213,13 @@ class PdAgent {
   std::unique_ptr<transfer::UcxContext> ucx_;
   transfer::LeaseTable leases_;
   std::unique_ptr<transfer::TransferServer> server_;
-  std::unique_ptr<transfer::UcxPuller> puller_;  // decode: one endpoint per prefill worker
+  // Decode: config_.max_pulls pullers (one UCX worker each, with one
+  // endpoint per prefill worker); a pull holds one for its whole read.
+  class Lane;
+  std::unique_ptr<Lane> acquire_lane(Clock::time_point deadline);
+  std::vector<std::unique_ptr<transfer::UcxPuller>> pullers_;
+  std::vector<transfer::UcxPuller*> free_pullers_;  // guarded by mu_
+  std::condition_variable lane_cv_;
   Scheduler* sched_ = nullptr;
   std::thread reaper_;
   std::atomic<bool> stop_{false};

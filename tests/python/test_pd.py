@@ -348,6 +348,43 @@ def test_unconvertible_layout_stays_a_clear_400(hosts, cluster):
         dec.stop()
 
 
+def test_concurrent_pulls_run_at_once_up_to_the_bound(hosts, cluster):
+    """Six P/D requests at once on a decode worker with --kv-max-pulls 2 (each
+    pull stalls 300 ms between offer and read): two pulls run at a time,
+    never more, the rest wait for a lane; every answer equals one server's
+    and afterwards neither side holds a block or a lease."""
+    prefill, _, both, _ = cluster
+    dec = Worker(hosts[2], "decode", port=8012, extra=["--kv-max-pulls", "2"],
+                 env={"KVSTACK_TEST_PULL_STALL_MS": "300"})
+    try:
+        prompts = [f"Request {i}: " + PROMPTS[i % 2] for i in range(6)]
+        refs = [both.post("/v1/completions", completion(p)).json()["choices"][0]["text"]
+                for p in prompts]
+        out = [None] * len(prompts)
+
+        def one(i):
+            params = prefill_request(prefill, prompts[i])
+            r = dec.post("/v1/completions", completion(prompts[i], kv_transfer_params=params))
+            out[i] = (r.status_code, r.json())
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for i, (code, body) in enumerate(out):
+            assert code == 200, body
+            assert body["choices"][0]["text"] == refs[i], prompts[i]
+        tr = dec.assert_clean()["transfer"]
+        assert tr["pulls_ok"] == len(prompts) and tr["pulls_failed"] == 0
+        assert tr["max_pulls"] == 2 and tr["pulls_in_flight"] == 0
+        assert tr["pulls_in_flight_max"] == 2, tr  # concurrent, and bounded
+        assert tr["pull_wait_seconds"] > 0.2  # some waited for a lane
+        prefill.assert_clean()
+    finally:
+        dec.stop()
+
+
 def test_retried_decode_request_is_an_error_not_a_second_read(cluster):
     prefill, decode, both, _ = cluster
     params = prefill_request(prefill, PROMPTS[1])
