@@ -75,7 +75,7 @@ Status PulledPrefix::commit(const std::vector<int32_t>& prompt, size_t k, size_t
   if (seq_->length() != static_cast<int64_t>(k * P)) {
     return make_error(Errc::kInternal, "PulledPrefix::commit: adopted length differs");
   }
-  t.commit(static_cast<int64_t>((n - k) * P));
+  t.commit_final(static_cast<int64_t>((n - k) * P));  // KIVI: no residual pass
   // Window groups: the blocks before group_first were reserved but not
   // transferred (no query at n P sees them); drop them before publishing,
   // so that only transferred blocks become checkpoints.
@@ -106,11 +106,6 @@ Result<std::unique_ptr<PdAgent>> PdAgent::create(Engine& engine, const PdConfig&
                       std::string(flag) +
                           " needs the prefix cache (the transferred prefix is "
                           "published there): drop --no-prefix-cache");
-  }
-  if (pool.layout().has_kivi()) {
-    return make_error(Errc::kUnsupported, std::string(flag) +
-                                              ": KIVI KV formats keep an f16 residual outside the "
-                                              "blocks; the transfer does not carry it");
   }
   auto a = std::unique_ptr<PdAgent>(new PdAgent(engine, config));
   a->record_id_ =

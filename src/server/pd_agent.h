@@ -36,9 +36,12 @@
 // each other group's blocks [group_first, n) (the prefix index's rule for
 // a hit of n P tokens); the decode worker reserves blocks in every group,
 // fills those, drops the window blocks no query can see and publishes the
-// rest as checkpoints. Limits: KIVI formats (an f16 residual outside the
-// blocks) are refused at start-up; the whole prefix moves after the
-// prefill (no layer-wise streaming).
+// rest as checkpoints. KIVI formats: only converted blocks are published,
+// and they are whole (codes and per-block metadata), so they move like any
+// block and are committed as converted (BlockTable::commit_final); the f16
+// residual of the newest tokens is not sent (the decode worker computes
+// those tokens, as after a local prefix hit). Limits: the whole prefix
+// moves after the prefill (no layer-wise streaming).
 //
 // Thread-safety: offer() and pull() run on HTTP handler threads; they touch
 // the engine only through Scheduler::inspect. A reaper thread ends expired

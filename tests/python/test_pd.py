@@ -385,6 +385,40 @@ def test_concurrent_pulls_run_at_once_up_to_the_bound(hosts, cluster):
         dec.stop()
 
 
+def test_kivi_blocks_move_over_pd(hosts):
+    """KIVI (kivi4): only converted blocks are published, and they are whole
+    (codes and per-block metadata); the decode worker commits them as
+    converted (no residual pass) and answers exactly like one KIVI server
+    that hits the same prefix in its own cache."""
+    flags = ["--kv-dtype", "kivi4"]
+    pre = Worker(hosts[0], "prefill", port=8003,
+                 extra=[*flags, "--kv-transfer-host", hosts[0].addr, "--kv-transfer-port", "8103"])
+    dec = Worker(hosts[1], "decode", port=8003, extra=flags)
+    both = Worker(None, "both", extra=flags)
+    try:
+        pulled = 0
+        # No shared prefix between the prompts: a KIVI hit is lossy, so blocks
+        # computed after one depend on the cache's history, which must be
+        # the same on the prefill worker and the reference.
+        for prompt in (PROMPTS[3], " ".join(f"item{i}" for i in range(120)) + " and"):
+            both.post("/v1/completions", completion(prompt, 1))  # publishes its converted blocks
+            ref = both.post("/v1/completions", completion(prompt)).json()  # hits them
+            params = prefill_request(pre, prompt)
+            assert params["do_remote_prefill"] and params["n_tokens"] > 0, params
+            assert params["n_tokens"] == ref["usage"]["prompt_tokens_details"]["cached_tokens"]
+            r = dec.post("/v1/completions", completion(prompt, kv_transfer_params=params))
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"] == ref["usage"]
+            assert r.json()["choices"][0]["text"] == ref["choices"][0]["text"], prompt[:40]
+            pulled += params["n_tokens"] // P
+        tr = dec.assert_clean()["transfer"]
+        assert tr["blocks_pulled"] == pulled and tr["layout_conversions"] == 0
+        assert pre.assert_clean()["transfer"]["leases_completed"] == 2
+    finally:
+        for w in (pre, dec, both):
+            w.stop()
+
+
 def test_retried_decode_request_is_an_error_not_a_second_read(cluster):
     prefill, decode, both, _ = cluster
     params = prefill_request(prefill, PROMPTS[1])
