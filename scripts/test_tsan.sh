@@ -22,10 +22,9 @@ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVSTACK_SANITIZ
   >/dev/null
 cmake --build "$build" -j "$jobs" --target kvstack scheduler_test
 
-# UCX's memory hooks (libucm, loaded with the binary for the P/D transfer)
-# patch mmap/madvise; TSan crashes inside them when a thread exits. The
-# smoke server (--role both) never initialises UCX, so the hooks are off here.
-export UCX_MEM_MMAP_HOOK_MODE=none UCX_MEM_MALLOC_HOOKS=n UCX_MEM_EVENTS=n
+# UCX (and libucm's mmap/madvise hooks, which TSan crashed in at thread
+# exit) is dlopen'd only by --role prefill/decode (transfer/ucx_api.h): the
+# smoke server (--role both) never loads it, so no UCX setting is needed.
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$root/scripts/tsan.supp ${TSAN_OPTIONS:-}"
 export KVSTACK_MODEL="$model"
 

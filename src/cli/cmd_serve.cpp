@@ -190,6 +190,9 @@ int run_serve(const std::vector<std::string>& argv) {
                    "prefill: TCP port of the transfer control channel (default 0: any free)"});
   specs.push_back({"kv-transfer-timeout", 0, "S",
                    "bound on one transfer: connect, offer and every UCX read (default 10)"});
+  specs.push_back({"kv-max-pulls", 0, "N",
+                   "decode: KV pulls that run at once, each on its own UCX worker; more wait "
+                   "for one within --kv-transfer-timeout (default 4)"});
   specs.push_back(help_option());
   auto args = Args::parse(argv, specs);
   if (!args) return fail("serve", args.error().message);
@@ -226,7 +229,9 @@ int run_serve(const std::vector<std::string>& argv) {
   auto lease_timeout = args->get_double("kv-lease-timeout", 30, 0.01, 86400);
   auto transfer_timeout = args->get_double("kv-transfer-timeout", 10, 0.01, 3600);
   auto transfer_port = args->get_int("kv-transfer-port", 0, 0, 65535);
+  auto max_pulls = args->get_int("kv-max-pulls", 4, 1, 256);
   for (const Status& st : {lease_timeout.ok() ? Status() : Status(lease_timeout.error()),
+                           max_pulls.ok() ? Status() : Status(max_pulls.error()),
                            transfer_timeout.ok() ? Status() : Status(transfer_timeout.error()),
                            transfer_port.ok() ? Status() : Status(transfer_port.error())}) {
     if (!st.ok()) return fail("serve", st.error().message);
@@ -308,6 +313,7 @@ int run_serve(const std::vector<std::string>& argv) {
     pc.role = *role;
     pc.transfer_host = args->get_or("kv-transfer-host", hc.host);
     pc.transfer_port = static_cast<int>(*transfer_port);
+    pc.max_pulls = static_cast<int>(*max_pulls);
     pc.lease_timeout = std::chrono::milliseconds(static_cast<int64_t>(*lease_timeout * 1000));
     pc.transfer_timeout = std::chrono::milliseconds(static_cast<int64_t>(*transfer_timeout * 1000));
     if (const char* stall = std::getenv("KVSTACK_TEST_PULL_STALL_MS")) {

@@ -174,10 +174,13 @@ KvManager::~KvManager() {
   pinned_.clear();
 }
 
+std::string KvManager::namespace_name(std::string_view cache_salt) const {
+  return cache_salt.empty() ? config_.default_namespace : "salt:" + std::string(cache_salt);
+}
+
 NamespaceId KvManager::namespace_for(std::string_view cache_salt) {
   if (!index_) return kNoNamespace;
-  const std::string name =
-      cache_salt.empty() ? config_.default_namespace : "salt:" + std::string(cache_salt);
+  const std::string name = namespace_name(cache_salt);
   const NamespaceId ns = index_->intern_namespace(identity_.with_namespace(name).digest());
   if (static_cast<size_t>(ns) >= ns_names_.size()) ns_names_.resize(ns + 1);
   ns_names_[ns] = name;

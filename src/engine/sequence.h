@@ -219,6 +219,9 @@ class KvManager {
   // the pool changes, and do not keep it beyond the sequence's life.
   NamespaceId namespace_for(std::string_view cache_salt);
   NamespaceId public_namespace();
+  // The namespace name namespace_for() gives `cache_salt` (its root digest
+  // is identity().with_namespace(name).digest()).
+  std::string namespace_name(std::string_view cache_salt) const;
 
   Sequence new_sequence(NamespaceId ns);
 

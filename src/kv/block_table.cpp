@@ -288,6 +288,10 @@ void BlockTable::commit(int64_t n_new) {
   for (GroupTable& g : groups_) g.commit(n_new);
 }
 
+void BlockTable::commit_final(int64_t n_new) {
+  for (GroupTable& g : groups_) g.commit_final(n_new);
+}
+
 int64_t BlockTable::rollback() {
   int64_t n = 0;
   for (GroupTable& g : groups_) n += g.rollback();

@@ -178,6 +178,9 @@ class BlockTable {
   void write(int l, int64_t pos, const float* k_rows, const float* v_rows, int64_t n_tokens);
   // Commits n_new written tokens in every group.
   void commit(int64_t n_new);
+  // The same for tokens whose final bytes were placed in the blocks
+  // directly (GroupTable::commit_final).
+  void commit_final(int64_t n_new);
   // Drops every group's uncommitted reservation; returns blocks released.
   int64_t rollback();
   // Releases every reference in every group; the table stays usable.

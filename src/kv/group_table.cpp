@@ -311,6 +311,16 @@ void GroupTable::commit(int64_t n_new) {
   pool_->debug_check();
 }
 
+void GroupTable::commit_final(int64_t n_new) {
+  if (kivi_) {
+    KV_CHECK(converted_ == length_, "commit_final: the KIVI residual is not empty");
+    KV_CHECK((length_ + n_new) % layout_->kivi_group() == 0,
+             "commit_final: not a whole number of KIVI key groups");
+    converted_ = length_ + n_new;  // commit()'s conversion then has nothing to do
+  }
+  commit(n_new);
+}
+
 int64_t GroupTable::rollback() {
   if (kivi_) {
     // Rows written for the abandoned step leave the residual.

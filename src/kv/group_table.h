@@ -186,6 +186,12 @@ class GroupTable {
   // the groups that left the residual window). Never allocates.
   // REQUIRES: n_new >= 0 and length() + n_new <= capacity().
   void commit(int64_t n_new);
+  // Commits n_new tokens whose final bytes were placed in the blocks
+  // directly (a KV transfer: whole blocks in their stored format). KIVI:
+  // they count as converted and never pass through the residual.
+  // REQUIRES as commit(); KIVI: an empty residual (converted() == length())
+  // and length() + n_new a multiple of the key group size.
+  void commit_final(int64_t n_new);
 
   // Releases blocks beyond those the committed length needs
   // (ceil(length / P) remain). Returns the number of blocks released.

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -359,6 +360,36 @@ TEST(KiviBlockTable, GroupsConvertAtCommitOnceOutsideTheResidual) {
     append(c, all, static_cast<int>(n_share * p), static_cast<int>(n_share * p) + 20, h, d);
     expect_table_holds(c, all, h, d);
     expect_table_holds(a, all, h, d);
+    pool->check_invariants();
+  }
+}
+
+// A KV transfer places converted blocks' bytes directly into a table's
+// reserved blocks: commit_final counts them as converted (no residual
+// pass), and the table continues exactly like one that adopted them.
+TEST(KiviBlockTable, CommitFinalTakesPlacedBlocksAsConverted) {
+  const int h = 2, d = 64, p = 8;
+  for (KvDtype t : {kKvDtypeKivi2, kKvDtypeKivi4}) {
+    auto layout = must(KvLayout::uniform(2, h, d, t, p, std::nullopt, {.kivi_residual = 16}));
+    auto pool = must(BlockPool::create(layout, {.n_tokens = 512}));
+    std::mt19937 rng(5);
+    const Rows all = random_rows(160, h, d, rng);
+    BlockTable a(*pool);
+    append(a, all, 0, 100, h, d);
+    const int64_t n = a.shareable_length() / p;
+    ASSERT_GT(n, 2);
+    BlockTable c(*pool);
+    ASSERT_TRUE(c.reserve(n * p).ok());
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(pool->block_data(BlockId{c.ids()[i]}), pool->block_data(BlockId{a.ids()[i]}),
+                  static_cast<size_t>(pool->block_bytes()));
+    }
+    c.commit_final(n * p);
+    EXPECT_EQ(c.length(), n * p);
+    EXPECT_EQ(c.converted(), n * p);
+    EXPECT_EQ(c.residual_view(0).n_tokens, 0);
+    append(c, all, static_cast<int>(n * p), static_cast<int>(n * p) + 30, h, d);
+    expect_table_holds(c, all, h, d);
     pool->check_invariants();
   }
 }

@@ -75,7 +75,7 @@ Status PulledPrefix::commit(const std::vector<int32_t>& prompt, size_t k, size_t
   if (seq_->length() != static_cast<int64_t>(k * P)) {
     return make_error(Errc::kInternal, "PulledPrefix::commit: adopted length differs");
   }
-  t.commit(static_cast<int64_t>((n - k) * P));
+  t.commit_final(static_cast<int64_t>((n - k) * P));  // KIVI: no residual pass
   // Window groups: the blocks before group_first were reserved but not
   // transferred (no query at n P sees them); drop them before publishing,
   // so that only transferred blocks become checkpoints.
@@ -107,11 +107,6 @@ Result<std::unique_ptr<PdAgent>> PdAgent::create(Engine& engine, const PdConfig&
                           " needs the prefix cache (the transferred prefix is "
                           "published there): drop --no-prefix-cache");
   }
-  if (pool.layout().has_kivi()) {
-    return make_error(Errc::kUnsupported, std::string(flag) +
-                                              ": KIVI KV formats keep an f16 residual outside the "
-                                              "blocks; the transfer does not carry it");
-  }
   auto a = std::unique_ptr<PdAgent>(new PdAgent(engine, config));
   a->record_id_ =
       block_record_identity(engine.kv().identity(), pool.block_size(), pool.block_bytes());
@@ -125,10 +120,16 @@ Result<std::unique_ptr<PdAgent>> PdAgent::create(Engine& engine, const PdConfig&
   a->ucx_ = std::move(*ucx);
   a->stats_.transports = a->ucx_->transports();
   if (config.role == PdRole::kDecode) {
-    auto puller = transfer::UcxPuller::create(*a->ucx_);
-    if (!puller)
-      return make_error(puller.error().code, std::string(flag) + ": " + puller.error().message);
-    a->puller_ = std::move(*puller);
+    if (config.max_pulls < 1) {
+      return make_error(Errc::kInvalidArgument, "--kv-max-pulls: at least 1");
+    }
+    for (int i = 0; i < config.max_pulls; ++i) {
+      auto puller = transfer::UcxPuller::create(*a->ucx_);
+      if (!puller)
+        return make_error(puller.error().code, std::string(flag) + ": " + puller.error().message);
+      a->free_pullers_.push_back(puller->get());
+      a->pullers_.push_back(std::move(*puller));
+    }
     // Pulled blocks land in pool pages the decode worker has never written:
     // fault the whole (still free, contents meaningless) pool in now, not
     // page by page inside the transfer (measured in docs/benchmarks.md).
@@ -185,11 +186,55 @@ void PdAgent::stop() {
   if (reaper_.joinable()) reaper_.join();
   leases_.end_all();
   server_.reset();  // no puller reads the pool past here
-  puller_.reset();  // closes the decode side's endpoints
+  {
+    // Closes the decode side's endpoints once no pull holds a lane (each
+    // ends within its transfer timeout).
+    std::unique_lock<std::mutex> lock(mu_);
+    lane_cv_.wait(lock, [this] { return free_pullers_.size() == pullers_.size(); });
+    free_pullers_.clear();
+  }
+  pullers_.clear();
   if (sched_ == nullptr ||
       !sched_->inspect([this](Engine&) { release(leases_.drain_ended()); }).ok()) {
     release(leases_.drain_ended());  // the engine thread has returned
   }
+}
+
+// A puller held by one pull; returned to the free list on destruction.
+class PdAgent::Lane {
+ public:
+  Lane(PdAgent& a, transfer::UcxPuller* p) : a_(a), p_(p) {}
+  ~Lane() {
+    {
+      std::lock_guard<std::mutex> lock(a_.mu_);
+      a_.free_pullers_.push_back(p_);
+      a_.stats_.pulls_in_flight--;
+    }
+    a_.lane_cv_.notify_all();
+  }
+  Lane(const Lane&) = delete;
+  Lane& operator=(const Lane&) = delete;
+  transfer::UcxPuller* puller() const { return p_; }
+
+ private:
+  PdAgent& a_;
+  transfer::UcxPuller* p_;
+};
+
+std::unique_ptr<PdAgent::Lane> PdAgent::acquire_lane(Clock::time_point deadline) {
+  const auto t0 = Clock::now();
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!lane_cv_.wait_until(lock, deadline, [this] { return !free_pullers_.empty(); })) {
+    stats_.pull_wait_seconds += seconds_since(t0);
+    return nullptr;
+  }
+  transfer::UcxPuller* p = free_pullers_.back();
+  free_pullers_.pop_back();
+  stats_.pull_wait_seconds += seconds_since(t0);
+  stats_.pulls_in_flight++;
+  stats_.pulls_in_flight_max = std::max(stats_.pulls_in_flight_max, stats_.pulls_in_flight);
+  lock.unlock();
+  return std::make_unique<Lane>(*this, p);
 }
 
 Result<json> PdAgent::offer(Scheduler& s, const std::vector<int32_t>& prompt,
@@ -311,29 +356,47 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
     stats_.n_pulls_failed++;
     return e;
   };
-  // Identity and layout: the prefill worker's blocks must be this worker's
-  // blocks bit for bit (same weights, KV format, transform, block geometry).
+  // Identity and layout: the prefill worker's blocks are this worker's bit
+  // for bit (same weights, KV format, transform, block geometry), or another
+  // block size / float KV dtype of the same model, converted on arrival
+  // (pd_convert.cpp); anything else is refused.
   std::string mismatch;
+  std::optional<Conversion> conv;
   Hash128 md;
   Hash128 fd;
-  if (!parse_hash(params["model_digest"].get<std::string>(), &md) ||
-      !(md == record_id_.model_digest)) {
-    mismatch =
-        "the prefill worker's model digest differs (another model, adapter or position/"
-        "attention rule): " +
-        params["model_digest"].get<std::string>() + " vs " + record_id_.model_digest.hex();
-  } else if (!parse_hash(params["format_digest"].get<std::string>(), &fd) ||
-             !(fd == record_id_.format_digest)) {
-    mismatch = "the prefill worker's KV format differs: '" +
-               params.value("kv_format", std::string("?")) + "' vs '" +
-               engine_.kv().identity().kv_format + "'";
-  } else if (params["block_size"].get<int64_t>() != record_id_.block_size ||
-             params["block_bytes"].get<int64_t>() != record_id_.payload_bytes) {
-    mismatch =
-        "the block geometry differs: " + std::to_string(params["block_size"].get<int64_t>()) +
-        " tokens / " + std::to_string(params["block_bytes"].get<int64_t>()) +
-        " bytes per block vs " + std::to_string(record_id_.block_size) + " / " +
-        std::to_string(record_id_.payload_bytes) + " here (no layout conversion is done)";
+  const bool md_ok = parse_hash(params["model_digest"].get<std::string>(), &md);
+  const bool same_format =
+      parse_hash(params["format_digest"].get<std::string>(), &fd) && fd == record_id_.format_digest;
+  auto model_differs = [&](const Hash128& ours) {
+    return "the prefill worker's model digest differs (another model, adapter or position/"
+           "attention rule): " +
+           params["model_digest"].get<std::string>() + " vs " + ours.hex();
+  };
+  if (same_format) {
+    if (!md_ok || !(md == record_id_.model_digest)) {
+      mismatch = model_differs(record_id_.model_digest);
+    } else if (params["block_size"].get<int64_t>() != record_id_.block_size ||
+               params["block_bytes"].get<int64_t>() != record_id_.payload_bytes) {
+      mismatch =
+          "the block geometry differs: " + std::to_string(params["block_size"].get<int64_t>()) +
+          " tokens / " + std::to_string(params["block_bytes"].get<int64_t>()) +
+          " bytes per block vs " + std::to_string(record_id_.block_size) + " / " +
+          std::to_string(record_id_.payload_bytes) + " here";
+    }
+  } else {
+    auto plan = plan_conversion(params);
+    if (!plan) {
+      mismatch = "the prefill worker's KV format differs: '" +
+                 params.value("kv_format", std::string("?")) + "' vs '" +
+                 engine_.kv().identity().kv_format +
+                 "' and is not converted: " + plan.error().message;
+    } else if (!md_ok || !(md == plan->record_id.model_digest)) {
+      mismatch = model_differs(plan->record_id.model_digest);
+    } else if (!(fd == plan->record_id.format_digest)) {
+      mismatch = "the prefill worker's format digest does not match its kv_format";
+    } else {
+      conv = std::move(*plan);
+    }
   }
   if (!mismatch.empty()) {
     {
@@ -341,16 +404,25 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
       stats_.n_layout_mismatches++;
     }
     // End the producer's lease now rather than at its timeout.
-    if (auto sess = transfer::PullSession::open(*ucx_, host, port, id, config_.transfer_timeout,
-                                                puller_.get())) {
+    if (auto sess = transfer::PullSession::open(*ucx_, host, port, id, config_.transfer_timeout)) {
       (void)(*sess)->finish(false);
     }
     return failed(make_error(Errc::kInvalidArgument, "kv_transfer_params: " + mismatch));
   }
-  auto sess =
-      transfer::PullSession::open(*ucx_, host, port, id, config_.transfer_timeout, puller_.get());
+  // A lane (UCX worker) for the whole pull; the session is destroyed first.
+  std::unique_ptr<Lane> lane = acquire_lane(t0 + config_.transfer_timeout);
+  if (!lane) {
+    return failed(make_error(Errc::kBusy, "KV transfer: all " + std::to_string(config_.max_pulls) +
+                                              " pulls (--kv-max-pulls) stayed busy for "
+                                              "--kv-transfer-timeout"));
+  }
+  const auto left_open = config_.transfer_timeout -
+                         std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+  auto sess = transfer::PullSession::open(
+      *ucx_, host, port, id, std::max(left_open, std::chrono::milliseconds(1)), lane->puller());
   if (!sess) return failed(sess.error());
   transfer::PullSession& session = **sess;
+  if (conv) return pull_converted(s, session, *conv, prompt, cache_salt, t0);
   const transfer::Offer& o = session.offer();
   const int64_t P = record_id_.block_size;
   if (o.block_bytes != record_id_.payload_bytes ||
@@ -517,6 +589,7 @@ PdStats PdAgent::stats() const {
     s = stats_;
   }
   s.leases = leases_.stats();
+  s.max_pulls = config_.role == PdRole::kDecode ? config_.max_pulls : 0;
   if (server_) s.server = server_->stats();
   return s;
 }
@@ -545,7 +618,12 @@ json pd_stats_json(const PdStats& s) {
               {"blocks_local", s.n_blocks_local},
               {"bytes_pulled", s.n_bytes_pulled},
               {"layout_mismatches", s.n_layout_mismatches},
+              {"pulls_in_flight", s.pulls_in_flight},
+              {"pulls_in_flight_max", s.pulls_in_flight_max},
+              {"max_pulls", s.max_pulls},
+              {"pull_wait_seconds", s.pull_wait_seconds},
               {"layout_conversions", s.n_layout_conversions},
+              {"blocks_converted", s.n_blocks_converted},
               {"pull_seconds", s.pull_seconds},
               {"read_seconds", s.read_seconds},
               {"last_pull_seconds", s.last_pull_s},
@@ -589,8 +667,14 @@ std::string pd_prometheus(const PdStats& s, const std::string& labels) {
        d(s.n_bytes_pulled));
   line("layout_mismatches_total", "counter", "Offers refused for another model, format or geometry",
        d(s.n_layout_mismatches));
-  line("layout_conversions_total", "counter", "Layout conversions (none are implemented)",
-       d(s.n_layout_conversions));
+  line("layout_conversions_total", "counter",
+       "Pulls converted from another block size or float KV dtype", d(s.n_layout_conversions));
+  line("blocks_converted_total", "counter", "Producer blocks converted to this worker's layout",
+       d(s.n_blocks_converted));
+  line("pulls_in_flight", "gauge", "Pulls holding one of the --kv-max-pulls lanes",
+       d(s.pulls_in_flight));
+  line("pull_wait_seconds_total", "counter", "Time pulls waited for a free lane",
+       s.pull_wait_seconds);
   line("pull_seconds_total", "counter", "Time in successful pulls (offer, read, verify, publish)",
        s.pull_seconds);
   line("read_seconds_total", "counter", "Time in UCX reads of successful pulls", s.read_seconds);

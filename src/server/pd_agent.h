@@ -17,8 +17,9 @@
 //       block_bytes, kv_format, model_digest, format_digest, ...}.
 //   2. the router copies that object into the decode request. A decode
 //      worker's pull() checks the cache identity and layout against its
-//      own (a mismatch is a clear error; no layout conversion is done, so
-//      conversions stay 0), adopts whatever prefix it already caches, lets
+//      own (another block size or float KV dtype is converted on arrival,
+//      pd_convert.cpp; any other mismatch is a clear error), adopts
+//      whatever prefix it already caches, lets
 //      its own pool allocate blocks for the rest (producer block ids mean
 //      nothing here), reads them over UCX (transfer/ucx_transfer.h),
 //      verifies every block record (block_record.h: identity, chained hash
@@ -35,9 +36,12 @@
 // each other group's blocks [group_first, n) (the prefix index's rule for
 // a hit of n P tokens); the decode worker reserves blocks in every group,
 // fills those, drops the window blocks no query can see and publishes the
-// rest as checkpoints. Limits: KIVI formats (an f16 residual outside the
-// blocks) are refused at start-up; the whole prefix moves after the
-// prefill (no layer-wise streaming).
+// rest as checkpoints. KIVI formats: only converted blocks are published,
+// and they are whole (codes and per-block metadata), so they move like any
+// block and are committed as converted (BlockTable::commit_final); the f16
+// residual of the newest tokens is not sent (the decode worker computes
+// those tokens, as after a local prefix hit). Limits: the whole prefix
+// moves after the prefill (no layer-wise streaming).
 //
 // Thread-safety: offer() and pull() run on HTTP handler threads; they touch
 // the engine only through Scheduler::inspect. A reaper thread ends expired
@@ -48,6 +52,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -78,6 +83,9 @@ struct PdConfig {
   // long between the offer and the reads, so a test can kill the prefill
   // worker mid-transfer.
   std::chrono::milliseconds test_pull_stall{0};
+  // Decode: pulls that may run at once (--kv-max-pulls), each on its own
+  // UCX worker ("lane"); more wait for a lane within the transfer timeout.
+  int max_pulls = 4;
 };
 
 // Counters of /metrics and /v1/kv/stats ("transfer"). Units: bytes, seconds.
@@ -93,11 +101,16 @@ struct PdStats {
   int64_t n_pulls = 0;  // pulls started
   int64_t n_pulls_ok = 0;
   int64_t n_pulls_failed = 0;
+  int64_t max_pulls = 0;            // --kv-max-pulls (decode)
+  int64_t pulls_in_flight = 0;      // pulls holding a lane now
+  int64_t pulls_in_flight_max = 0;  // most at once so far (<= max_pulls)
+  double pull_wait_seconds = 0;     // summed wait for a free lane (queueing)
   int64_t n_blocks_pulled = 0;
   int64_t n_blocks_local = 0;  // offered blocks this worker already cached (not pulled)
   int64_t n_bytes_pulled = 0;
-  int64_t n_layout_mismatches = 0;   // refused: another model, format or block geometry
-  int64_t n_layout_conversions = 0;  // always 0: no conversion path (mismatch is an error)
+  int64_t n_layout_mismatches = 0;   // refused: another model, or a layout not converted
+  int64_t n_layout_conversions = 0;  // pulls converted from another block size / KV dtype
+  int64_t n_blocks_converted = 0;    // producer blocks converted (read into staging)
   double pull_seconds = 0;           // sum over successful pulls (offer + read + verify + publish)
   double read_seconds = 0;           // of which UCX reads
   double last_pull_s = 0;
@@ -134,6 +147,7 @@ class PulledPrefix {
 
 class PdAgent {
  public:
+  using Clock = std::chrono::steady_clock;
   // REQUIRES: called before the engine thread starts (registers the pool;
   // decode: writes every pool page once, so that pulls do not page-fault);
   // the engine outlives the agent.
@@ -176,6 +190,24 @@ class PdAgent {
   // Drops ended leases' references (pool owner's thread), children first.
   static void release(std::vector<transfer::Lease> ended);
   Status check_offer(const nlohmann::json& params) const;
+  // What a decode worker needs to convert another layout's blocks
+  // (transfer/kv_convert.h): the producer's layout and record identity.
+  struct Conversion {
+    KvLayout src;
+    CacheIdentity identity;  // the producer's: this worker's with its kv_format
+    BlockRecordIdentity record_id;
+  };
+  // The conversion of the offer `params` describes, or why there is none
+  // (kUnsupported, naming the pair; pd_convert.cpp).
+  Result<Conversion> plan_conversion(const nlohmann::json& params) const;
+  // pull() for an offer in another layout: reads the producer's records
+  // into a staging buffer, checks them under the producer's identity,
+  // rewrites the tokens into this worker's own blocks and publishes them.
+  Result<std::unique_ptr<PulledPrefix>> pull_converted(Scheduler& s, transfer::PullSession& session,
+                                                       const Conversion& conv,
+                                                       const std::vector<int32_t>& prompt,
+                                                       const std::string& cache_salt,
+                                                       Clock::time_point t0);
 
   Engine& engine_;
   PdConfig config_;
@@ -184,7 +216,13 @@ class PdAgent {
   std::unique_ptr<transfer::UcxContext> ucx_;
   transfer::LeaseTable leases_;
   std::unique_ptr<transfer::TransferServer> server_;
-  std::unique_ptr<transfer::UcxPuller> puller_;  // decode: one endpoint per prefill worker
+  // Decode: config_.max_pulls pullers (one UCX worker each, with one
+  // endpoint per prefill worker); a pull holds one for its whole read.
+  class Lane;
+  std::unique_ptr<Lane> acquire_lane(Clock::time_point deadline);
+  std::vector<std::unique_ptr<transfer::UcxPuller>> pullers_;
+  std::vector<transfer::UcxPuller*> free_pullers_;  // guarded by mu_
+  std::condition_variable lane_cv_;
   Scheduler* sched_ = nullptr;
   std::thread reaper_;
   std::atomic<bool> stop_{false};

@@ -1,7 +1,8 @@
 #include "transfer/ucx_transfer.h"
 
+#include "transfer/ucx_api.h"
+
 #include <poll.h>
-#include <ucp/api/ucp.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -16,7 +17,7 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kMaxGetBytes = 4u << 20;
 
 Error ucx_error(const std::string& what, ucs_status_t st) {
-  return make_error(Errc::kIo, what + ": " + ucs_status_string(st));
+  return make_error(Errc::kIo, what + ": " + ucx_api().ucs_status_string(st));
 }
 
 double seconds_since(Clock::time_point t0) {
@@ -30,18 +31,18 @@ ucs_status_t wait_request(ucp_worker_h worker, ucs_status_ptr_t req, Clock::time
   if (req == nullptr) return UCS_OK;
   if (UCS_PTR_IS_ERR(req)) return UCS_PTR_STATUS(req);
   ucs_status_t st = UCS_INPROGRESS;
-  while ((st = ucp_request_check_status(req)) == UCS_INPROGRESS) {
-    if (ucp_worker_progress(worker) == 0 && Clock::now() >= deadline) {
-      ucp_request_cancel(worker, req);
+  while ((st = ucx_api().ucp_request_check_status(req)) == UCS_INPROGRESS) {
+    if (ucx_api().ucp_worker_progress(worker) == 0 && Clock::now() >= deadline) {
+      ucx_api().ucp_request_cancel(worker, req);
       const auto give_up = Clock::now() + std::chrono::seconds(1);
-      while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < give_up) {
-        ucp_worker_progress(worker);
+      while (ucx_api().ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < give_up) {
+        ucx_api().ucp_worker_progress(worker);
       }
       st = UCS_ERR_TIMED_OUT;
       break;
     }
   }
-  ucp_request_free(req);
+  ucx_api().ucp_request_free(req);
   return st;
 }
 
@@ -65,8 +66,9 @@ bool same_bytes(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
 // ---- UcxContext ----
 
 Result<std::unique_ptr<UcxContext>> UcxContext::create() {
+  if (auto api = load_ucx(); !api) return api.error();
   ucp_config_t* config = nullptr;
-  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  ucs_status_t st = ucx_api().ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return ucx_error("UCX configuration (UCX_* environment)", st);
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
@@ -74,8 +76,8 @@ Result<std::unique_ptr<UcxContext>> UcxContext::create() {
   params.mt_workers_shared = 1;
   auto out = std::unique_ptr<UcxContext>(new UcxContext());
   ucp_context_h ctx = nullptr;
-  st = ucp_init(&params, config, &ctx);
-  ucp_config_release(config);
+  st = ucx_api().init(&params, config, &ctx);
+  ucx_api().ucp_config_release(config);
   if (st != UCS_OK) return ucx_error("ucp_init", st);
   out->ctx_ = ctx;
   const char* tls = std::getenv("UCX_TLS");
@@ -84,7 +86,7 @@ Result<std::unique_ptr<UcxContext>> UcxContext::create() {
 }
 
 UcxContext::~UcxContext() {
-  if (ctx_ != nullptr) ucp_cleanup(static_cast<ucp_context_h>(ctx_));
+  if (ctx_ != nullptr) ucx_api().ucp_cleanup(static_cast<ucp_context_h>(ctx_));
 }
 
 // ---- TransferServer ----
@@ -98,17 +100,17 @@ Result<std::unique_ptr<TransferServer>> TransferServer::create(UcxContext& ucx, 
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // the progress thread alone drives it
   ucp_worker_h worker = nullptr;
-  ucs_status_t st = ucp_worker_create(ctx, &wp, &worker);
+  ucs_status_t st = ucx_api().ucp_worker_create(ctx, &wp, &worker);
   if (st != UCS_OK) return ucx_error("ucp_worker_create", st);
   s->worker_ = worker;  // destroyed by ~TransferServer from here on
   ucp_address_t* addr = nullptr;
   size_t addr_len = 0;
-  st = ucp_worker_get_address(worker, &addr, &addr_len);
+  st = ucx_api().ucp_worker_get_address(worker, &addr, &addr_len);
   if (st != UCS_OK) return ucx_error("ucp_worker_get_address", st);
   s->worker_addr_.assign(reinterpret_cast<uint8_t*>(addr),
                          reinterpret_cast<uint8_t*>(addr) + addr_len);
-  ucp_worker_release_address(worker, addr);
-  st = ucp_worker_get_efd(worker, &s->event_fd_);
+  ucx_api().ucp_worker_release_address(worker, addr);
+  st = ucx_api().ucp_worker_get_efd(worker, &s->event_fd_);
   if (st != UCS_OK) return ucx_error("ucp_worker_get_efd", st);
 
   ucp_mem_map_params_t mp{};
@@ -116,15 +118,15 @@ Result<std::unique_ptr<TransferServer>> TransferServer::create(UcxContext& ucx, 
   mp.address = pool_base;
   mp.length = pool_bytes;
   ucp_mem_h memh = nullptr;
-  st = ucp_mem_map(ctx, &mp, &memh);
+  st = ucx_api().ucp_mem_map(ctx, &mp, &memh);
   if (st != UCS_OK) return ucx_error("ucp_mem_map of the KV pool", st);
   s->memh_ = memh;
   void* rkey = nullptr;
   size_t rkey_len = 0;
-  st = ucp_rkey_pack(ctx, memh, &rkey, &rkey_len);
+  st = ucx_api().ucp_rkey_pack(ctx, memh, &rkey, &rkey_len);
   if (st != UCS_OK) return ucx_error("ucp_rkey_pack", st);
   s->rkey_.assign(static_cast<uint8_t*>(rkey), static_cast<uint8_t*>(rkey) + rkey_len);
-  ucp_rkey_buffer_release(rkey);
+  ucx_api().ucp_rkey_buffer_release(rkey);
 
   auto l = Socket::listen(config.host, config.port);
   if (!l) {
@@ -144,8 +146,8 @@ TransferServer::~TransferServer() {
   while (n_conns_.load() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   if (progress_.joinable()) progress_.join();
   auto ctx = static_cast<ucp_context_h>(ucx_.handle());
-  if (memh_ != nullptr) ucp_mem_unmap(ctx, static_cast<ucp_mem_h>(memh_));
-  if (worker_ != nullptr) ucp_worker_destroy(static_cast<ucp_worker_h>(worker_));
+  if (memh_ != nullptr) ucx_api().ucp_mem_unmap(ctx, static_cast<ucp_mem_h>(memh_));
+  if (worker_ != nullptr) ucx_api().ucp_worker_destroy(static_cast<ucp_worker_h>(worker_));
 }
 
 TransferServerStats TransferServer::stats() const {
@@ -161,12 +163,12 @@ void TransferServer::progress_loop() {
   constexpr auto kSpin = std::chrono::microseconds(2000);
   auto last_active = Clock::now();
   while (!stop_.load(std::memory_order_relaxed)) {
-    if (ucp_worker_progress(w) != 0) {
+    if (ucx_api().ucp_worker_progress(w) != 0) {
       last_active = Clock::now();
       continue;
     }
     if (Clock::now() - last_active < kSpin) continue;
-    const ucs_status_t st = ucp_worker_arm(w);
+    const ucs_status_t st = ucx_api().ucp_worker_arm(w);
     if (st == UCS_ERR_BUSY) continue;  // more events arrived: progress again
     pollfd p{event_fd_, POLLIN, 0};
     if (::poll(&p, 1, 20) > 0) last_active = Clock::now();  // 20 ms bounds the stop latency
@@ -267,7 +269,8 @@ Result<std::unique_ptr<UcxPuller>> UcxPuller::create(UcxContext& ucx) {
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // one pull at a time (mu_)
   ucp_worker_h worker = nullptr;
-  const ucs_status_t st = ucp_worker_create(static_cast<ucp_context_h>(ucx.handle()), &wp, &worker);
+  const ucs_status_t st =
+      ucx_api().ucp_worker_create(static_cast<ucp_context_h>(ucx.handle()), &wp, &worker);
   if (st != UCS_OK) return ucx_error("KV transfer: ucp_worker_create", st);
   p->worker_ = worker;
   return p;
@@ -278,12 +281,12 @@ void UcxPuller::drop_locked(const std::string& addr) {
   if (it == peers_.end()) return;
   auto worker = static_cast<ucp_worker_h>(worker_);
   Peer& peer = *it->second;
-  if (peer.rkey != nullptr) ucp_rkey_destroy(static_cast<ucp_rkey_h>(peer.rkey));
+  if (peer.rkey != nullptr) ucx_api().ucp_rkey_destroy(static_cast<ucp_rkey_h>(peer.rkey));
   if (peer.ep != nullptr) {
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    (void)wait_request(worker, ucp_ep_close_nbx(static_cast<ucp_ep_h>(peer.ep), &p),
+    (void)wait_request(worker, ucx_api().ucp_ep_close_nbx(static_cast<ucp_ep_h>(peer.ep), &p),
                        Clock::now() + std::chrono::milliseconds(1000));
   }
   peers_.erase(it);
@@ -295,7 +298,7 @@ UcxPuller::~UcxPuller() {
     const std::string addr = peers_.begin()->first;
     drop_locked(addr);
   }
-  if (worker_ != nullptr) ucp_worker_destroy(static_cast<ucp_worker_h>(worker_));
+  if (worker_ != nullptr) ucx_api().ucp_worker_destroy(static_cast<ucp_worker_h>(worker_));
 }
 
 int64_t UcxPuller::n_endpoints_created() const {
@@ -433,14 +436,14 @@ Status PullSession::read_records(std::span<const size_t> records, std::span<uint
       ep.err_handler.cb = on_ep_error;
       ep.err_handler.arg = &peer->error;
       ucp_ep_h pe = nullptr;
-      ucs_status_t st = ucp_ep_create(worker, &ep, &pe);
+      ucs_status_t st = ucx_api().ucp_ep_create(worker, &ep, &pe);
       if (st != UCS_OK) return ucx_error("KV transfer: ucp_ep_create", st);
       peer->ep = pe;
       peer->rkey_buf = rkey_buf_;
       it = puller_->peers_.emplace(peer_key, std::move(peer)).first;
       puller_->n_created_++;
       ucp_rkey_h rk = nullptr;
-      st = ucp_ep_rkey_unpack(pe, rkey_buf_.data(), &rk);
+      st = ucx_api().ucp_ep_rkey_unpack(pe, rkey_buf_.data(), &rk);
       if (st != UCS_OK) {
         puller_->drop_locked(peer_key);
         return ucx_error("KV transfer: ucp_ep_rkey_unpack", st);
@@ -455,12 +458,12 @@ Status PullSession::read_records(std::span<const size_t> records, std::span<uint
     ucp_worker_params_t wp{};
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
     wp.thread_mode = UCS_THREAD_MODE_SINGLE;
-    ucs_status_t st = ucp_worker_create(ctx, &wp, &worker);
+    ucs_status_t st = ucx_api().ucp_worker_create(ctx, &wp, &worker);
     if (st != UCS_OK) {
       // Seen once at start-up (UCS_ERR_NO_DEVICE from the TCP transport's
       // interface scan, not reproduced since): one more try before failing.
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      st = ucp_worker_create(ctx, &wp, &worker);
+      st = ucx_api().ucp_worker_create(ctx, &wp, &worker);
     }
     if (st != UCS_OK) return ucx_error("KV transfer: ucp_worker_create", st);
     worker_ = worker;
@@ -471,10 +474,10 @@ Status PullSession::read_records(std::span<const size_t> records, std::span<uint
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = on_ep_error;
     ep.err_handler.arg = &ep_error_;
-    st = ucp_ep_create(worker, &ep, &e);
+    st = ucx_api().ucp_ep_create(worker, &ep, &e);
     if (st != UCS_OK) return ucx_error("KV transfer: ucp_ep_create", st);
     ep_ = e;
-    st = ucp_ep_rkey_unpack(e, rkey_buf_.data(), &rkey);
+    st = ucx_api().ucp_ep_rkey_unpack(e, rkey_buf_.data(), &rkey);
     if (st != UCS_OK) return ucx_error("KV transfer: ucp_ep_rkey_unpack", st);
     rkey_ = rkey;
   }
@@ -498,8 +501,8 @@ Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::ato
     uint8_t probe = 0;
     ucp_request_param_t p{};
     ucs_status_t ws = wait_request(
-        worker, ucp_get_nbx(e, &probe, 1, offer_.addrs[records[0]], rkey, &p), deadline);
-    if (ws == UCS_OK) ws = wait_request(worker, ucp_ep_flush_nbx(e, &p), deadline);
+        worker, ucx_api().ucp_get_nbx(e, &probe, 1, offer_.addrs[records[0]], rkey, &p), deadline);
+    if (ws == UCS_OK) ws = wait_request(worker, ucx_api().ucp_ep_flush_nbx(e, &p), deadline);
     if (ws != UCS_OK) return ucx_error("KV transfer: connecting to the prefill worker", ws);
     timings_.wireup_s = seconds_since(t_w);
   }
@@ -524,7 +527,7 @@ Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::ato
       ucp_request_param_t p{};
       const size_t n = std::min(max_get, len - off);
       ucs_status_ptr_t r =
-          ucp_get_nbx(e, dst[i] + off, n, offer_.addrs[records[i]] + off, rkey, &p);
+          ucx_api().ucp_get_nbx(e, dst[i] + off, n, offer_.addrs[records[i]] + off, rkey, &p);
       if (UCS_PTR_IS_ERR(r)) {
         for (ucs_status_ptr_t q : reqs) (void)wait_request(worker, q, deadline);
         return ucx_error("KV transfer: ucp_get_nbx", UCS_PTR_STATUS(r));
@@ -543,7 +546,7 @@ Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::ato
   }
   if (first_err == UCS_OK) {
     ucp_request_param_t p{};
-    first_err = wait_request(worker, ucp_ep_flush_nbx(e, &p), deadline);
+    first_err = wait_request(worker, ucx_api().ucp_ep_flush_nbx(e, &p), deadline);
   }
   if (first_err == UCS_OK && ep_error->load() != 0) {
     first_err = static_cast<ucs_status_t>(ep_error->load());
@@ -566,17 +569,17 @@ Status PullSession::finish(bool ok) {
 
 void PullSession::close_ucx() {
   auto worker = static_cast<ucp_worker_h>(worker_);
-  if (rkey_ != nullptr) ucp_rkey_destroy(static_cast<ucp_rkey_h>(rkey_));
+  if (rkey_ != nullptr) ucx_api().ucp_rkey_destroy(static_cast<ucp_rkey_h>(rkey_));
   rkey_ = nullptr;
   if (ep_ != nullptr) {
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    (void)wait_request(worker, ucp_ep_close_nbx(static_cast<ucp_ep_h>(ep_), &p),
+    (void)wait_request(worker, ucx_api().ucp_ep_close_nbx(static_cast<ucp_ep_h>(ep_), &p),
                        Clock::now() + std::chrono::milliseconds(1000));
     ep_ = nullptr;
   }
-  if (worker != nullptr) ucp_worker_destroy(worker);
+  if (worker != nullptr) ucx_api().ucp_worker_destroy(worker);
   worker_ = nullptr;
 }
 

@@ -138,7 +138,8 @@ struct PullTimings {
 // Decode side: one UCX worker and, per prefill worker (its worker address),
 // an endpoint and the unpacked rkey, kept across pulls so that a pull does
 // not pay a worker, a TCP connection and a wireup each time. Pulls through
-// one puller run one at a time (its mutex is held for a whole read). An
+// one puller run one at a time (its mutex is held for a whole read; PdAgent
+// keeps several pullers for concurrent pulls). An
 // endpoint whose peer failed, or whose read failed, is dropped (the next
 // pull connects again); at most kMaxPeers are kept.
 // Thread-safety: safe from any thread. Lifetime: outlives its sessions.

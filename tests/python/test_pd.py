@@ -10,7 +10,10 @@ killed mid-transfer, a frozen prefill worker, a client that disconnects, a
 layout mismatch, a retried decode request, a client retry through the router:
 each ends in a clear error or a
 correct answer within the timeouts, and afterwards neither side holds a
-block or a lease (pool and lease counters from /v1/kv/stats).
+block or a lease (pool and lease counters from /v1/kv/stats). Decode
+workers with another block size or f32 KV convert the blocks and give the
+same greedy output; f16 -> bf16 stays a 400. UCX is loaded only by the
+P/D roles (not linked; a missing runtime is a clear start-up error).
 """
 import json
 import os
@@ -240,6 +243,31 @@ def test_pd_output_usage_and_streaming_match_a_single_server(hosts, cluster):
     assert re.search(r"kvstack_kv_transfer_bytes_pulled_total\{[^}]*\} [1-9]", metrics)
 
 
+def ucx_libraries(pid):
+    """UCX libraries mapped into process `pid` (libucp, libucs, libuct, libucm)."""
+    maps = pathlib.Path(f"/proc/{pid}/maps").read_text()
+    return set(re.findall(r"/(libuc[pstm])\.so", maps))
+
+
+def test_ucx_is_loaded_only_by_the_pd_roles(cluster):
+    prefill, decode, both, _ = cluster
+    # Not linked: the binary does not pull UCX (or libucm's memory hooks) in.
+    ldd = subprocess.run(["ldd", str(KVSTACK_BIN)], capture_output=True, text=True).stdout
+    assert "libucp" not in ldd and "libucm" not in ldd and "libucs" not in ldd, ldd
+    # Loaded on demand by the P/D roles only.
+    assert ucx_libraries(both.proc.pid) == set()
+    for w in (prefill, decode):
+        assert {"libucp", "libucs", "libucm"} <= ucx_libraries(w.proc.pid)
+    # Without a UCX runtime a P/D role fails at start-up with an error
+    # naming the library and the package, not a crash.
+    cmd = [KVSTACK_BIN, "serve", "-m", MODEL, "--host", "127.0.0.1", "--port", str(free_port()),
+           "--threads", "1", "--kv-cache-mem", "48M", "--role", "decode"]
+    r = subprocess.run(cmd, env=dict(os.environ, KVSTACK_UCP_LIBRARY="/nonexistent/libucp.so.0"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "/nonexistent/libucp.so.0" in r.stderr and "libucx0" in r.stderr, r.stderr
+
+
 def test_lease_expires_and_a_late_pull_is_a_clear_error(cluster):
     prefill, decode, _, _ = cluster
     before = prefill.stats()["transfer"]
@@ -271,6 +299,124 @@ def test_layout_mismatch_is_refused_and_ends_the_lease(cluster):
     assert time.time() - t0 < LEASE_S - 1, "the mismatch did not end the lease before its timeout"
     assert decode.stats()["transfer"]["layout_mismatches"] >= 1
     decode.assert_clean()
+
+
+@pytest.mark.parametrize("block_size,kv_dtype", [(32, "f16"), (8, "f16"), (16, "f32"), (32, "f32")])
+def test_decode_worker_with_another_layout_converts_the_blocks(hosts, cluster, block_size, kv_dtype):
+    """A decode worker with another block size and/or f32 KV converts the
+    prefill worker's f16 blocks (transfer/kv_convert.h): the pulled prefix
+    is what its request's lookup hits, and greedy output equals one server's."""
+    prefill, _, both, _ = cluster
+    dec = Worker(hosts[2], "decode", port=8010,
+                 extra=["--block-size", str(block_size), "--kv-dtype", kv_dtype])
+    try:
+        for prompt in (PROMPTS[3], PROMPTS[0] + " " + PROMPTS[1]):
+            ref = both.post("/v1/completions", completion(prompt)).json()
+            params = prefill_request(prefill, prompt)
+            hits = dec.stats()["prefix_cache"]["namespace"]["hit_tokens"]
+            r = dec.post("/v1/completions", completion(prompt, kv_transfer_params=params))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == ref["choices"][0]["text"], prompt[:40]
+            usage, want = r.json()["usage"], params["n_tokens"] // block_size * block_size
+            for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+                assert usage[k] == ref["usage"][k]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == want > 0
+            assert dec.stats()["prefix_cache"]["namespace"]["hit_tokens"] - hits == want
+        tr = dec.assert_clean()["transfer"]
+        assert tr["layout_conversions"] == 2 and tr["pulls_failed"] == 0
+        assert tr["blocks_converted"] >= 2 * (P // block_size if block_size < P else 1)
+        prefill.assert_clean()
+        metrics = requests.get(dec.base + "/metrics", timeout=10).text
+        assert re.search(r"kvstack_kv_transfer_layout_conversions_total\{[^}]*\} 2", metrics)
+    finally:
+        dec.stop()
+
+
+def test_unconvertible_layout_stays_a_clear_400(hosts, cluster):
+    prefill, _, _, _ = cluster
+    dec = Worker(hosts[2], "decode", port=8011, extra=["--kv-dtype", "bf16"])
+    try:
+        params = prefill_request(prefill, PROMPTS[0])
+        r = dec.post("/v1/completions", completion(PROMPTS[0], kv_transfer_params=params))
+        assert r.status_code == 400, r.text
+        msg = r.json()["error"]["message"]
+        assert "not converted" in msg and "f16 -> bf16" in msg, msg
+        prefill.assert_clean(timeout=LEASE_S - 1)  # the refusal ended the lease
+        tr = dec.assert_clean()["transfer"]
+        assert tr["layout_mismatches"] == 1 and tr["layout_conversions"] == 0
+    finally:
+        dec.stop()
+
+
+def test_concurrent_pulls_run_at_once_up_to_the_bound(hosts, cluster):
+    """Six P/D requests at once on a decode worker with --kv-max-pulls 2 (each
+    pull stalls 300 ms between offer and read): two pulls run at a time,
+    never more, the rest wait for a lane; every answer equals one server's
+    and afterwards neither side holds a block or a lease."""
+    prefill, _, both, _ = cluster
+    dec = Worker(hosts[2], "decode", port=8012, extra=["--kv-max-pulls", "2"],
+                 env={"KVSTACK_TEST_PULL_STALL_MS": "300"})
+    try:
+        prompts = [f"Request {i}: " + PROMPTS[i % 2] for i in range(6)]
+        refs = [both.post("/v1/completions", completion(p)).json()["choices"][0]["text"]
+                for p in prompts]
+        out = [None] * len(prompts)
+
+        def one(i):
+            params = prefill_request(prefill, prompts[i])
+            r = dec.post("/v1/completions", completion(prompts[i], kv_transfer_params=params))
+            out[i] = (r.status_code, r.json())
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for i, (code, body) in enumerate(out):
+            assert code == 200, body
+            assert body["choices"][0]["text"] == refs[i], prompts[i]
+        tr = dec.assert_clean()["transfer"]
+        assert tr["pulls_ok"] == len(prompts) and tr["pulls_failed"] == 0
+        assert tr["max_pulls"] == 2 and tr["pulls_in_flight"] == 0
+        assert tr["pulls_in_flight_max"] == 2, tr  # concurrent, and bounded
+        assert tr["pull_wait_seconds"] > 0.2  # some waited for a lane
+        prefill.assert_clean()
+    finally:
+        dec.stop()
+
+
+def test_kivi_blocks_move_over_pd(hosts):
+    """KIVI (kivi4): only converted blocks are published, and they are whole
+    (codes and per-block metadata); the decode worker commits them as
+    converted (no residual pass) and answers exactly like one KIVI server
+    that hits the same prefix in its own cache."""
+    flags = ["--kv-dtype", "kivi4"]
+    pre = Worker(hosts[0], "prefill", port=8003,
+                 extra=[*flags, "--kv-transfer-host", hosts[0].addr, "--kv-transfer-port", "8103"])
+    dec = Worker(hosts[1], "decode", port=8003, extra=flags)
+    both = Worker(None, "both", extra=flags)
+    try:
+        pulled = 0
+        # No shared prefix between the prompts: a KIVI hit is lossy, so blocks
+        # computed after one depend on the cache's history, which must be
+        # the same on the prefill worker and the reference.
+        for prompt in (PROMPTS[3], " ".join(f"item{i}" for i in range(120)) + " and"):
+            both.post("/v1/completions", completion(prompt, 1))  # publishes its converted blocks
+            ref = both.post("/v1/completions", completion(prompt)).json()  # hits them
+            params = prefill_request(pre, prompt)
+            assert params["do_remote_prefill"] and params["n_tokens"] > 0, params
+            assert params["n_tokens"] == ref["usage"]["prompt_tokens_details"]["cached_tokens"]
+            r = dec.post("/v1/completions", completion(prompt, kv_transfer_params=params))
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"] == ref["usage"]
+            assert r.json()["choices"][0]["text"] == ref["choices"][0]["text"], prompt[:40]
+            pulled += params["n_tokens"] // P
+        tr = dec.assert_clean()["transfer"]
+        assert tr["blocks_pulled"] == pulled and tr["layout_conversions"] == 0
+        assert pre.assert_clean()["transfer"]["leases_completed"] == 2
+    finally:
+        for w in (pre, dec, both):
+            w.stop()
 
 
 def test_retried_decode_request_is_an_error_not_a_second_read(cluster):
