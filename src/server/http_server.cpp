@@ -504,6 +504,51 @@ void HttpServer::routes() {
     res.set_content(dump(json{{"blocks", blocks}}), "application/json");
   });
 
+  // Clears the prefix cache: vllm-router's POST /flush_cache (it sends one to
+  // every worker, prefill and decode alike) and vLLM's POST
+  // /reset_prefix_cache. Every unreferenced cached block is dropped; blocks
+  // held by running requests, leases and pinned public prefixes stay
+  // (PrefixIndex::clear_cached, which also sends the KV events). With an
+  // admin key configured only that key may clear, else with an API key that
+  // key (or the admin key).
+  auto clear_cache = [this](const httplib::Request& req, httplib::Response& res) {
+    const std::string auth = req.get_header_value("Authorization");
+    const std::string& need =
+        !config_.admin_api_key.empty() ? config_.admin_api_key : config_.api_key;
+    if (!need.empty() && auth != "Bearer " + need) {
+      send_error(res,
+                 api_error(403, "permission_error",
+                           req.path + (config_.admin_api_key.empty() ? " needs the API key"
+                                                                     : " needs the admin key")));
+      return;
+    }
+    Scheduler* s = scheduler_.load(std::memory_order_acquire);
+    if (s == nullptr) {
+      send_error(res, api_error(503, "service_unavailable", "the model is still loading"));
+      return;
+    }
+    bool has_cache = false;
+    PrefixIndex::ClearResult r;
+    const Status st = s->inspect([&](Engine& e) {
+      PrefixIndex* index = e.kv().index();
+      if (index == nullptr) return;
+      has_cache = true;
+      r = index->clear_cached();
+    });
+    if (!st.ok()) {
+      send_error(res, api_error(503, "service_unavailable", st.error().message));
+      return;
+    }
+    res.set_content(dump(json{{"status", "ok"},
+                              {"prefix_cache", has_cache},
+                              {"freed_blocks", r.n_freed},
+                              {"kept_blocks", r.n_kept},
+                              {"all_cleared", r.all_cleared}}),
+                    "application/json");
+  };
+  h.Post("/flush_cache", clear_cache);
+  h.Post("/reset_prefix_cache", clear_cache);
+
   h.Get("/v1/kv/stats", [this](const httplib::Request& req, httplib::Response& res) {
     Scheduler* s = scheduler_.load();
     const bool admin = !config_.admin_api_key.empty() &&
