@@ -21,8 +21,10 @@ the client through the router: TTFT (send to first streamed token: router,
 queueing, prefill and, in PD, the KV pull), the first decode gap (first to
 second token), TPOT ((last - first) / (tokens - 1)) and inter-token gaps.
 Goodput = requests meeting both --slo-ttft and --slo-tpot (count, fraction and
-per second of the run). Separately: queueing (each worker's waiting requests,
-sampled from /get_load every --sample-ms, mean and max by role), bytes moved,
+per second of the run). Separately: queueing (each worker's running and
+waiting requests, sampled from /get_load every --sample-ms, means and the
+waiting maximum by role: a worker admits up to --max-seqs requests at once,
+so a backlog shows as running requests sharing the steps), bytes moved,
 pulls and transfer time (the decode workers' /v1/kv/stats, this run only), and
 TTFT / gap / TPOT / ITL percentiles, overall and per class.
 
@@ -443,14 +445,15 @@ def report(runs: list[dict], args) -> str:
              + (f"Poisson {args.rate}/s" if args.arrival == "poisson"
                 else f"closed loop, {args.concurrency} clients"), ""]
     lines += ["| mode | workers: cores | wall | goodput (both SLOs) | TTFT p50 / p90 / p99 | "
-              "first decode gap p50 / p99 | TPOT p50 / p90 | ITL p50 / p99 | waiting mean / max | "
+              "first decode gap p50 / p99 | TPOT p50 / p90 | ITL p50 / p99 | "
+              "queue: running mean, waiting mean / max | "
               "bytes moved, pulls | pull time mean (UCX read) |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         lat, q, tr = run["latency"], run["queue"], run["transfer"]
         cores = ", ".join(f"{w['role'][0].upper()}{w['cores']}" for w in run["workers"])
-        wait = "; ".join(f"{role[0].upper()} {v['waiting_mean']:.2f} / {v['waiting_max']}"
-                         for role, v in q.items())
+        wait = "; ".join(f"{role[0].upper()} {v['running_mean']:.1f}, {v['waiting_mean']:.2f} / "
+                         f"{v['waiting_max']}" for role, v in q.items())
         if tr:
             pulls = max(1.0, tr["pulls_ok"])
             moved = f"{tr['bytes_pulled'] / 2**20:,.1f} MiB, {tr['pulls_ok']:.0f}"
