@@ -17,7 +17,8 @@ format is checked against vLLM's own schema, not against our encoder:
   /reset_prefix_cache) while a request streams: the blocks that request holds
   stay (BlockRemoved for the others), the subscriber's set still equals the
   worker's, the request's greedy text is unchanged, and a clear of an idle
-  worker sends AllBlocksCleared and leaves the pool with nothing cached.
+  worker sends AllBlocksCleared and leaves the pool with nothing cached; a
+  late subscriber replaying the stream ends in the same state.
 """
 import json
 import threading
@@ -288,6 +289,7 @@ def test_cache_clear_keeps_running_requests_and_events_follow(encoding):
     with Hosts(1) as hosts:
         h = hosts[0]
         with Worker(h, "--kv-events", f"tcp://{h.addr}:{PUB}", "--kv-events-encoding", encoding,
+                    "--kv-events-replay", f"tcp://{h.addr}:{REPLAY}",
                     *(["--kv-events-topic", TOPICS[encoding].decode()] if TOPICS[encoding] else [])
                     ) as w, Router(h, [w.url], "round_robin") as router:
             ctx = zmq.Context()
@@ -344,6 +346,9 @@ def test_cache_clear_keeps_running_requests_and_events_follow(encoding):
             assert m.blocks == worker_blocks(w) and len(m.blocks) >= c["kept_blocks"]
             ps = pool_stats(w)
             assert ps["blocks_used"] == 0 and ps["blocks_cached"] == len(m.blocks)
+            late = Mirror(encoding)  # a late subscriber replays through both clears
+            assert replay(ctx, h.addr, 0, late) == len(m.seqs)
+            assert late.blocks == m.blocks and late.n_cleared == 1
 
             # Idle again: a direct clear empties it (AllBlocksCleared), twice is fine.
             for _ in range(2):
@@ -351,6 +356,8 @@ def test_cache_clear_keeps_running_requests_and_events_follow(encoding):
                 assert c["all_cleared"] and c["kept_blocks"] == 0
             drain(live, m)
             assert m.n_cleared == 3 and m.blocks == {} and worker_blocks(w) == {}
+            replay(ctx, h.addr, late.seqs[-1] + 1, late)
+            assert late.blocks == {} and late.n_cleared == 3 and late.seqs == m.seqs
             assert pool_stats(w)["blocks_free"] == pool_stats(w)["blocks_total"]
             assert requests.get(w.url + "/flush_cache", timeout=30).status_code in (404, 405)
             live.close(linger=0)
