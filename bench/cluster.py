@@ -5,8 +5,9 @@ workers on the same cores (issue 21 item 5; spec sections 10 and 11).
 PD mode: N `kvstack serve --role prefill` and M `--role decode` workers, each
 on its own test host (a network namespace of bench/netns.py, created and
 removed by this script; loopback addresses when namespaces cannot be made),
-pinned with taskset, behind `vllm-router --vllm-pd-disaggregation` (UCX over
---tls between the hosts). Colocated mode: N+M `--role both` workers on the
+pinned with taskset, behind `vllm-router --vllm-pd-disaggregation` on one
+more host (UCX over --tls between the hosts; the clients run in the root
+namespace and reach the hosts over the bridge). Colocated mode: N+M `--role both` workers on the
 same hosts with the same pins, behind vllm-router in plain mode (--policy).
 Worker i (prefill first, then decode) gets the cpu list --pin[i]; a core named
 by two workers is shared by them (half a core each), which is how fractional
@@ -42,7 +43,6 @@ import os
 import pathlib
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,16 +61,11 @@ ROOT = HERE.parent
 VOCAB = ["river", "stone", "cloud", "market", "engine", "garden", "signal", "paper", "window",
          "forest", "copper", "lantern", "harbor", "violet", "summer", "ladder", "orbit"]
 WORKER_PORT = 8000
+ROUTER_PORT = 8100
 
 
 def log(msg: str) -> None:
     print(f"[cluster {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
@@ -138,10 +133,11 @@ def start_worker(args, host: Host, role: str, pin: list[int], idx: int, logdir: 
     return w
 
 
-def start_router(args, workers: list[Worker], pd: bool, logdir: str) -> tuple[Proc, str]:
-    port = free_port()
-    cmd = [args.router, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
-           str(free_port())]
+def start_router(args, host: Host, workers: list[Worker], pd: bool,
+                 logdir: str) -> tuple[Proc, str]:
+    """vllm-router on its own test host (port 8100, metrics 8101), in front of `workers`."""
+    cmd = [args.router, "--host", host.addr, "--port", str(ROUTER_PORT), "--prometheus-host",
+           host.addr, "--prometheus-port", str(ROUTER_PORT + 1)]
     if pd:
         cmd.append("--vllm-pd-disaggregation")
         for w in workers:
@@ -149,8 +145,8 @@ def start_router(args, workers: list[Worker], pd: bool, logdir: str) -> tuple[Pr
     else:
         cmd += ["--policy", args.policy, "--worker-urls", *[w.url for w in workers]]
     cmd += args.router_arg
-    proc = Proc("vllm-router " + ("pd" if pd else "plain"), cmd, logdir)
-    base = f"http://127.0.0.1:{port}"
+    proc = Proc("vllm-router " + ("pd" if pd else "plain"), cmd, logdir, host)
+    base = f"http://{host.addr}:{ROUTER_PORT}"
     proc.wait_http(base + "/health", 60)
     return proc, base
 
@@ -387,7 +383,7 @@ def run_mode(args, pd: bool, hosts: Hosts, pins: list[list[int]], reqs: list[Req
             workers.append(start_worker(args, hosts[i], role, pins[i], i, logdir))
         for w in workers:
             w.proc.wait_http(w.url + "/health", 120)
-        router, base = start_router(args, workers, pd, logdir)
+        router, base = start_router(args, hosts[len(roles)], workers, pd, logdir)
         log(f"{name}: router at {base}; warm-up")
         warm = Req(-1, "warm", {"model": "kvstack", "prompt": "Warm up " + " ".join(VOCAB * 2),
                                 "max_tokens": 4, "temperature": 0, "ignore_eos": True,
@@ -541,7 +537,7 @@ def main() -> None:
     reqs = workload(args)
     runs = []
     with tempfile.TemporaryDirectory(prefix="kvstack-cluster-") as logdir, \
-            Hosts(args.prefill + args.decode) as hosts:
+            Hosts(args.prefill + args.decode + 1) as hosts:  # the workers', then the router's
         log(hosts.fallback_reason or
             f"{len(hosts)} namespace hosts {[h.addr for h in hosts]}, bridge {hosts.bridge_addr}")
         if args.mode in ("both", "colo"):
