@@ -123,8 +123,8 @@ class KvEventWriter {
       std::fprintf(file_,
                    "{\"event\":\"%s\",\"hash\":\"%s\",\"parent\":\"%s\",\"n_tokens\":%d,"
                    "\"namespace\":%d}\n",
-                   ev.kind == KvEvent::Kind::kStored ? "stored" : "removed", ev.hash.hex().c_str(),
-                   ev.parent_hash.hex().c_str(), ev.n_tokens, ev.ns);
+                   kv_event_name(ev.kind), ev.hash.hex().c_str(), ev.parent_hash.hex().c_str(),
+                   ev.n_tokens, ev.ns);
     }
     if (!evs.empty()) std::fflush(file_);
   }
@@ -365,7 +365,8 @@ int run_serve(const std::vector<std::string>& argv) {
     publisher = std::move(*p);
     // Runs on the engine thread inside the index operation: push only queues.
     auto st = (*engine)->kv().set_event_sink([pub = publisher.get(), index](const KvEvent& e) {
-      pub->push(e, index->namespace_digest(e.ns));
+      pub->push(e,
+                e.kind == KvEvent::Kind::kAllCleared ? Hash128{} : index->namespace_digest(e.ns));
     });
     if (!st.ok()) return fail_events(st.error().message);
     http.set_kv_events(publisher.get());

@@ -483,8 +483,8 @@ Status KvEventFile::open(KvManager& kv, const std::string& path) {
 }
 
 std::string kv_event_json(const KvEvent& e) {
-  return std::string("{\"event\":\"") + (e.kind == KvEvent::Kind::kStored ? "stored" : "removed") +
-         "\",\"hash\":\"" + e.hash.hex() + "\",\"parent\":\"" + e.parent_hash.hex() +
+  return std::string("{\"event\":\"") + kv_event_name(e.kind) + "\",\"hash\":\"" + e.hash.hex() +
+         "\",\"parent\":\"" + e.parent_hash.hex() +
          "\",\"n_tokens\":" + std::to_string(e.n_tokens) +
          ",\"namespace\":" + std::to_string(e.ns) + "}";
 }

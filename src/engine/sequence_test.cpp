@@ -153,9 +153,17 @@ TEST_P(RandomOps, InvariantsAndContentsAgainstReference) {
   std::map<int32_t, int32_t> pinned_holders;  // references held by pinned public sequences
   int n_pinned = 0;
   int64_t n_hits = 0, n_partial = 0, n_forks = 0, n_cancels = 0, n_oob = 0, n_evicted = 0;
+  int64_t n_clears = 0, n_all_cleared = 0;
 
   auto apply_events = [&] {
     for (const KvEvent& e : index.drain_events()) {
+      if (e.kind == KvEvent::Kind::kAllCleared) {  // a clear left nothing published
+        n_evicted += static_cast<int64_t>(ref.entries.size());
+        ref.entries.clear();
+        ref.by_hash.clear();
+        ++n_all_cleared;
+        continue;
+      }
       if (e.kind != KvEvent::Kind::kRemoved) continue;
       auto it = ref.by_hash.find({e.hash.lo, e.hash.hi});
       ASSERT_NE(it, ref.by_hash.end()) << "removed an unknown block";
@@ -313,8 +321,20 @@ TEST_P(RandomOps, InvariantsAndContentsAgainstReference) {
       // Finish or cancel between steps.
       const int i = rnd(0, static_cast<int>(live.size()) - 1);
       live.erase(live.begin() + i);
-    } else {
+    } else if (kind < 98) {
       index.evict(rnd(0, 4));
+    } else {
+      // Clear the cache: every unreferenced block goes, held ones stay.
+      const PrefixIndex::ClearResult r = index.clear_cached();
+      ++n_clears;
+      ASSERT_EQ(pool.n_cached(), 0);
+      ASSERT_EQ(r.n_kept, index.stats().n_nodes);
+      ASSERT_EQ(r.all_cleared, r.n_kept == 0);
+      for (int32_t b = 0; b < pool.n_blocks(); ++b) {
+        if (index.is_node(b)) {
+          ASSERT_GT(pool.ref_count(BlockId{b}), 0) << "kept a cached block";
+        }
+      }
     }
     apply_events();
     // Eviction only when an allocation needed space beyond the free list.
@@ -336,6 +356,7 @@ TEST_P(RandomOps, InvariantsAndContentsAgainstReference) {
   EXPECT_GT(n_forks, 100);
   EXPECT_GT(n_cancels, 20);
   EXPECT_GT(n_evicted, 20);
+  EXPECT_GT(n_clears, 50);
   if (p > 1) {
     EXPECT_GT(pool.stats().n_cow_copies, 20);
   }
@@ -458,6 +479,65 @@ TEST(PrefixCache, UnusedNamespacesExpire) {
   EXPECT_EQ(index.stats().total.n_queries, 3);
   pool.check_invariants();
   index.check_invariants();
+}
+
+// clear_cached (POST /flush_cache): unreferenced blocks go with one
+// BlockRemoved each while something stays published; held blocks and their
+// contents stay and still hit; a clear that empties the index sends one
+// AllBlocksCleared and no per-block event.
+TEST(PrefixCache, ClearDropsUnreferencedBlocksAndKeepsHeldOnes) {
+  auto layout = KvLayout::uniform(1, 1, 8, KvDtype::kF32, 2);
+  ASSERT_TRUE(layout.ok());
+  auto pool_r = BlockPool::create(*layout, {.n_tokens = 16});  // 8 blocks
+  ASSERT_TRUE(pool_r.ok());
+  BlockPool& pool = **pool_r;
+  KvManager kv(pool, test_identity(), {.event_capacity = 100});
+  PrefixIndex& index = *kv.index();
+  const NamespaceId ns = kv.namespace_for("");
+  const std::vector<int32_t> a_tokens = {1, 1, 2, 2, 3, 3};
+  Sequence a = kv.new_sequence(ns);
+  ASSERT_TRUE(sim_step(pool, a, a_tokens));  // held: 3 blocks
+  {
+    Sequence b = kv.new_sequence(ns);
+    ASSERT_TRUE(sim_step(pool, b, {4, 4, 5, 5}));  // released: 2 cached blocks
+  }
+  ASSERT_EQ(pool.n_cached(), 2);
+  index.drain_events();
+  const PrefixIndex::ClearResult r = index.clear_cached();
+  EXPECT_EQ(r.n_freed, 2);
+  EXPECT_EQ(r.n_kept, 3);
+  EXPECT_FALSE(r.all_cleared);
+  auto ev = index.drain_events();
+  ASSERT_EQ(ev.size(), 2u);
+  for (const KvEvent& e : ev) EXPECT_EQ(e.kind, KvEvent::Kind::kRemoved);
+  EXPECT_EQ(ev[0].parent_hash, ev[1].hash);  // leaf first
+  EXPECT_EQ(pool.n_cached(), 0);
+  EXPECT_EQ(pool.n_free(), 5);
+  pool.check_invariants();
+  expect_contents(pool, a);  // a running sequence is untouched
+  ASSERT_TRUE(sim_step(pool, a, {6, 6}));
+  expect_contents(pool, a);
+  {
+    Sequence hit = kv.new_sequence(ns);  // a's blocks are still published
+    EXPECT_EQ(hit.adopt_cached_prefix(std::vector<int32_t>{1, 1, 2, 2, 3, 3, 9}), 6);
+    Sequence miss = kv.new_sequence(ns);  // b's are gone
+    EXPECT_EQ(miss.adopt_cached_prefix(std::vector<int32_t>{4, 4, 5, 5, 9}), 0);
+  }
+  { Sequence done = std::move(a); }  // a finishes: all its blocks become cached
+  index.drain_events();
+  const PrefixIndex::ClearResult all = index.clear_cached();
+  EXPECT_EQ(all.n_freed, 4);
+  EXPECT_EQ(all.n_kept, 0);
+  EXPECT_TRUE(all.all_cleared);
+  ev = index.drain_events();
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0].kind, KvEvent::Kind::kAllCleared);
+  EXPECT_EQ(pool.n_free(), pool.n_blocks());
+  EXPECT_EQ(index.stats().n_nodes, 0);
+  pool.check_invariants();
+  // An empty cache clears again: nothing freed, AllBlocksCleared again.
+  EXPECT_EQ(index.clear_cached().n_freed, 0);
+  EXPECT_EQ(index.drain_events().size(), 1u);
 }
 
 TEST(PrefixCache, EvictionIsLeafFirstLruAndNeverTouchesReferencedBlocks) {

@@ -1,8 +1,11 @@
 // Output of the tier statistics (kv_tiers.h): /v1/kv/stats JSON, /metrics
 // Prometheus text and the `run --kv-stats` table.
+#include <array>
 #include <cstdio>
+#include <span>
 #include <string>
 
+#include "core/prometheus_text.h"
 #include "kv/kv_tiers.h"
 
 namespace kvstack {
@@ -93,14 +96,12 @@ std::string kv_tiers_stats_json(const KvTiersStats& s) {
 }
 
 std::string kv_tiers_prometheus(const KvTiersStats& s, const std::string& labels) {
-  std::string out;
-  if (!s.enabled) return out;
+  if (!s.enabled) return "";
+  PromText out(labels);
+  auto tier = [](const TierStoreStats& t) { return "tier=\"" + t.name + "\""; };
   auto metric = [&](const char* name, const char* type, const char* help, auto field) {
-    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
-    for (const TierStoreStats& t : s.tiers) {
-      out += std::string(name) + "{" + labels + ",tier=\"" + t.name + "\"} " +
-             std::to_string(field(t)) + "\n";
-    }
+    out.family(name, type, help);
+    for (const TierStoreStats& t : s.tiers) out.sample(name, field(t), tier(t));
   };
   metric("kvstack:kv_tier_blocks", "gauge", "KV blocks held by this storage tier.",
          [](const TierStoreStats& t) { return t.n_blocks; });
@@ -130,78 +131,50 @@ std::string kv_tiers_prometheus(const KvTiersStats& s, const std::string& labels
   metric("kvstack:kv_tier_errors_total", "counter",
          "Remote tier commands that failed or timed out (each a miss or a skipped store).",
          [](const TierStoreStats& t) { return t.n_errors; });
+  // Fetch latency: the last bucket of kTierFetchBucketsUs is +Inf.
+  std::array<double, kTierFetchBucketsUs.size() - 1> bounds{};
+  for (size_t b = 0; b < bounds.size(); ++b) bounds[b] = kTierFetchBucketsUs[b] * 1e-6;
   const char* h = "kvstack:kv_tier_fetch_seconds";
-  out += std::string("# HELP ") + h +
-         " Latency of one block fetch from this tier into the pool.\n# TYPE " + h + " histogram\n";
+  out.family(h, "histogram", "Latency of one block fetch from this tier into the pool.");
   for (const TierStoreStats& t : s.tiers) {
-    int64_t cum = 0;
-    for (size_t b = 0; b < t.fetch_hist.size(); ++b) {
-      cum += t.fetch_hist[b];
-      char le[32];
-      if (b + 1 == t.fetch_hist.size()) {
-        std::snprintf(le, sizeof(le), "+Inf");
-      } else {
-        std::snprintf(le, sizeof(le), "%g", kTierFetchBucketsUs[b] * 1e-6);
-      }
-      out += std::string(h) + "_bucket{" + labels + ",tier=\"" + t.name + "\",le=\"" + le + "\"} " +
-             std::to_string(cum) + "\n";
-    }
-    out += std::string(h) + "_sum{" + labels + ",tier=\"" + t.name + "\"} " +
-           std::to_string(t.fetch_seconds) + "\n";
-    out += std::string(h) + "_count{" + labels + ",tier=\"" + t.name + "\"} " +
-           std::to_string(cum) + "\n";
+    int64_t n = 0;
+    for (int64_t c : t.fetch_hist) n += c;
+    out.histogram(h, std::span<const double>(bounds), std::span<const int64_t>(t.fetch_hist),
+                  t.fetch_seconds, static_cast<uint64_t>(n), tier(t));
   }
-  out +=
-      "# HELP kvstack:kv_tier_promoted_total Blocks promoted from a tier into the pool.\n"
-      "# TYPE kvstack:kv_tier_promoted_total counter\n"
-      "kvstack:kv_tier_promoted_total{" +
-      labels + "} " + std::to_string(s.n_promoted) + "\n";
-  out +=
-      "# HELP kvstack:kv_tier_hit_tokens_total Prefix tokens served from storage tiers.\n"
-      "# TYPE kvstack:kv_tier_hit_tokens_total counter\n"
-      "kvstack:kv_tier_hit_tokens_total{" +
-      labels + "} " + std::to_string(s.n_hit_tokens) + "\n";
-  out +=
-      "# HELP kvstack:kv_tier_decisions_total Fetch-or-recompute decisions on tier block runs.\n"
-      "# TYPE kvstack:kv_tier_decisions_total counter\n";
-  out += "kvstack:kv_tier_decisions_total{" + labels + ",decision=\"fetch\"} " +
-         std::to_string(s.n_decide_fetch) + "\n";
-  out += "kvstack:kv_tier_decisions_total{" + labels + ",decision=\"recompute\"} " +
-         std::to_string(s.n_decide_recompute) + "\n";
+  out.metric("kvstack:kv_tier_promoted_total", "counter",
+             "Blocks promoted from a tier into the pool.", s.n_promoted);
+  out.metric("kvstack:kv_tier_hit_tokens_total", "counter",
+             "Prefix tokens served from storage tiers.", s.n_hit_tokens);
+  const char* d = "kvstack:kv_tier_decisions_total";
+  out.family(d, "counter", "Fetch-or-recompute decisions on tier block runs.");
+  out.sample(d, s.n_decide_fetch, "decision=\"fetch\"");
+  out.sample(d, s.n_decide_recompute, "decision=\"recompute\"");
   // The host format (--kv-host-format): bytes stored per block against the
   // pool's, and the conversions' counts and time.
-  out +=
-      "# HELP kvstack:kv_tier_block_bytes Bytes of one block: in the pool, and as host/disk "
-      "store it (format=\"pool\" or \"int8\").\n# TYPE kvstack:kv_tier_block_bytes gauge\n";
-  out += "kvstack:kv_tier_block_bytes{" + labels + ",where=\"pool\"} " +
-         std::to_string(s.pool_block_bytes) + "\n";
-  out += "kvstack:kv_tier_block_bytes{" + labels + ",where=\"stored\",format=\"" + s.host_format +
-         "\"} " + std::to_string(s.stored_block_bytes) + "\n";
-  out +=
-      "# HELP kvstack:kv_tier_converted_blocks_total Blocks converted to (down) or from (up) the "
-      "host format.\n# TYPE kvstack:kv_tier_converted_blocks_total counter\n";
-  out += "kvstack:kv_tier_converted_blocks_total{" + labels + ",direction=\"down\"} " +
-         std::to_string(s.n_encoded) + "\n";
-  out += "kvstack:kv_tier_converted_blocks_total{" + labels + ",direction=\"up\"} " +
-         std::to_string(s.n_decoded) + "\n";
-  out +=
-      "# HELP kvstack:kv_tier_convert_seconds_total Time spent converting blocks to or from the "
-      "host format.\n# TYPE kvstack:kv_tier_convert_seconds_total counter\n";
-  out += "kvstack:kv_tier_convert_seconds_total{" + labels + ",direction=\"down\"} " +
-         std::to_string(s.encode_seconds) + "\n";
-  out += "kvstack:kv_tier_convert_seconds_total{" + labels + ",direction=\"up\"} " +
-         std::to_string(s.decode_seconds) + "\n";
-  out +=
-      "# HELP kvstack:kv_tier_bandwidth_bytes_per_second Measured fetch bandwidth per tier.\n"
-      "# TYPE kvstack:kv_tier_bandwidth_bytes_per_second gauge\n";
+  const char* bb = "kvstack:kv_tier_block_bytes";
+  out.family(bb, "gauge",
+             "Bytes of one block: in the pool, and as host/disk store it (format=\"pool\" or "
+             "\"int8\").");
+  out.sample(bb, s.pool_block_bytes, "where=\"pool\"");
+  out.sample(bb, s.stored_block_bytes, "where=\"stored\",format=\"" + s.host_format + "\"");
+  const char* cb = "kvstack:kv_tier_converted_blocks_total";
+  out.family(cb, "counter", "Blocks converted to (down) or from (up) the host format.");
+  out.sample(cb, s.n_encoded, "direction=\"down\"");
+  out.sample(cb, s.n_decoded, "direction=\"up\"");
+  const char* cs = "kvstack:kv_tier_convert_seconds_total";
+  out.family(cs, "counter", "Time spent converting blocks to or from the host format.");
+  out.sample_f(cs, s.encode_seconds, "direction=\"down\"");
+  out.sample_f(cs, s.decode_seconds, "direction=\"up\"");
+  const char* bw = "kvstack:kv_tier_bandwidth_bytes_per_second";
+  out.family(bw, "gauge", "Measured fetch bandwidth per tier.");
   for (const TierStoreStats& t : s.tiers) {
     const TierCost& c = t.name == "host"   ? s.cost.host
                         : t.name == "disk" ? s.cost.disk
                                            : s.cost.redis;
-    out += "kvstack:kv_tier_bandwidth_bytes_per_second{" + labels + ",tier=\"" + t.name + "\"} " +
-           std::to_string(c.bytes_per_s) + "\n";
+    out.sample_f(bw, c.bytes_per_s, tier(t));
   }
-  return out;
+  return out.take();
 }
 
 std::string format_kv_tiers_stats(const KvTiersStats& s) {

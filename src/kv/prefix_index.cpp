@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 namespace kvstack {
 
@@ -562,6 +563,24 @@ int64_t PrefixIndex::evict(int64_t n) {
   return done;
 }
 
+PrefixIndex::ClearResult PrefixIndex::clear_cached() {
+  std::vector<KvEvent> removed;
+  held_events_ = &removed;
+  ClearResult r;
+  r.n_freed = evict(std::numeric_limits<int64_t>::max());
+  held_events_ = nullptr;
+  r.n_kept = n_nodes_;
+  r.all_cleared = n_nodes_ == 0;
+  if (r.all_cleared) {
+    KvEvent cleared;
+    cleared.kind = KvEvent::Kind::kAllCleared;
+    emit(cleared);
+  } else {
+    for (const KvEvent& e : removed) emit(e);
+  }
+  return r;
+}
+
 std::vector<int32_t> PrefixIndex::chain(NamespaceId ns, std::span<const int32_t> tokens,
                                         int64_t max_tokens) {
   KV_CHECK(ns_live(ns), "chain: unknown namespace");
@@ -607,6 +626,10 @@ void PrefixIndex::count_tier_hit(NamespaceId ns, int64_t n_blocks, int64_t n_tok
 }
 
 void PrefixIndex::emit(KvEvent e) {
+  if (held_events_ != nullptr) {
+    held_events_->push_back(e);  // removals only (clear_cached evicts, publishes nothing)
+    return;
+  }
   if (sink_) sink_(e);
   if (max_events_ <= 0) return;
   if (static_cast<int64_t>(events_.size()) >= max_events_) {

@@ -126,8 +126,10 @@ struct PrefixMatch {
   void reset();
 };
 
+// kAllCleared (clear_cached() left the index empty) names no block: every
+// block stored before it is gone; hash, parent_hash, n_tokens and ns are unset.
 struct KvEvent {
-  enum class Kind : uint8_t { kStored, kRemoved };
+  enum class Kind : uint8_t { kStored, kRemoved, kAllCleared };
   Kind kind = Kind::kStored;
   Hash128 hash;
   Hash128 parent_hash;  // zero for a top-level block
@@ -137,6 +139,13 @@ struct KvEvent {
   // (null in drain_events and for kRemoved).
   const int32_t* tokens = nullptr;
 };
+
+// "stored", "removed" or "cleared" (the JSON-lines event files).
+inline const char* kv_event_name(KvEvent::Kind k) {
+  return k == KvEvent::Kind::kStored    ? "stored"
+         : k == KvEvent::Kind::kRemoved ? "removed"
+                                        : "cleared";
+}
 
 // Receives each event synchronously, inside the pool operation that caused
 // it (publish, evict): it must not call back into the pool or the index.
@@ -258,6 +267,22 @@ class PrefixIndex {
   // Evicts up to n cached blocks (leaf-first, LRU) back to the pool's free
   // list; returns the number evicted (< n only when fewer are cached).
   int64_t evict(int64_t n);
+
+  // Clears the prefix cache (vLLM's reset_prefix_cache, the routers'
+  // flush_cache): every cached (unreferenced) block, node or companion, is
+  // evicted, as evict() would (tier hooks included: with storage tiers the
+  // blocks are written back like any eviction; the tiers keep their
+  // contents). Blocks held by sequences (running requests, pinned public
+  // prefixes, leases) stay published and untouched. Events: when nothing is
+  // left published, one kAllCleared (vLLM's AllBlocksCleared) replaces the
+  // per-block kRemoved events; otherwise one kRemoved per removed node, as an
+  // eviction sends. The counts are blocks freed and nodes still published.
+  struct ClearResult {
+    int64_t n_freed = 0;
+    int64_t n_kept = 0;
+    bool all_cleared = false;  // kAllCleared was sent
+  };
+  ClearResult clear_cached();
 
   // A node or a companion (both stay cached when unreferenced).
   bool is_published(int32_t block) const {
@@ -421,7 +446,8 @@ class PrefixIndex {
   int64_t n_collisions_ = 0;
   int64_t n_duplicates_ = 0;
   std::deque<KvEvent> events_;
-  int64_t max_events_ = 0;  // 0 = events off
+  std::vector<KvEvent>* held_events_ = nullptr;  // clear_cached(): removals held back
+  int64_t max_events_ = 0;                       // 0 = events off
   int64_t n_events_dropped_ = 0;
   KvEventSink sink_;
   PrefixIndexTierHooks tier_hooks_;

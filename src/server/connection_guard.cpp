@@ -411,6 +411,11 @@ void GuardedServer::hand_over(const std::shared_ptr<Conn>& c) {
     reject(c, check.status, check.message);
     return;
   }
+  if (check.frame_empty) {  // before the head's blank line: httplib must not read to EOF
+    constexpr std::string_view kEmpty = "Content-Length: 0\r\n";
+    c->buf.insert(c->head_end - 2, kEmpty);
+    c->head_end += kEmpty.size();
+  }
   const int per_client = limits_.max_active_per_client > 0 ? limits_.max_active_per_client
                                                            : std::max(1, limits_.n_threads / 2);
   int status = 0;

@@ -11,6 +11,7 @@
 #include <map>
 #include <thread>
 
+#include "core/prometheus_text.h"
 #include "kv/prefix_index.h"
 #include "kv/retention.h"
 #include "server/openai_protocol.h"
@@ -45,34 +46,6 @@ struct ChoiceOut {
   std::optional<FinishReason> finish;
   bool role_sent = false;
 };
-
-void append_histogram(std::string& out, const std::string& name, const std::string& help,
-                      const Histogram& h, const std::string& labels) {
-  out += "# HELP " + name + " " + help + "\n# TYPE " + name + " histogram\n";
-  uint64_t cum = 0;
-  char buf[256];
-  for (size_t i = 0; i < h.bounds.size(); ++i) {
-    cum += h.counts[i];
-    std::snprintf(buf, sizeof(buf), "%s_bucket{%s,le=\"%g\"} %" PRIu64 "\n", name.c_str(),
-                  labels.c_str(), h.bounds[i], cum);
-    out += buf;
-  }
-  cum += h.counts.back();
-  std::snprintf(buf, sizeof(buf), "%s_bucket{%s,le=\"+Inf\"} %" PRIu64 "\n", name.c_str(),
-                labels.c_str(), cum);
-  out += buf;
-  std::snprintf(buf, sizeof(buf), "%s_sum{%s} %.9g\n%s_count{%s} %" PRIu64 "\n", name.c_str(),
-                labels.c_str(), h.sum, name.c_str(), labels.c_str(), h.count);
-  out += buf;
-}
-
-void append_metric(std::string& out, const std::string& name, const char* type,
-                   const std::string& help, double value, const std::string& labels) {
-  char buf[128];
-  std::snprintf(buf, sizeof(buf), "%.17g", value);
-  out += "# HELP " + name + " " + help + "\n# TYPE " + name + " " + type + "\n" + name + "{" +
-         labels + "} " + buf + "\n";
-}
 
 // Counts a running completion handler (HttpServer::wait_handlers).
 struct HandlerCount {
@@ -184,26 +157,34 @@ json echo_logprobs_json(const Tokenizer& tok, const std::vector<SampledToken>& p
 std::string prometheus_text(const SchedulerMetrics& m, const BlockPoolStats& pool,
                             const std::string& model_id, const GuardStats* guard,
                             const Histogram* tpot) {
-  const std::string labels = "model_name=\"" + model_id + "\"";
-  std::string out;
+  PromText out("model_name=\"" + model_id + "\"");
   const double usage =
       pool.n_blocks_total > 0 ? static_cast<double>(pool.n_blocks_used) / pool.n_blocks_total : 0;
-  append_metric(out, "kvstack:num_requests_running", "gauge",
-                "Sequences (choices) in the running batch.", static_cast<double>(m.n_running),
-                labels);
-  append_metric(out, "kvstack:num_requests_waiting", "gauge",
-                "Requests waiting for admission (new and preempted).",
-                static_cast<double>(m.n_waiting), labels);
-  append_metric(out, "kvstack:kv_cache_usage_perc", "gauge",
-                "Fraction of KV blocks referenced by sequences (1 = full).", usage, labels);
+  auto gauge = [&](const char* name, const char* help, double v) {
+    out.metric_f(name, "gauge", help, v);
+  };
+  auto counter = [&](const char* name, const char* help, int64_t v) {
+    out.metric_f(name, "counter", help, static_cast<double>(v));
+  };
+  auto histogram = [&](const char* name, const char* help, const Histogram& h) {
+    out.family(name, "histogram", help);
+    out.histogram(name, std::span<const double>(h.bounds), std::span<const uint64_t>(h.counts),
+                  h.sum, h.count);
+  };
+  gauge("kvstack:num_requests_running", "Sequences (choices) in the running batch.",
+        static_cast<double>(m.n_running));
+  gauge("kvstack:num_requests_waiting", "Requests waiting for admission (new and preempted).",
+        static_cast<double>(m.n_waiting));
+  gauge("kvstack:kv_cache_usage_perc", "Fraction of KV blocks referenced by sequences (1 = full).",
+        usage);
   // Per KV group (kv_groups.h): one sample per group, labelled with its
   // index and window (0 = full attention).
   auto group_metric = [&](const char* name, const char* help, auto field) {
-    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " gauge\n";
+    out.family(name, "gauge", help);
     for (size_t g = 0; g < pool.groups.size(); ++g) {
-      out += std::string(name) + "{" + labels + ",group=\"" + std::to_string(g) + "\",window=\"" +
-             std::to_string(pool.groups[g].window) + "\"} " +
-             std::to_string(field(pool.groups[g])) + "\n";
+      out.sample(name, field(pool.groups[g]),
+                 "group=\"" + std::to_string(g) + "\",window=\"" +
+                     std::to_string(pool.groups[g].window) + "\"");
     }
   };
   group_metric("kvstack:kv_group_blocks_used", "KV blocks of this group held by sequences.",
@@ -219,62 +200,47 @@ std::string prometheus_text(const SchedulerMetrics& m, const BlockPoolStats& poo
                [](const BlockPoolGroupStats& g) { return g.payload_bytes; });
   group_metric("kvstack:kv_group_allocated_bytes", "Bytes of this group's used and cached blocks.",
                [](const BlockPoolGroupStats& g) { return g.allocated_bytes; });
-  append_metric(out, "kvstack:kv_retention_tokens_dropped_total", "counter",
-                "Resident tokens removed by retention compaction (--kv-retention).",
-                static_cast<double>(pool.retention.n_tokens_dropped), labels);
-  append_metric(out, "kvstack:kv_retention_blocks_freed_total", "counter",
-                "KV blocks retention compaction released from sequences.",
-                static_cast<double>(pool.retention.n_blocks_freed), labels);
-  append_metric(out, "kvstack:kv_retention_bytes_moved_total", "counter",
-                "KV bytes retention compaction copied (moved rows, copy-on-write blocks).",
-                static_cast<double>(pool.retention.n_bytes_moved), labels);
-  append_metric(out, "kvstack:kv_topk_blocks_read_total", "counter",
-                "KV blocks decode queries read under topk (per layer).",
-                static_cast<double>(pool.retention.n_topk_blocks_read), labels);
-  append_metric(out, "kvstack:kv_topk_blocks_total", "counter",
-                "KV blocks those queries would have read without topk (per layer).",
-                static_cast<double>(pool.retention.n_topk_blocks_total), labels);
-  append_metric(out, "kvstack:prefix_cache_queries_total", "counter",
-                "Prompt tokens looked up in the prefix cache.",
-                static_cast<double>(m.n_prefix_queries), labels);
-  append_metric(out, "kvstack:prefix_cache_hits_total", "counter",
-                "Prompt tokens found in the prefix cache.", static_cast<double>(m.n_prefix_hits),
-                labels);
-  append_metric(out, "kvstack:num_preemptions_total", "counter",
-                "Sequences preempted (blocks released, recomputed on resume).",
-                static_cast<double>(m.n_preemptions), labels);
-  append_metric(out, "kvstack:prompt_tokens_total", "counter",
-                "Prompt tokens of finished requests.", static_cast<double>(m.n_prompt_tokens),
-                labels);
-  append_metric(out, "kvstack:generation_tokens_total", "counter", "Tokens sampled.",
-                static_cast<double>(m.n_generation_tokens), labels);
-  append_metric(out, "kvstack:recomputed_tokens_total", "counter",
-                "Tokens prefilled again after a preemption.",
-                static_cast<double>(m.n_recomputed_tokens), labels);
-  append_metric(out, "kvstack:request_success_total", "counter", "Requests finished.",
-                static_cast<double>(m.n_requests_finished), labels);
-  append_metric(out, "kvstack:request_failure_total", "counter",
-                "Requests ended by an error or a cancellation.",
-                static_cast<double>(m.n_requests_failed), labels);
-  append_metric(out, "kvstack:engine_steps_total", "counter", "Forward steps run.",
-                static_cast<double>(m.n_steps), labels);
-  append_histogram(out, "kvstack:time_to_first_token_seconds",
-                   "Arrival to first sampled token (queueing and prefill included).", m.ttft,
-                   labels);
-  append_histogram(out, "kvstack:inter_token_latency_seconds",
-                   "Time between consecutive tokens of a sequence.", m.itl, labels);
-  append_histogram(out, "kvstack:e2e_request_latency_seconds",
-                   "Arrival to the last token of the request.", m.e2e, labels);
+  counter("kvstack:kv_retention_tokens_dropped_total",
+          "Resident tokens removed by retention compaction (--kv-retention).",
+          pool.retention.n_tokens_dropped);
+  counter("kvstack:kv_retention_blocks_freed_total",
+          "KV blocks retention compaction released from sequences.", pool.retention.n_blocks_freed);
+  counter("kvstack:kv_retention_bytes_moved_total",
+          "KV bytes retention compaction copied (moved rows, copy-on-write blocks).",
+          pool.retention.n_bytes_moved);
+  counter("kvstack:kv_topk_blocks_read_total",
+          "KV blocks decode queries read under topk (per layer).",
+          pool.retention.n_topk_blocks_read);
+  counter("kvstack:kv_topk_blocks_total",
+          "KV blocks those queries would have read without topk (per layer).",
+          pool.retention.n_topk_blocks_total);
+  counter("kvstack:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+          m.n_prefix_queries);
+  counter("kvstack:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+          m.n_prefix_hits);
+  counter("kvstack:num_preemptions_total",
+          "Sequences preempted (blocks released, recomputed on resume).", m.n_preemptions);
+  counter("kvstack:prompt_tokens_total", "Prompt tokens of finished requests.", m.n_prompt_tokens);
+  counter("kvstack:generation_tokens_total", "Tokens sampled.", m.n_generation_tokens);
+  counter("kvstack:recomputed_tokens_total", "Tokens prefilled again after a preemption.",
+          m.n_recomputed_tokens);
+  counter("kvstack:request_success_total", "Requests finished.", m.n_requests_finished);
+  counter("kvstack:request_failure_total", "Requests ended by an error or a cancellation.",
+          m.n_requests_failed);
+  counter("kvstack:engine_steps_total", "Forward steps run.", m.n_steps);
+  histogram("kvstack:time_to_first_token_seconds",
+            "Arrival to first sampled token (queueing and prefill included).", m.ttft);
+  histogram("kvstack:inter_token_latency_seconds", "Time between consecutive tokens of a sequence.",
+            m.itl);
+  histogram("kvstack:e2e_request_latency_seconds", "Arrival to the last token of the request.",
+            m.e2e);
   if (tpot != nullptr) {
-    append_histogram(out, "kvstack:time_per_output_token_seconds",
-                     "Per request: (last token - first token) / (tokens per choice - 1).", *tpot,
-                     labels);
+    histogram("kvstack:time_per_output_token_seconds",
+              "Per request: (last token - first token) / (tokens per choice - 1).", *tpot);
   }
   if (guard != nullptr) {
-    const std::string name = "kvstack:http_connections_dropped_total";
-    out += "# HELP " + name +
-           " Connections closed or refused before a handler ran, by reason.\n# TYPE " + name +
-           " counter\n";
+    const char* name = "kvstack:http_connections_dropped_total";
+    out.family(name, "counter", "Connections closed or refused before a handler ran, by reason.");
     const std::pair<const char*, int64_t> reasons[] = {{"head_timeout", guard->head_timeouts},
                                                        {"evicted", guard->evicted},
                                                        {"bad_framing", guard->bad_framing},
@@ -282,16 +248,12 @@ std::string prometheus_text(const SchedulerMetrics& m, const BlockPoolStats& poo
                                                        {"busy", guard->busy},
                                                        {"body_timeout", guard->body_timeouts}};
     for (const auto& [reason, n] : reasons) {
-      out += name;
-      out += "{" + labels + ",reason=\"";
-      out += reason;
-      out += "\"} " + std::to_string(n) + "\n";
+      out.sample(name, n, std::string("reason=\"") + reason + "\"");
     }
-    append_metric(out, "kvstack:http_requests_served_total", "counter",
-                  "Requests handed to the HTTP handlers.", static_cast<double>(guard->served),
-                  labels);
+    counter("kvstack:http_requests_served_total", "Requests handed to the HTTP handlers.",
+            guard->served);
   }
-  return out;
+  return out.take();
 }
 
 namespace {
@@ -459,13 +421,11 @@ void HttpServer::routes() {
       std::lock_guard<std::mutex> lock(tpot_mu_);
       tpot = tpot_;
     }
-    std::string events;
+    PromText events("model_name=\"" + config_.model_id + "\"");
     if (kv_events_ != nullptr) {
       const KvEventPublisherStats k = kv_events_->stats();
-      const std::string l = "{model_name=\"" + config_.model_id + "\"}";
       auto counter = [&](const char* name, const char* help, int64_t v) {
-        events += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " counter\n" +
-                  name + l + " " + std::to_string(v) + "\n";
+        events.metric(name, "counter", help, v);
       };
       counter("kvstack:kv_events_published_total", "KV events published (--kv-events).",
               k.n_events);
@@ -478,7 +438,7 @@ void HttpServer::routes() {
     }
     const std::string labels = "model_name=\"" + config_.model_id + "\"";
     res.set_content(prometheus_text(s->metrics(), pool, config_.model_id, &guard, &tpot) +
-                        kv_tiers_prometheus(tiers, labels) + events +
+                        kv_tiers_prometheus(tiers, labels) + events.str() +
                         (pd_ != nullptr ? pd_prometheus(pd_->stats(), labels) : std::string()),
                     "text/plain; version=0.0.4");
   });
@@ -504,6 +464,51 @@ void HttpServer::routes() {
     });
     res.set_content(dump(json{{"blocks", blocks}}), "application/json");
   });
+
+  // Clears the prefix cache: vllm-router's POST /flush_cache (it sends one to
+  // every worker, prefill and decode alike) and vLLM's POST
+  // /reset_prefix_cache. Every unreferenced cached block is dropped; blocks
+  // held by running requests, leases and pinned public prefixes stay
+  // (PrefixIndex::clear_cached, which also sends the KV events). With an
+  // admin key configured only that key may clear, else with an API key that
+  // key (or the admin key).
+  auto clear_cache = [this](const httplib::Request& req, httplib::Response& res) {
+    const std::string auth = req.get_header_value("Authorization");
+    const std::string& need =
+        !config_.admin_api_key.empty() ? config_.admin_api_key : config_.api_key;
+    if (!need.empty() && auth != "Bearer " + need) {
+      send_error(res,
+                 api_error(403, "permission_error",
+                           req.path + (config_.admin_api_key.empty() ? " needs the API key"
+                                                                     : " needs the admin key")));
+      return;
+    }
+    Scheduler* s = scheduler_.load(std::memory_order_acquire);
+    if (s == nullptr) {
+      send_error(res, api_error(503, "service_unavailable", "the model is still loading"));
+      return;
+    }
+    bool has_cache = false;
+    PrefixIndex::ClearResult r;
+    const Status st = s->inspect([&](Engine& e) {
+      PrefixIndex* index = e.kv().index();
+      if (index == nullptr) return;
+      has_cache = true;
+      r = index->clear_cached();
+    });
+    if (!st.ok()) {
+      send_error(res, api_error(503, "service_unavailable", st.error().message));
+      return;
+    }
+    res.set_content(dump(json{{"status", "ok"},
+                              {"prefix_cache", has_cache},
+                              {"freed_blocks", r.n_freed},
+                              {"kept_blocks", r.n_kept},
+                              {"all_cleared", r.all_cleared}}),
+                    "application/json");
+  };
+  h.Post("/flush_cache", clear_cache);
+  h.Post("/reset_prefix_cache", clear_cache);
 
   h.Get("/v1/kv/stats", [this](const httplib::Request& req, httplib::Response& res) {
     Scheduler* s = scheduler_.load();

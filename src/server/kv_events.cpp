@@ -117,6 +117,16 @@ std::string KvEventPublisher::encode(const std::vector<Pending>& batch) const {
     if (map) pack_str(pk, name);
   };
   for (const Pending& p : batch) {
+    if (p.kind == KvEvent::Kind::kAllCleared) {  // the tag alone
+      if (map) {
+        pk.pack_map(1);
+      } else {
+        pk.pack_array(1);
+      }
+      key("type");
+      pack_str(pk, "AllBlocksCleared");
+      continue;
+    }
     const bool stored = p.kind == KvEvent::Kind::kStored;
     const uint32_t n_fields = stored ? 9 : 3;  // tag included
     if (map) {

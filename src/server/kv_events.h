@@ -11,6 +11,8 @@
 //                           block_size, lora_id (nil), medium ("CPU"), lora_name (nil),
 //                           extra_keys [[namespace digest]]]
 //            BlockRemoved  ["BlockRemoved", [hash], medium ("CPU")]
+//            AllBlocksCleared ["AllBlocksCleared"]  (a cache clear left nothing
+//                          cached: POST /flush_cache, /reset_prefix_cache)
 // seq counts batches from 0 and never repeats. Mapping of kvstack's identity:
 //   hash / parent_hash  the 128-bit chained block hash as 16 bytes (hi then
 //                       lo, big-endian; vLLM's ExternalBlockHash may be

@@ -92,6 +92,13 @@ HeadCheck check_request_head(std::string_view head, size_t max_body_bytes) {
                          std::to_string(max_body_bytes) + "-byte limit");
   }
   if (n_length == 0 && n_te == 0 && (method == "POST" || method == "PUT" || method == "PATCH")) {
+    const size_t sp = request_line.find(' ');
+    std::string_view target =
+        sp == std::string_view::npos ? std::string_view() : request_line.substr(sp + 1);
+    target = target.substr(0, target.find_first_of(" ?"));
+    if (method == "POST" && (target == "/flush_cache" || target == "/reset_prefix_cache")) {
+      return HeadCheck{0, {}, true};
+    }
     return fail(411, method + " needs a Content-Length (or chunked Transfer-Encoding)");
   }
   return {};

@@ -10,7 +10,11 @@
 //        without a colon or with whitespace before it, more than one
 //        Content-Length, a Content-Length that is not a plain decimal number,
 //        Content-Length together with Transfer-Encoding
-//   411  POST/PUT/PATCH with neither Content-Length nor chunking
+//   411  POST/PUT/PATCH with neither Content-Length nor chunking, except a
+//        POST to a path that takes no body (/flush_cache,
+//        /reset_prefix_cache: vllm-router sends its flush without either):
+//        accepted with frame_empty set, and the caller frames it as
+//        Content-Length: 0 (what RFC 9112 section 6.3 says such a request has)
 //   413  Content-Length over max_body_bytes
 //   415  a Content-Encoding other than identity (bodies are never inflated)
 //   501  a Transfer-Encoding other than a single "chunked"
@@ -27,6 +31,7 @@ namespace kvstack::server {
 struct HeadCheck {
   int status = 0;  // 0 = acceptable
   std::string message;
+  bool frame_empty = false;  // a body-less POST without framing: add Content-Length: 0
 };
 
 HeadCheck check_request_head(std::string_view head, size_t max_body_bytes);

@@ -25,6 +25,25 @@ TEST(RequestHead, AcceptsOrdinaryRequests) {
   EXPECT_EQ(status_of("Range: bytes=0-,0-\r\n", "GET"), 0);  // ignored later, not refused
 }
 
+// The cache-clear paths take no body: routers POST them without framing.
+TEST(RequestHead, BodylessCacheClearPostIsFramedEmpty) {
+  for (const char* path : {"/flush_cache", "/reset_prefix_cache", "/flush_cache?x=1"}) {
+    const HeadCheck c =
+        check_request_head(std::string("POST ") + path + " HTTP/1.1\r\nHost: x\r\n\r\n", kMax);
+    EXPECT_EQ(c.status, 0) << path;
+    EXPECT_TRUE(c.frame_empty) << path;
+  }
+  // Only POST, only those paths, only without framing.
+  EXPECT_EQ(check_request_head("PUT /flush_cache HTTP/1.1\r\n\r\n", kMax).status, 411);
+  EXPECT_EQ(check_request_head("POST /flush_cache_x HTTP/1.1\r\n\r\n", kMax).status, 411);
+  EXPECT_EQ(check_request_head("POST /v1/flush_cache HTTP/1.1\r\n\r\n", kMax).status, 411);
+  const HeadCheck framed =
+      check_request_head("POST /flush_cache HTTP/1.1\r\nContent-Length: 2\r\n\r\n", kMax);
+  EXPECT_EQ(framed.status, 0);
+  EXPECT_FALSE(framed.frame_empty);
+  EXPECT_FALSE(check_request_head("GET /flush_cache HTTP/1.1\r\n\r\n", kMax).frame_empty);
+}
+
 TEST(RequestHead, RefusesAmbiguousLengths) {
   EXPECT_EQ(status_of("Content-Length: 10\r\nTransfer-Encoding: chunked\r\n"), 400);
   EXPECT_EQ(status_of("Content-Length: 10\r\nContent-Length: 10\r\n"), 400);

@@ -12,9 +12,17 @@ format is checked against vLLM's own schema, not against our encoder:
 - a block's token ids are the prompt's tokens (`kvstack tokenize`), parents
   chain prompt blocks in order, and a cache_salt puts blocks in another
   namespace (extra_keys);
-- /metrics counts published events, replay requests and no drops.
+- /metrics counts published events, replay requests and no drops;
+- clearing the cache (POST /flush_cache, also through vllm-router, and
+  /reset_prefix_cache) while a request streams: the blocks that request holds
+  stay (BlockRemoved for the others), the subscriber's set still equals the
+  worker's, the request's greedy text is unchanged, and a clear of an idle
+  worker sends AllBlocksCleared and leaves the pool with nothing cached; a
+  late subscriber replaying the stream ends in the same state.
 """
 import json
+import pathlib
+import threading
 import time
 from typing import Optional, Union
 
@@ -22,7 +30,7 @@ import pytest
 import requests
 
 from conftest import MODEL, run_kvstack
-from router_cluster import Hosts, Worker
+from router_cluster import ROUTER_BIN, Hosts, Router, Worker
 
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
@@ -80,9 +88,13 @@ class MapBlockRemoved(MapEvent, tag="BlockRemoved"):
     medium: Optional[str]
 
 
+class MapAllBlocksCleared(MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
 class MapKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     ts: float
-    events: list[Union[MapBlockStored, MapBlockRemoved]]
+    events: list[Union[MapBlockStored, MapBlockRemoved, MapAllBlocksCleared]]
     data_parallel_rank: Optional[int] = None
 
 
@@ -106,6 +118,7 @@ class Mirror:
         self.blocks: dict[str, tuple[str, str]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.seqs: list[int] = []
+        self.n_cleared = 0
 
     def apply(self, seq: int, payload: bytes) -> None:
         if self.seqs and seq <= self.seqs[-1]:
@@ -129,7 +142,9 @@ class Mirror:
                 for b in ev.block_hashes:
                     assert self.blocks.pop(hexof(b), None) is not None, "removed an unknown block"
             else:
+                assert isinstance(ev, (AllBlocksCleared, MapAllBlocksCleared))
                 self.blocks.clear()
+                self.n_cleared += 1
 
 
 def drain(sock, mirror: Mirror, quiet: float = 0.5, skip=()) -> None:
@@ -264,6 +279,103 @@ def test_events_rebuild_the_cached_blocks_live_late_and_after_drops(encoding):
             for s in (live, dropping, late_sub):
                 s.close(linger=0)
             ctx.term()
+
+
+def pool_stats(w: Worker) -> dict:
+    return w.kv_stats()["pool"]
+
+
+@pytest.mark.parametrize("encoding", ["array", "map"])
+def test_cache_clear_keeps_running_requests_and_events_follow(encoding):
+    if not pathlib.Path(ROUTER_BIN).exists():
+        pytest.skip("vllm-router is not installed in .venv (scripts/setup.sh)")
+    with Hosts(1) as hosts:
+        h = hosts[0]
+        with Worker(h, "--kv-events", f"tcp://{h.addr}:{PUB}", "--kv-events-encoding", encoding,
+                    "--kv-events-replay", f"tcp://{h.addr}:{REPLAY}",
+                    *(["--kv-events-topic", TOPICS[encoding].decode()] if TOPICS[encoding] else [])
+                    ) as w, Router(h, [w.url], "round_robin") as router:
+            ctx = zmq.Context()
+            live = ctx.socket(zmq.SUB)
+            live.setsockopt(zmq.SUBSCRIBE, b"")
+            live.connect(f"tcp://{h.addr}:{PUB}")
+            time.sleep(0.5)
+            m = Mirror(encoding)
+            long_prompt = PROMPTS[0]
+            body = {"model": "kvstack", "prompt": long_prompt, "max_tokens": 48, "temperature": 0,
+                    "ignore_eos": True}
+            want = requests.post(w.url + "/v1/completions", json=body, timeout=120).json()
+            traffic(w, PROMPTS[1:4])
+            drain(live, m)
+            assert m.blocks == worker_blocks(w) and len(m.blocks) > 10
+
+            # Through vllm-router (POST /flush_cache to every worker): idle, so all goes.
+            r = requests.post(router.url + "/flush_cache", timeout=30)
+            assert r.status_code == 200, r.text
+            drain(live, m)
+            assert m.n_cleared == 1 and m.blocks == {} and worker_blocks(w) == {}
+            ps = pool_stats(w)
+            assert ps["blocks_cached"] == 0 and ps["blocks_used"] == 0
+            assert ps["blocks_free"] == ps["blocks_total"]
+
+            # A clear while a request streams: its blocks stay, the others go.
+            traffic(w, PROMPTS[4:6])
+            drain(live, m)
+            n_other = len(m.blocks)
+            got, clears = [], []
+
+            def stream():
+                with requests.post(w.url + "/v1/completions", json={**body, "stream": True},
+                                   stream=True, timeout=120) as s:
+                    for line in s.iter_lines():
+                        if line.startswith(b"data: {"):
+                            for ch in json.loads(line[6:]).get("choices", []):
+                                got.append(ch.get("text") or "")
+                                if len(got) == 8:  # mid-stream: the prompt's blocks are held
+                                    clears.append(requests.post(
+                                        w.url + "/reset_prefix_cache", timeout=30).json())
+
+            t = threading.Thread(target=stream)
+            t.start()
+            t.join(120)
+            assert not t.is_alive() and len(clears) == 1
+            c = clears[0]
+            assert c["status"] == "ok" and c["prefix_cache"] is True
+            assert c["kept_blocks"] >= len(long_prompt.split()) // BLOCK  # the request's prompt
+            assert c["freed_blocks"] >= n_other and not c["all_cleared"]
+            assert "".join(got) == want["choices"][0]["text"], "a clear corrupted a running request"
+            drain(live, m)
+            assert m.n_cleared == 1  # that clear sent BlockRemoved events, not AllBlocksCleared
+            assert m.blocks == worker_blocks(w) and len(m.blocks) >= c["kept_blocks"]
+            ps = pool_stats(w)
+            assert ps["blocks_used"] == 0 and ps["blocks_cached"] == len(m.blocks)
+            late = Mirror(encoding)  # a late subscriber replays through both clears
+            assert replay(ctx, h.addr, 0, late) == len(m.seqs)
+            assert late.blocks == m.blocks and late.n_cleared == 1
+
+            # Idle again: a direct clear empties it (AllBlocksCleared), twice is fine.
+            for _ in range(2):
+                c = requests.post(w.url + "/flush_cache", timeout=30).json()
+                assert c["all_cleared"] and c["kept_blocks"] == 0
+            drain(live, m)
+            assert m.n_cleared == 3 and m.blocks == {} and worker_blocks(w) == {}
+            replay(ctx, h.addr, late.seqs[-1] + 1, late)
+            assert late.blocks == {} and late.n_cleared == 3 and late.seqs == m.seqs
+            assert pool_stats(w)["blocks_free"] == pool_stats(w)["blocks_total"]
+            assert requests.get(w.url + "/flush_cache", timeout=30).status_code in (404, 405)
+            live.close(linger=0)
+            ctx.term()
+
+
+def test_cache_clear_needs_the_key_when_one_is_set():
+    with Hosts(1) as hosts:
+        with Worker(hosts[0], "--api-key", "user-k", "--admin-api-key", "admin-k") as w:
+            for auth in ({}, {"Authorization": "Bearer user-k"}):
+                r = requests.post(w.url + "/flush_cache", headers=auth, timeout=30)
+                assert r.status_code == 403 and "admin key" in r.json()["error"]["message"]
+            r = requests.post(w.url + "/flush_cache", headers={"Authorization": "Bearer admin-k"},
+                              timeout=30)
+            assert r.status_code == 200 and r.json()["all_cleared"]
 
 
 def test_bad_event_options_are_refused(tmp_path):
