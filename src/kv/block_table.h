@@ -149,6 +149,26 @@ class BlockTable {
   }
   // Blocks the tables hold now, all groups.
   int64_t n_resident_blocks() const;
+  // Admission (retention_reserve.cpp): the most blocks this table may still
+  // take from the pool while it grows to n_target logical tokens, its first
+  // n_prompt tokens written in multi-token steps (prefill chunks of at most
+  // `chunk` tokens) and every later one alone. Under a compacting policy
+  // (streamingllm, snapkv, pyramidkv, h2o) each full-attention group counts
+  // what the policy keeps (retention.h, and retention_group_peak below), at
+  // least the whole prompt for a policy that selects at the first one-token
+  // step, and subtracts only blocks no other table holds (compaction copies
+  // shared ones), plus one block in flight while a compaction may still copy
+  // a shared or published block (until the first compaction). Other
+  // groups and policies: the exact peak (KvGroups::peak_blocks) minus the
+  // resident blocks. all_shared: count every resident block as held
+  // elsewhere (a table about to be forked).
+  int64_t retention_reserve_blocks(int64_t n_prompt, int64_t n_target, int64_t chunk,
+                                   bool all_shared = false) const;
+  // The most blocks group g holds from now on, by the same rules.
+  int64_t retention_group_peak(int g, int64_t n_prompt, int64_t n_target, int64_t chunk) const;
+  // True when retention compacts group g (a full-attention group of
+  // standard layers under a compacting policy).
+  bool retention_compacts(int g) const;
 
   // Blocks a reservation of n_new more tokens would take from the pool, all
   // groups, including copy-on-write copies; blocks drop_invisible() would
