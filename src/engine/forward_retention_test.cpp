@@ -16,6 +16,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 
 #include "engine/forward.h"
 #include "engine/sequence.h"
@@ -388,13 +389,21 @@ TEST_P(Retention, TopKReadsEqualMaskedRecomputationAndCoveringIsExact) {
   const int n_prompt = 18, n_decode = 24, p = 4;
   std::vector<int32_t> tokens(n_prompt + n_decode);
   for (auto& t : tokens) t = tok(rng);
-  for (int64_t k : {int64_t{3}, int64_t{100}}) {
-    const std::string where = "k " + std::to_string(k);
+  // (k, sink, recent): ranked blocks only; the sink and recent blocks
+  // always read plus one ranked; k covering every block.
+  const std::tuple<int64_t, int64_t, int64_t> configs[] = {{3, 0, 0}, {4, 1, 1}, {100, 1, 1}};
+  for (const auto& [k, sink, recent] : configs) {
+    const std::string where = "k " + std::to_string(k) + " sink " + std::to_string(sink) +
+                              " recent " + std::to_string(recent);
     auto pool =
         BlockPool::create(testing::window_layout(spec, KvDtype::kF32, p), {.n_tokens = 512});
     ASSERT_TRUE(pool.ok());
     BlockTable seq(**pool), exact(**pool);
-    ASSERT_TRUE(seq.set_retention({.policy = RetentionPolicy::kTopK, .topk = k}).ok());
+    ASSERT_TRUE(seq.set_retention({.policy = RetentionPolicy::kTopK,
+                                   .topk = k,
+                                   .topk_sink = sink,
+                                   .topk_recent = recent})
+                    .ok());
     // What each row read, per layer: everything (prompt rows, window
     // layers, k covering the blocks) or the chosen full blocks + its own.
     const auto record = [&](int b, int n, Visibility& vis) {
@@ -406,6 +415,15 @@ TEST_P(Retention, TopKReadsEqualMaskedRecomputationAndCoveringIsExact) {
           const std::vector<int64_t>& choice = seq.topk_choice(l);
           const bool all =
               n > 1 || choice.empty() || (*pool)->group((*pool)->groups().slot(l).group).window > 0;
+          if (!all) {  // the sink and recent blocks are always among the k - 1
+            EXPECT_EQ(static_cast<int64_t>(choice.size()), k - 1) << where;
+            if (sink > 0) {
+              EXPECT_EQ(choice.front(), 0) << where;
+            }
+            if (recent > 0) {
+              EXPECT_EQ(choice.back(), pos / p - 1) << where;
+            }
+          }
           for (int j = 0; j <= pos; ++j) {
             const bool own = j / p == pos / p;
             if (all || own || std::count(choice.begin(), choice.end(), j / p) > 0) mine.insert(j);

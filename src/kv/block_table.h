@@ -122,13 +122,14 @@ class BlockTable {
   bool wants_mass() const { return retention_.is_h2o(); }
 
   // topk (retention.h): per model layer and logical block, each KV head's
-  // per-channel minimum and maximum of the stored keys ([n_kv][2][d]
-  // floats per block), as decoded from the pool: write() refreshes the
+  // per-channel minimum and maximum of the stored keys ([n_kv][2][d] f16
+  // per block: the minimum rounded down, the maximum up, f16_bound_down/up),
+  // as decoded from the pool: write() refreshes the
   // blocks it touches, key_summary() rebuilds blocks this table did not
   // write (a prefix hit, a copy-on-write copy). key_summary(l, n) covers
   // full blocks [0, n) of layer l. Empty unless topk.
   bool topk_reads() const { return retention_.is_topk(); }
-  std::span<const float> key_summary(int l, int64_t n_blocks);
+  std::span<const uint16_t> key_summary(int l, int64_t n_blocks);
   // Counts one decode query's blocks read / present in one layer.
   void count_topk_reads(int64_t n_read, int64_t n_total);
   // The full blocks layer l's last top-k read chose (empty: read all).
@@ -235,7 +236,7 @@ class BlockTable {
   void trim_mass();
   // topk: [n_layers] key summaries (see key_summary()).
   struct KeySummary {
-    std::vector<float> mm;      // [n_blocks][n_kv][2][d]
+    std::vector<uint16_t> mm;   // [n_blocks][n_kv][2][d] f16 bits (min down, max up)
     std::vector<int32_t> id;    // [n_blocks] block id summarized (-1: none)
     std::vector<int32_t> n;     // [n_blocks] slots summarized
     std::vector<int64_t> last;  // the last top-k choice
