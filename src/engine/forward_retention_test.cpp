@@ -16,7 +16,6 @@
 #include <random>
 #include <set>
 #include <string>
-#include <tuple>
 
 #include "engine/forward.h"
 #include "engine/sequence.h"
@@ -391,8 +390,12 @@ TEST_P(Retention, TopKReadsEqualMaskedRecomputationAndCoveringIsExact) {
   for (auto& t : tokens) t = tok(rng);
   // (k, sink, recent): ranked blocks only; the sink and recent blocks
   // always read plus one ranked; k covering every block.
-  const std::tuple<int64_t, int64_t, int64_t> configs[] = {{3, 0, 0}, {4, 1, 1}, {100, 1, 1}};
-  for (const auto& [k, sink, recent] : configs) {
+  struct Config {
+    int64_t k, sink, recent;
+  };
+  const Config configs[] = {{3, 0, 0}, {4, 1, 1}, {100, 1, 1}};
+  for (const Config& cf : configs) {
+    const int64_t k = cf.k, sink = cf.sink, recent = cf.recent;  // captured below
     const std::string where = "k " + std::to_string(k) + " sink " + std::to_string(sink) +
                               " recent " + std::to_string(recent);
     auto pool =
