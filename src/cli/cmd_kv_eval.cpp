@@ -24,6 +24,7 @@
 
 #include "cli/args.h"
 #include "cli/engine_options.h"
+#include "cli/eval_input.h"
 #include "cli/progress.h"
 #include "cli/text_input.h"
 
@@ -133,42 +134,35 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
       start = comma + 1;
     }
   }
-  auto specs = engine_options();
-  specs.push_back({"file", 'f', "FILE", "text file to evaluate on (required)"});
-  specs.push_back({"ctx", 'c', "N", "window length in tokens for perplexity/KLD (default 512)"});
-  specs.push_back({"max-windows", 0, "N", "use at most N windows (default: all)"});
-  specs.push_back({"prompts", 0, "N", "greedy-continuation prompts taken from FILE (default 8)"});
-  specs.push_back({"prompt-len", 0, "N", "tokens per prompt (default 64)"});
-  specs.push_back({"gen", 0, "N", "greedy tokens per prompt (default 128)"});
-  specs.push_back({"score-steps", 0, "",
-                   "score each window with one-token forward steps (the decode kernels, as "
-                   "generation runs) instead of one prefill (always on when a KIVI format is "
-                   "listed)"});
-  specs.push_back({"json", 0, "", "print one JSON object per format"});
-  specs.push_back(help_option());
-  auto args = Args::parse(argv, specs);
-  if (!args) return fail("kv-eval", args.error().message);
-  if (args->flag("help")) {
-    std::fputs(
-        format_help("kvstack kv-eval [-m MODEL] -f FILE --kv-dtype X[,Y...] [--ctx N]",
-                    "Compares each KV cache format X against the f32 cache on the same text: "
-                    "perplexity over non-overlapping --ctx windows and its relative change, mean "
-                    "and p99 KL(f32 || X) of next-token distributions, top-1 agreement, and "
-                    "agreement of --gen greedy tokens after --prompts prompts of --prompt-len "
-                    "tokens (taken at evenly spaced offsets of FILE). A bare X runs with X's "
-                    "quality defaults (as `run --kv-dtype X`: rotation for fp8/int8/int4, key "
-                    "centring for int8/int4 keys). X+rot (e.g. int4+rot) runs X with --kv-rotate "
-                    "only, X+ctr with --kv-center only, X+ctr+rot with both, X+plain with "
-                    "neither; --kv-rotate and --kv-center apply to every listed format, "
-                    "--no-kv-rotate and --no-kv-center to every bare one. K/V (e.g. "
-                    "int8/int4, int8/int4+rot) stores K as K and V as V; --kv-dtype-k/-v "
-                    "override that side of every listed format.",
-                    specs)
-            .c_str(),
-        stdout);
-    return 0;
-  }
-  if (!args->has("file")) return fail("kv-eval", "-f FILE is required");
+  const std::vector<OptionSpec> own = {
+      {"file", 'f', "FILE", "text file to evaluate on (required)"},
+      {"ctx", 'c', "N", "window length in tokens for perplexity/KLD (default 512)"},
+      {"max-windows", 0, "N", "use at most N windows (default: all)"},
+      {"prompts", 0, "N", "greedy-continuation prompts taken from FILE (default 8)"},
+      {"prompt-len", 0, "N", "tokens per prompt (default 64)"},
+      {"gen", 0, "N", "greedy tokens per prompt (default 128)"},
+      {"score-steps", 0, "",
+       "score each window with one-token forward steps (the decode kernels, as "
+       "generation runs) instead of one prefill (always on when a KIVI format is "
+       "listed)"},
+      {"json", 0, "", "print one JSON object per format"}};
+  auto input = parse_eval_input(
+      argv, own, "kvstack kv-eval [-m MODEL] -f FILE --kv-dtype X[,Y...] [--ctx N]",
+      "Compares each KV cache format X against the f32 cache on the same text: "
+      "perplexity over non-overlapping --ctx windows and its relative change, mean "
+      "and p99 KL(f32 || X) of next-token distributions, top-1 agreement, and "
+      "agreement of --gen greedy tokens after --prompts prompts of --prompt-len "
+      "tokens (taken at evenly spaced offsets of FILE). A bare X runs with X's "
+      "quality defaults (as `run --kv-dtype X`: rotation for fp8/int8/int4, key "
+      "centring for int8/int4 keys). X+rot (e.g. int4+rot) runs X with --kv-rotate "
+      "only, X+ctr with --kv-center only, X+ctr+rot with both, X+plain with "
+      "neither; --kv-rotate and --kv-center apply to every listed format, "
+      "--no-kv-rotate and --no-kv-center to every bare one. K/V (e.g. "
+      "int8/int4, int8/int4+rot) stores K as K and V as V; --kv-dtype-k/-v "
+      "override that side of every listed format.");
+  if (!input) return fail("kv-eval", input.error().message);
+  if (!*input) return 0;  // --help
+  const Args* args = &(*input)->args;
   if (formats.empty()) return fail("kv-eval", "--kv-dtype X is required (e.g. int8 or fp8,int4)");
   auto ctx = args->get_int("ctx", 512, 2, 1 << 20);
   if (!ctx) return fail("kv-eval", ctx.error().message);
@@ -182,11 +176,7 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
   if (!n_gen) return fail("kv-eval", n_gen.error().message);
   const bool json = args->flag("json");
   bool score_steps = args->flag("score-steps");
-  auto text = read_file(*args->get("file"));
-  if (!text) return fail("kv-eval", text.error().message);
-
-  auto base_cfg = engine_config_from(*args);
-  if (!base_cfg) return fail("kv-eval", base_cfg.error().message);
+  EngineConfig* base_cfg = &(*input)->config;
   // --kv-rotate / --kv-center apply to every listed format (as a suffix
   // would), --no-kv-rotate / --no-kv-center to every bare one; none of them
   // to the f32 baseline (engine_config_from saw no --kv-dtype, so base_cfg
@@ -264,14 +254,11 @@ int run_kv_eval(const std::vector<std::string>& argv_in) {
     return fail("kv-eval", "--ctx " + std::to_string(*ctx) + " exceeds the model's context " +
                                std::to_string(base.model().config().n_ctx_train));
   }
-  const std::vector<int32_t> tokens =
-      base.tokenizer().tokenize(*text, {.add_special = false, .parse_special = false});
+  auto scored = eval_tokens(base, **input, *ctx);
+  if (!scored) return fail("kv-eval", scored.error().message);
+  const std::vector<int32_t>& tokens = *scored;
   const int64_t n_windows =
       std::min<int64_t>(static_cast<int64_t>(tokens.size()) / *ctx, *max_windows);
-  if (n_windows < 1) {
-    return fail("kv-eval", *args->get("file") + " has " + std::to_string(tokens.size()) +
-                               " tokens, fewer than one window of " + std::to_string(*ctx));
-  }
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<float> base_logits, logits;
   std::vector<double> lp_base, lp;

@@ -46,6 +46,7 @@
 
 #include "cli/args.h"
 #include "cli/engine_options.h"
+#include "cli/eval_input.h"
 #include "cli/progress.h"
 #include "cli/text_input.h"
 
@@ -281,48 +282,39 @@ std::vector<int32_t> passkey_prompt(const Tokenizer& tok, int64_t n_tokens, doub
 }
 
 int run_retention_eval(const std::vector<std::string>& argv) {
-  auto specs = engine_options();
-  specs.push_back({"file", 'f', "FILE", "long text to score on (required)"});
-  specs.push_back({"ctx", 'c', "N", "prompt tokens per window (default 2048)"});
-  specs.push_back({"score", 0, "N", "tokens scored by one-token steps after each prompt (64)"});
-  specs.push_back({"windows", 0, "N", "windows of ctx + score tokens from FILE (default 1)"});
-  specs.push_back({"gen", 0, "N", "greedy tokens compared with the full cache's (default 32)"});
-  specs.push_back(
-      {"policies", 0, "LIST", "policies to compare (default streamingllm,snapkv,pyramidkv,h2o)"});
-  specs.push_back({"budgets", 0, "LIST",
-                   "prompt tokens each policy keeps: percentages of the prompt and/or counts "
-                   "(default 10%,25%,50%,256)"});
-  specs.push_back({"passkey-lengths", 0, "LIST",
-                   "passkey prompt lengths in tokens (default 1024,2048; 0: no passkey task)"});
-  specs.push_back({"passkey-depths", 0, "LIST",
-                   "where the key sits, fractions of the filler (default 0.1,0.5,0.9)"});
-  specs.push_back({"json", 0, "", "print one JSON object per row"});
-  specs.push_back(help_option());
-  auto args = Args::parse(argv, specs);
-  if (!args) return fail("retention-eval", args.error().message);
-  if (args->flag("help")) {
-    std::fputs(
-        format_help(
-            "kvstack retention-eval [-m MODEL] -f FILE [--ctx N] [--policies LIST] [--budgets "
-            "LIST]",
-            "Compares KV retention policies against the full cache: for each policy and "
-            "budget (prompt tokens kept: 25% of the prompt, or 256), on windows of FILE "
-            "(--ctx prompt tokens, then --score tokens fed one at a time as decode steps): "
-            "perplexity and its change, mean KL(full || policy), top-1 agreement, agreement "
-            "of --gen greedy tokens, resident KV bytes and tokens per layer after the scored "
-            "tokens, decode tokens/s; and passkey retrieval (a 5-digit key at each "
-            "--passkey-depths fraction of filler text of each --passkey-lengths tokens, "
-            "answered by 8 greedy tokens). Budget B maps to streamingllm:sinks=4,window=B-4; "
-            "snapkv/pyramidkv:budget=B-32,window=32,gqa=mean; h2o:budget=B/2,window=B-B/2; "
-            "topk:k=ceil(B/P) (reads only: nothing is dropped). "
-            "The full cache is the first row. --kv-retention is not used (the policies are "
-            "the rows).",
-            specs)
-            .c_str(),
-        stdout);
-    return 0;
-  }
-  if (!args->has("file")) return fail("retention-eval", "-f FILE is required");
+  const std::vector<OptionSpec> own = {
+      {"file", 'f', "FILE", "long text to score on (required)"},
+      {"ctx", 'c', "N", "prompt tokens per window (default 2048)"},
+      {"score", 0, "N", "tokens scored by one-token steps after each prompt (64)"},
+      {"windows", 0, "N", "windows of ctx + score tokens from FILE (default 1)"},
+      {"gen", 0, "N", "greedy tokens compared with the full cache's (default 32)"},
+      {"policies", 0, "LIST", "policies to compare (default streamingllm,snapkv,pyramidkv,h2o)"},
+      {"budgets", 0, "LIST",
+       "prompt tokens each policy keeps: percentages of the prompt and/or counts "
+       "(default 10%,25%,50%,256)"},
+      {"passkey-lengths", 0, "LIST",
+       "passkey prompt lengths in tokens (default 1024,2048; 0: no passkey task)"},
+      {"passkey-depths", 0, "LIST",
+       "where the key sits, fractions of the filler (default 0.1,0.5,0.9)"},
+      {"json", 0, "", "print one JSON object per row"}};
+  auto input = parse_eval_input(
+      argv, own,
+      "kvstack retention-eval [-m MODEL] -f FILE [--ctx N] [--policies LIST] [--budgets LIST]",
+      "Compares KV retention policies against the full cache: for each policy and "
+      "budget (prompt tokens kept: 25% of the prompt, or 256), on windows of FILE "
+      "(--ctx prompt tokens, then --score tokens fed one at a time as decode steps): "
+      "perplexity and its change, mean KL(full || policy), top-1 agreement, agreement "
+      "of --gen greedy tokens, resident KV bytes and tokens per layer after the scored "
+      "tokens, decode tokens/s; and passkey retrieval (a 5-digit key at each "
+      "--passkey-depths fraction of filler text of each --passkey-lengths tokens, "
+      "answered by 8 greedy tokens). Budget B maps to streamingllm:sinks=4,window=B-4; "
+      "snapkv/pyramidkv:budget=B-32,window=32,gqa=mean; h2o:budget=B/2,window=B-B/2; "
+      "topk:k=ceil(B/P) (reads only: nothing is dropped). "
+      "The full cache is the first row. --kv-retention is not used (the policies are "
+      "the rows).");
+  if (!input) return fail("retention-eval", input.error().message);
+  if (!*input) return 0;  // --help
+  const Args* args = &(*input)->args;
   if (args->has("kv-retention")) {
     return fail("retention-eval", "--kv-retention is not used here: list --policies and --budgets");
   }
@@ -356,8 +348,6 @@ int run_retention_eval(const std::vector<std::string>& argv) {
   auto pk_depths = parse_fractions(args->get("passkey-depths").value_or("0.1,0.5,0.9"));
   if (!pk_depths) return fail("retention-eval", pk_depths.error().message);
   const bool json = args->flag("json");
-  auto text = read_file(*args->get("file"));
-  if (!text) return fail("retention-eval", text.error().message);
 
   std::vector<Row> rows(1);
   rows[0].policy = "full";
@@ -382,8 +372,7 @@ int run_retention_eval(const std::vector<std::string>& argv) {
     r.passkey.assign(pk_lengths.size(), std::vector<int>(pk_depths->size(), 0));
   }
 
-  auto cfg = engine_config_from(*args);
-  if (!cfg) return fail("retention-eval", cfg.error().message);
+  EngineConfig* cfg = &(*input)->config;
   // Every layer its own KV group, the prompt's last kObs queries kept (the
   // base tables never decode, so this selection never runs).
   cfg->kv_retention = RetentionConfig{.policy = RetentionPolicy::kSnapKv,
@@ -408,13 +397,10 @@ int run_retention_eval(const std::vector<std::string>& argv) {
                                       " tokens) exceeds the model's context " +
                                       std::to_string(e.model().config().n_ctx_train));
   }
-  const std::vector<int32_t> tokens =
-      e.tokenizer().tokenize(*text, {.add_special = false, .parse_special = false});
   const int64_t span = *ctx + *n_score;
-  if (static_cast<int64_t>(tokens.size()) < span) {
-    return fail("retention-eval", *args->get("file") + " has " + std::to_string(tokens.size()) +
-                                      " tokens, fewer than one window of " + std::to_string(span));
-  }
+  auto scored = eval_tokens(e, **input, span);
+  if (!scored) return fail("retention-eval", scored.error().message);
+  const std::vector<int32_t>& tokens = *scored;
   const int64_t windows = std::min<int64_t>(*n_windows, static_cast<int64_t>(tokens.size()) / span);
   const auto t_start = Clock::now();
   Progress progress;

@@ -71,7 +71,10 @@ std::vector<OptionSpec> engine_options() {
        "h2o:budget=B,window=W[,slack=N][,obs=O] (before each decode step every layer keeps "
        "its last W tokens plus the B older ones of highest accumulated attention probability, "
        "summed over its query heads and every decode query, seeded by the prompt's last O "
-       "queries (32); compacts when N tokens are droppable); "
+       "queries (32); compacts when N tokens are droppable), "
+       "topk:k=K[,sink=S][,recent=R] (nothing dropped: each decode query reads K blocks per "
+       "layer: its own, the first S (1) and the last R (1) before it, and the rest by an "
+       "upper bound on q.k from per-block key min/max); "
        "serve: the default for requests without \"kv_retention\""},
       {"no-prefix-cache", 0, "", "do not share KV between requests (no prefix cache)"},
       {"kv-host-mem", 0, "SIZE",

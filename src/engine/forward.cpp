@@ -239,20 +239,21 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
                       ? s.table->key_mass(kl, n_resident + 1)
                       : nullptr;
     // topk (kv/retention.h): a decode row of a full-attention layer reads
-    // its own block plus the k - 1 full blocks of highest key bound.
+    // its own block, the sink and recent blocks, and the rest of k by key bound.
     std::span<const int32_t> read_ids = ids;
     int64_t read_past = n_resident;
     if (n == 1 && s.table->topk_reads() && c.window(l) == 0) {
       const int64_t P = view.block_size;
       const int64_t n_keys = n_resident + 1;
       const int64_t n_full = (n_keys + P - 1) / P - 1;  // every block but the query's
-      const int64_t k = s.table->retention().topk;
+      const RetentionConfig& rc = s.table->retention();
+      const int64_t k = rc.topk;
       std::vector<int64_t>& choice = s.table->topk_choice(kl);
       choice.clear();
       if (n_full + 1 > k) {
-        choice =
-            topk_blocks(std::span<const float>(q_.data() + row * q_dim, q_dim), c.n_heads,
-                        c.n_kv_heads, c.head_dim, s.table->key_summary(kl, n_full), n_full, k - 1);
+        choice = topk_blocks(std::span<const float>(q_.data() + row * q_dim, q_dim), c.n_heads,
+                             c.n_kv_heads, c.head_dim, s.table->key_summary(kl, n_full), n_full,
+                             k - 1, rc.topk_sink, rc.topk_recent);
         std::vector<int32_t>& g = topk_ids_.emplace_back();
         for (int64_t b : choice) g.push_back(ids[static_cast<size_t>(b)]);
         g.push_back(ids[static_cast<size_t>(n_full)]);

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <set>
 #include <string>
@@ -90,7 +91,56 @@ std::vector<double> masked_reference(const testing::SyntheticWeights& w,
                      : testing::RopePosition{});
 }
 
-class Retention : public testing::SyntheticForwardTest {};
+class Retention : public testing::SyntheticForwardTest {
+ protected:
+  // The scenario every policy test runs: `tokens` through `seq` (the policy)
+  // and `exact` (no retention) side by side, prompt chunks of at most
+  // `chunk` tokens up to n_prompt, then one token per step. After each step
+  // it checks the pool's invariants, notes whether seq's logits equal
+  // exact's bits, lets `record(b, n, vis)` note what rows [b, b + n) saw
+  // (default: record_step, the resident positions), checks every row of
+  // seq against the masked float64 reference of that visibility (f32 KV,
+  // original positions), then runs `after(b, n)` for the test's own checks.
+  // Returns whether every step's logits matched exact's bits.
+  using Record = std::function<void(int b, int n, Visibility& vis)>;
+  bool run_against_masked_reference(BlockPool& pool, BlockTable& seq, BlockTable& exact,
+                                    const std::vector<int32_t>& tokens, int n_prompt, int chunk,
+                                    const std::string& where, const Record& record = nullptr,
+                                    const std::function<void(int b, int n)>& after = nullptr) {
+    const int n_vocab = GetParam().spec.n_vocab;
+    Visibility vis;
+    std::vector<float> logits, exact_logits;
+    bool all_equal = true;
+    for (int b = 0; b < static_cast<int>(tokens.size());) {
+      const int n = b < n_prompt ? std::min(chunk, n_prompt - b) : 1;
+      const std::span<const int32_t> c(tokens.data() + b, n);
+      const StepSeq s{.table = &seq, .tokens = c, .logits = LogitsMode::kAll};
+      const StepSeq se{.table = &exact, .tokens = c, .logits = LogitsMode::kAll};
+      EXPECT_TRUE(fwd_->step(std::span<const StepSeq>(&s, 1), &logits).ok()) << where;
+      EXPECT_TRUE(fwd_->step(std::span<const StepSeq>(&se, 1), &exact_logits).ok()) << where;
+      if (::testing::Test::HasFailure()) return false;
+      pool.check_invariants();
+      all_equal &=
+          std::memcmp(logits.data(), exact_logits.data(), logits.size() * sizeof(float)) == 0;
+      if (record) {
+        record(b, n, vis);
+      } else {
+        record_step(seq, b, n, seq.group(0).length() - n, vis);
+      }
+      for (int r = 0; r < n; ++r) {
+        const int pos = b + r;
+        const double err = logits_rel_err(
+            logits.data() + static_cast<size_t>(r) * n_vocab,
+            masked_reference(w_, tokens, pos + 1, KvDtype::kF32, vis, /*rotate_by_slot=*/false));
+        EXPECT_LT(err, kLogitTol) << where << " position " << pos;
+        if (err >= kLogitTol) return false;
+      }
+      if (after) after(b, n);
+      b += n;
+    }
+    return all_equal;
+  }
+};
 
 TEST_P(Retention, StreamingLlmEqualsMaskedRecomputationWithOriginalPositions) {
   const SyntheticSpec& spec = GetParam().spec;
@@ -220,56 +270,35 @@ TEST_P(Retention, PrefillEndSelectionEqualsMaskedRecomputationAndFreesBlocks) {
         const RetentionConfig rc{
             .policy = policy, .window = 4, .budget = budget, .kernel = 3, .gqa = rule, .beta = 2};
         ASSERT_TRUE(seq.set_retention(rc).ok());
-        Visibility vis;
-        std::vector<float> logits, exact_logits;
-        bool all_equal = true;
-        for (int b = 0; b < n_prompt + n_decode;) {
-          const int n = b < n_prompt ? std::min(12, n_prompt - b) : 1;
-          const std::span<const int32_t> chunk(tokens.data() + b, n);
-          const StepSeq s{.table = &seq, .tokens = chunk, .logits = LogitsMode::kAll};
-          const StepSeq se{.table = &exact, .tokens = chunk, .logits = LogitsMode::kAll};
-          ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&s, 1), &logits).ok()) << where;
-          ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&se, 1), &exact_logits).ok()) << where;
-          (*pool)->check_invariants();
-          all_equal &=
-              std::memcmp(logits.data(), exact_logits.data(), logits.size() * sizeof(float)) == 0;
-          record_step(seq, b, n, seq.group(0).length() - n, vis);
-          for (int r = 0; r < n; ++r) {
-            const int pos = b + r;
-            ASSERT_LT(logits_rel_err(logits.data() + static_cast<size_t>(r) * spec.n_vocab,
-                                     masked_reference(w_, tokens, pos + 1, KvDtype::kF32, vis,
-                                                      /*rotate_by_slot=*/false)),
-                      kLogitTol)
-                << where << " position " << pos;
-          }
-          if (b == n_prompt) {
-            // The first decode step applied the selection to the prompt.
-            for (int gi = 0; gi < seq.n_groups(); ++gi) {
-              const GroupTable& g = seq.group(gi);
-              const int64_t kept = g.length() - 1;
-              const int64_t layer_budget =
-                  retention_layer_budget(rc, (*pool)->group(gi).layers.front(), spec.n_layers);
-              const int64_t n_kv = spec.n_kv_heads;
-              const int64_t per_kv = rule == GqaRule::kMean
-                                         ? layer_budget
-                                         : layer_budget * (spec.n_heads / spec.n_kv_heads);
-              const int64_t n_units = static_cast<int64_t>((*pool)->group(gi).layers.size()) * n_kv;
-              const std::string at = where + " group " + std::to_string(gi);
-              if (layer_budget >= n_prompt - rc.window) {
-                EXPECT_EQ(kept, n_prompt) << at;
-              } else {
-                EXPECT_GE(kept, layer_budget + rc.window) << at;
-                EXPECT_LE(kept,
-                          rc.window + std::min<int64_t>(n_prompt - rc.window, n_units * per_kv))
-                    << at;
-                for (int64_t j = n_prompt - rc.window; j < n_prompt; ++j) {
-                  EXPECT_GE(g.slot_of(j), 0) << at << ": window position " << j;
-                }
+        const auto after = [&](int b, int) {
+          if (b != n_prompt) return;
+          // The first decode step applied the selection to the prompt.
+          for (int gi = 0; gi < seq.n_groups(); ++gi) {
+            const GroupTable& g = seq.group(gi);
+            const int64_t kept = g.length() - 1;
+            const int64_t layer_budget =
+                retention_layer_budget(rc, (*pool)->group(gi).layers.front(), spec.n_layers);
+            const int64_t n_kv = spec.n_kv_heads;
+            const int64_t per_kv = rule == GqaRule::kMean
+                                       ? layer_budget
+                                       : layer_budget * (spec.n_heads / spec.n_kv_heads);
+            const int64_t n_units = static_cast<int64_t>((*pool)->group(gi).layers.size()) * n_kv;
+            const std::string at = where + " group " + std::to_string(gi);
+            if (layer_budget >= n_prompt - rc.window) {
+              EXPECT_EQ(kept, n_prompt) << at;
+            } else {
+              EXPECT_GE(kept, layer_budget + rc.window) << at;
+              EXPECT_LE(kept, rc.window + std::min<int64_t>(n_prompt - rc.window, n_units * per_kv))
+                  << at;
+              for (int64_t j = n_prompt - rc.window; j < n_prompt; ++j) {
+                EXPECT_GE(g.slot_of(j), 0) << at << ": window position " << j;
               }
             }
           }
-          b += n;
-        }
+        };
+        const bool all_equal = run_against_masked_reference(**pool, seq, exact, tokens, n_prompt,
+                                                            12, where, nullptr, after);
+        ASSERT_FALSE(HasFailure()) << where;
         const bool covers =
             retention_layer_budget(rc, 0, spec.n_layers) >= n_prompt - rc.window &&
             retention_layer_budget(rc, spec.n_layers - 1, spec.n_layers) >= n_prompt - rc.window;
@@ -320,38 +349,18 @@ TEST_P(Retention, H2oEqualsMaskedRecomputationAndStaysWithinBudget) {
                                  .budget = budget,
                                  .obs = obs};
         ASSERT_TRUE(seq.set_retention(rc).ok());
-        Visibility vis;
-        std::vector<float> logits, exact_logits;
-        bool all_equal = true;
-        for (int b = 0; b < n_prompt + n_decode;) {
-          const int n = b < n_prompt ? std::min(8, n_prompt - b) : 1;
-          const std::span<const int32_t> chunk(tokens.data() + b, n);
-          const StepSeq s{.table = &seq, .tokens = chunk, .logits = LogitsMode::kAll};
-          const StepSeq se{.table = &exact, .tokens = chunk, .logits = LogitsMode::kAll};
-          ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&s, 1), &logits).ok()) << where;
-          ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&se, 1), &exact_logits).ok()) << where;
-          (*pool)->check_invariants();
-          all_equal &=
-              std::memcmp(logits.data(), exact_logits.data(), logits.size() * sizeof(float)) == 0;
-          record_step(seq, b, n, seq.group(0).length() - n, vis);
-          for (int r = 0; r < n; ++r) {
-            const int pos = b + r;
-            ASSERT_LT(logits_rel_err(logits.data() + static_cast<size_t>(r) * spec.n_vocab,
-                                     masked_reference(w_, tokens, pos + 1, KvDtype::kF32, vis,
-                                                      /*rotate_by_slot=*/false)),
-                      kLogitTol)
-                << where << " position " << pos;
-          }
-          const int64_t slack_eff = slack > 0 ? slack : p;
+        const int64_t slack_eff = slack > 0 ? slack : p;
+        const auto after = [&](int b, int) {
+          if (b < n_prompt) return;
           for (int gi = 0; gi < seq.n_groups(); ++gi) {
             if ((*pool)->group(gi).window > 0) continue;
-            if (b >= n_prompt) {
-              EXPECT_LE(seq.group(gi).length(), budget + rc.window + slack_eff)
-                  << where << " group " << gi << " at " << b;
-            }
+            EXPECT_LE(seq.group(gi).length(), budget + rc.window + slack_eff)
+                << where << " group " << gi << " at " << b;
           }
-          b += n;
-        }
+        };
+        const bool all_equal = run_against_masked_reference(**pool, seq, exact, tokens, n_prompt, 8,
+                                                            where, nullptr, after);
+        ASSERT_FALSE(HasFailure()) << where;
         if (budget >= n_prompt + n_decode) {
           EXPECT_TRUE(all_equal) << where << ": a budget covering the sequence changed bits";
           EXPECT_FALSE(seq.compacted()) << where;
@@ -379,28 +388,29 @@ TEST_P(Retention, TopKReadsEqualMaskedRecomputationAndCoveringIsExact) {
   const int n_prompt = 18, n_decode = 24, p = 4;
   std::vector<int32_t> tokens(n_prompt + n_decode);
   for (auto& t : tokens) t = tok(rng);
-  for (int64_t k : {int64_t{3}, int64_t{100}}) {
-    const std::string where = "k " + std::to_string(k);
+  // (k, sink, recent): ranked blocks only; the sink and recent blocks
+  // always read plus one ranked; k covering every block.
+  struct Config {
+    int64_t k, sink, recent;
+  };
+  const Config configs[] = {{3, 0, 0}, {4, 1, 1}, {100, 1, 1}};
+  for (const Config& cf : configs) {
+    const int64_t k = cf.k, sink = cf.sink, recent = cf.recent;  // captured below
+    const std::string where = "k " + std::to_string(k) + " sink " + std::to_string(sink) +
+                              " recent " + std::to_string(recent);
     auto pool =
         BlockPool::create(testing::window_layout(spec, KvDtype::kF32, p), {.n_tokens = 512});
     ASSERT_TRUE(pool.ok());
     BlockTable seq(**pool), exact(**pool);
-    ASSERT_TRUE(seq.set_retention({.policy = RetentionPolicy::kTopK, .topk = k}).ok());
-    std::vector<float> logits, exact_logits;
-    bool all_equal = true;
-    Visibility vis;
-    vis.seen.resize(static_cast<size_t>(spec.n_layers));
-    for (int b = 0; b < n_prompt + n_decode;) {
-      const int n = b < n_prompt ? std::min(8, n_prompt - b) : 1;
-      const std::span<const int32_t> chunk(tokens.data() + b, n);
-      const StepSeq s{.table = &seq, .tokens = chunk, .logits = LogitsMode::kAll};
-      const StepSeq se{.table = &exact, .tokens = chunk, .logits = LogitsMode::kAll};
-      ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&s, 1), &logits).ok()) << where;
-      ASSERT_TRUE(fwd_->step(std::span<const StepSeq>(&se, 1), &exact_logits).ok()) << where;
-      all_equal &=
-          std::memcmp(logits.data(), exact_logits.data(), logits.size() * sizeof(float)) == 0;
-      // What each row read, per layer: everything (prompt rows, window
-      // layers, k covering the blocks) or the chosen full blocks + its own.
+    ASSERT_TRUE(seq.set_retention({.policy = RetentionPolicy::kTopK,
+                                   .topk = k,
+                                   .topk_sink = sink,
+                                   .topk_recent = recent})
+                    .ok());
+    // What each row read, per layer: everything (prompt rows, window
+    // layers, k covering the blocks) or the chosen full blocks + its own.
+    const auto record = [&](int b, int n, Visibility& vis) {
+      vis.seen.resize(static_cast<size_t>(spec.n_layers));
       for (int l = 0; l < spec.n_layers; ++l) {
         for (int r = 0; r < n; ++r) {
           const int pos = b + r;
@@ -408,6 +418,15 @@ TEST_P(Retention, TopKReadsEqualMaskedRecomputationAndCoveringIsExact) {
           const std::vector<int64_t>& choice = seq.topk_choice(l);
           const bool all =
               n > 1 || choice.empty() || (*pool)->group((*pool)->groups().slot(l).group).window > 0;
+          if (!all) {  // the sink and recent blocks are always among the k - 1
+            EXPECT_EQ(static_cast<int64_t>(choice.size()), k - 1) << where;
+            if (sink > 0) {
+              EXPECT_EQ(choice.front(), 0) << where;
+            }
+            if (recent > 0) {
+              EXPECT_EQ(choice.back(), pos / p - 1) << where;
+            }
+          }
           for (int j = 0; j <= pos; ++j) {
             const bool own = j / p == pos / p;
             if (all || own || std::count(choice.begin(), choice.end(), j / p) > 0) mine.insert(j);
@@ -416,16 +435,10 @@ TEST_P(Retention, TopKReadsEqualMaskedRecomputationAndCoveringIsExact) {
         }
       }
       for (int r = 0; r < n; ++r) vis.slot_at_write.push_back(b + r);
-      for (int r = 0; r < n; ++r) {
-        const int pos = b + r;
-        ASSERT_LT(logits_rel_err(logits.data() + static_cast<size_t>(r) * spec.n_vocab,
-                                 masked_reference(w_, tokens, pos + 1, KvDtype::kF32, vis,
-                                                  /*rotate_by_slot=*/false)),
-                  kLogitTol)
-            << where << " position " << pos;
-      }
-      b += n;
-    }
+    };
+    const bool all_equal =
+        run_against_masked_reference(**pool, seq, exact, tokens, n_prompt, 8, where, record);
+    ASSERT_FALSE(HasFailure()) << where;
     EXPECT_FALSE(seq.compacted());
     EXPECT_EQ(seq.group(0).length(), n_prompt + n_decode);
     const RetentionStats& rs = seq.retention_stats();

@@ -333,21 +333,29 @@ int64_t Scheduler::request_blocks(int64_t n_prompt, int64_t n_tokens, int64_t n_
 
 int64_t Scheduler::reserve_blocks(const Choice& s) const {
   const KvGroups& groups = engine_.pool().groups();
-  const int64_t chunk = engine_.config().prefill_chunk;
+  // The longest entry a step gives this sequence: L (3 tokens when L = 2,
+  // see step()), never more than the engine's chunk.
+  const int64_t chunk = std::min<int64_t>(engine_.config().prefill_chunk,
+                                          std::max<int64_t>(3, prefill_chunk_tokens()));
   const int64_t target_tokens_now = target_tokens(s);
-  int64_t n = 0;
-  const RetentionConfig& retention = s.kv.table().retention();
-  for (int g = 0; g < groups.n_groups(); ++g) {
-    int64_t peak = groups.peak_blocks(g, target_tokens_now, chunk);
-    // StreamingLLM compacts full groups: their blocks stay bounded.
-    if (groups.group(g).window == 0) {
-      peak = retention_peak_blocks(retention, peak, engine_.pool().block_size(), chunk);
-    }
-    n += std::max<int64_t>(0, peak - s.kv.table().group(g).n_resident_blocks());
-  }
+  const auto n_prompt = static_cast<int64_t>(s.req->req.prompt.size());
+  const BlockTable& table = s.kv.table();
+  // Per group: what the retention policy keeps (exactly the exact peak
+  // without one), minus what the table already holds (block_table.h).
+  int64_t n = table.retention_reserve_blocks(n_prompt, target_tokens_now, chunk);
   if (s.pending_forks > 0) {
-    const auto n_prompt = static_cast<int64_t>(s.req->req.prompt.size());
     n += s.pending_forks * choice_blocks(n_prompt, target_tokens_now);
+    // Under a compacting policy every choice compacts its own copy of the
+    // shared prompt: each fork, and the parent's shared blocks, may need
+    // every block its policy keeps (an over-estimate, never less).
+    int64_t kept = 0;
+    bool compacts = false;
+    for (int g = 0; g < groups.n_groups(); ++g) {
+      if (!table.retention_compacts(g)) continue;
+      compacts = true;
+      kept += table.retention_group_peak(g, n_prompt, target_tokens_now, chunk);
+    }
+    if (compacts) n += (s.pending_forks + 1) * (kept + 1);
   }
   return n;
 }
@@ -485,6 +493,11 @@ int64_t Scheduler::step() {
       tables.push_back(e.table);
       n_new.push_back(static_cast<int64_t>(e.tokens.size()));
     }
+    // What reserve_all does first (drop invisible window blocks, retention
+    // compaction: SnapKV's selection and H2O's before a one-token step), so
+    // the plan counts the blocks the step really takes: a sequence at its
+    // first decode step holds its whole prompt until it compacts.
+    for (size_t i = 0; i < tables.size(); ++i) tables[i]->prepare_step(n_new[i]);
     if (plan_reserve(tables, n_new) <= engine_.pool().n_available()) break;
     if (running_.size() == 1) {
       fail_request(

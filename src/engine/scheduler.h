@@ -44,6 +44,16 @@
 // reserve_output_tokens) (-1 = the whole max_tokens: then a request never
 // needs preemption). Requests that could never fit the pool or the context
 // are rejected by validate_request() before they queue (400, not a wait).
+// Under a retention policy that compacts (kv/retention.h) blocks(x) is what
+// the policy keeps (BlockTable::retention_reserve_blocks): StreamingLLM its
+// sinks + window + slack + a chunk; SnapKV, PyramidKV and H2O the whole
+// prompt until their first one-token step (they never compact a prefill
+// chunk), then their selection's bound (h2o: budget + window + slack;
+// snapkv: what the selection kept plus the tokens still to decode). A
+// running sequence's reservation therefore shrinks at its first decode step
+// and the freed blocks admit more sequences; it never reserves less than it
+// can take (compaction's copy-on-write of shared blocks included), so with
+// reserve_output_tokens = -1 an admitted sequence is never preempted.
 //
 // Preemption (by recompute): when the planned step needs more blocks than the
 // pool has, the lowest-priority running sequence (latest arrival, then the

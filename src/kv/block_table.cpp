@@ -87,12 +87,11 @@ void BlockTable::summarize(int l, int64_t b, int64_t n_valid) {
   const int64_t P = pool_->block_size();
   std::vector<float> k(static_cast<size_t>(n_valid * n_kv * d)), v(k.size());
   read_kv(view, ids, b * P, n_valid, k.data(), v.data());
-  float* mm = ks.mm.data() + b * per_block;
+  uint16_t* mm = ks.mm.data() + b * per_block;
+  std::vector<float> mn(static_cast<size_t>(d)), mx(static_cast<size_t>(d));
   for (int h = 0; h < n_kv; ++h) {
-    float* mn = mm + int64_t{h} * 2 * d;
-    float* mx = mn + d;
-    std::fill(mn, mn + d, std::numeric_limits<float>::infinity());
-    std::fill(mx, mx + d, -std::numeric_limits<float>::infinity());
+    std::fill(mn.begin(), mn.end(), std::numeric_limits<float>::infinity());
+    std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
     for (int64_t t = 0; t < n_valid; ++t) {
       const float* kt = k.data() + (t * n_kv + h) * d;
       for (int c = 0; c < d; ++c) {
@@ -100,12 +99,18 @@ void BlockTable::summarize(int l, int64_t b, int64_t n_valid) {
         mx[c] = std::max(mx[c], kt[c]);
       }
     }
+    // f16, rounded outwards: the interval still holds every key.
+    uint16_t* out = mm + int64_t{h} * 2 * d;
+    for (int c = 0; c < d; ++c) {
+      out[c] = f16_bound_down(mn[static_cast<size_t>(c)]);
+      out[d + c] = f16_bound_up(mx[static_cast<size_t>(c)]);
+    }
   }
   ks.id[static_cast<size_t>(b)] = ids[static_cast<size_t>(b)];
   ks.n[static_cast<size_t>(b)] = static_cast<int32_t>(n_valid);
 }
 
-std::span<const float> BlockTable::key_summary(int l, int64_t n_blocks) {
+std::span<const uint16_t> BlockTable::key_summary(int l, int64_t n_blocks) {
   KV_CHECK(topk_reads() && l >= 0 && static_cast<size_t>(l) < summ_.size(),
            "key_summary: the table is not topk");
   const std::span<const int32_t> ids = ids_for_layer(l);
@@ -120,7 +125,7 @@ std::span<const float> BlockTable::key_summary(int l, int64_t n_blocks) {
   }
   const KeySummary& ks = summ_[static_cast<size_t>(l)];
   const PagedKvLayerView view = pool_->layer_view(l);
-  return std::span<const float>(ks.mm).first(
+  return std::span<const uint16_t>(ks.mm).first(
       static_cast<size_t>(n_blocks * view.n_kv_heads * 2 * view.head_dim));
 }
 

@@ -122,13 +122,14 @@ class BlockTable {
   bool wants_mass() const { return retention_.is_h2o(); }
 
   // topk (retention.h): per model layer and logical block, each KV head's
-  // per-channel minimum and maximum of the stored keys ([n_kv][2][d]
-  // floats per block), as decoded from the pool: write() refreshes the
+  // per-channel minimum and maximum of the stored keys ([n_kv][2][d] f16
+  // per block: the minimum rounded down, the maximum up, f16_bound_down/up),
+  // as decoded from the pool: write() refreshes the
   // blocks it touches, key_summary() rebuilds blocks this table did not
   // write (a prefix hit, a copy-on-write copy). key_summary(l, n) covers
   // full blocks [0, n) of layer l. Empty unless topk.
   bool topk_reads() const { return retention_.is_topk(); }
-  std::span<const float> key_summary(int l, int64_t n_blocks);
+  std::span<const uint16_t> key_summary(int l, int64_t n_blocks);
   // Counts one decode query's blocks read / present in one layer.
   void count_topk_reads(int64_t n_read, int64_t n_total);
   // The full blocks layer l's last top-k read chose (empty: read all).
@@ -149,6 +150,26 @@ class BlockTable {
   }
   // Blocks the tables hold now, all groups.
   int64_t n_resident_blocks() const;
+  // Admission (retention_reserve.cpp): the most blocks this table may still
+  // take from the pool while it grows to n_target logical tokens, its first
+  // n_prompt tokens written in multi-token steps (prefill chunks of at most
+  // `chunk` tokens) and every later one alone. Under a compacting policy
+  // (streamingllm, snapkv, pyramidkv, h2o) each full-attention group counts
+  // what the policy keeps (retention.h, and retention_group_peak below), at
+  // least the whole prompt for a policy that selects at the first one-token
+  // step, and subtracts only blocks no other table holds (compaction copies
+  // shared ones), plus one block in flight while a compaction may still copy
+  // a shared or published block (until the first compaction). Other
+  // groups and policies: the exact peak (KvGroups::peak_blocks) minus the
+  // resident blocks. all_shared: count every resident block as held
+  // elsewhere (a table about to be forked).
+  int64_t retention_reserve_blocks(int64_t n_prompt, int64_t n_target, int64_t chunk,
+                                   bool all_shared = false) const;
+  // The most blocks group g holds from now on, by the same rules.
+  int64_t retention_group_peak(int g, int64_t n_prompt, int64_t n_target, int64_t chunk) const;
+  // True when retention compacts group g (a full-attention group of
+  // standard layers under a compacting policy).
+  bool retention_compacts(int g) const;
 
   // Blocks a reservation of n_new more tokens would take from the pool, all
   // groups, including copy-on-write copies; blocks drop_invisible() would
@@ -218,7 +239,7 @@ class BlockTable {
   void trim_mass();
   // topk: [n_layers] key summaries (see key_summary()).
   struct KeySummary {
-    std::vector<float> mm;      // [n_blocks][n_kv][2][d]
+    std::vector<uint16_t> mm;   // [n_blocks][n_kv][2][d] f16 bits (min down, max up)
     std::vector<int32_t> id;    // [n_blocks] block id summarized (-1: none)
     std::vector<int32_t> n;     // [n_blocks] slots summarized
     std::vector<int64_t> last;  // the last top-k choice

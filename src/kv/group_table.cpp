@@ -102,6 +102,19 @@ int64_t GroupTable::kivi_target(int64_t len) const {
   return std::max(converted_, ready);
 }
 
+int64_t GroupTable::n_held_elsewhere() const {
+  int64_t n = 0;
+  for (int32_t id : ids_) n += id != kNullBlock && pool_->ref_count(BlockId{id}) > 1 ? 1 : 0;
+  return n;
+}
+
+bool GroupTable::any_shared() const {
+  for (int64_t j = 0; j < n_blocks(); ++j) {
+    if (block_shared(j)) return true;
+  }
+  return false;
+}
+
 bool GroupTable::block_shared(int64_t j) const {
   const int32_t id = ids_[j];
   if (id == kNullBlock) return false;
@@ -528,12 +541,24 @@ Status GroupTable::compact(std::span<const int64_t> keep, RetentionStats* stats)
   while (first_moved < n_keep && keep[first_moved] == first_moved) ++first_moved;
   const int64_t new_blocks = (n_keep + block_size_ - 1) / block_size_;
   const int64_t first_written = first_moved / block_size_;
+  // Copy-on-write takes one block per destination another table holds; a
+  // published block only this table holds returns to the pool (cached) as
+  // its copy is made, so those need one block in flight, not one each.
   int64_t n_cow = 0;
-  for (int64_t j = first_written; j < new_blocks; ++j) n_cow += block_shared(j) ? 1 : 0;
-  if (n_cow > pool_->n_available()) {
+  bool published_only = false;
+  for (int64_t j = first_written; j < new_blocks; ++j) {
+    if (!block_shared(j)) continue;
+    if (pool_->ref_count(BlockId{ids_[j]}) > 1) {
+      ++n_cow;
+    } else {
+      published_only = true;
+    }
+  }
+  if (n_cow + (published_only ? 1 : 0) > pool_->n_available()) {
     ++pool_->n_out_of_blocks_;
     return make_error(Errc::kOutOfBlocks, "KV pool exhausted: compaction needs " +
-                                              std::to_string(n_cow) + " copy-on-write blocks, " +
+                                              std::to_string(n_cow + (published_only ? 1 : 0)) +
+                                              " copy-on-write blocks, " +
                                               std::to_string(pool_->n_available()) + " available");
   }
   RetentionStats delta;

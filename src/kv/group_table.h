@@ -131,12 +131,20 @@ class GroupTable {
   // keep.size() - 1 with their logical positions, then releases the blocks
   // past ceil(keep.size() / P) (released newest first; a published one becomes
   // cached). A destination block that is shared or published is copied to a
-  // private block first (copy-on-write), so nobody else's K/V change. All or
-  // nothing: kOutOfBlocks (nothing changed) when those copies find no block;
+  // private block first (copy-on-write), so nobody else's K/V change. Net
+  // blocks taken from the pool: one per destination block another table
+  // holds (a published block only this table holds becomes cached as its
+  // copy is taken: one block in flight). All or nothing: kOutOfBlocks
+  // (nothing changed) when the pool has fewer than those plus one in flight;
   // kUnsupported for a window group, KIVI or per-block-metadata (fp8)
   // layers. Adds what it did to *stats (may be null) and the pool's totals.
   // REQUIRES: nothing reserved past the committed length (between steps).
   Status compact(std::span<const int64_t> keep, RetentionStats* stats);
+  // Resident blocks another table also holds (reference count > 1): what
+  // compact()'s copy-on-write takes from the pool at most. any_shared():
+  // some resident block is held elsewhere or published.
+  int64_t n_held_elsewhere() const;
+  bool any_shared() const;
   // KIVI: positions < converted() are quantized in the blocks; the rest are in
   // the residual. Equals length() for other layouts.
   int64_t converted() const { return kivi_ ? converted_ : length_; }

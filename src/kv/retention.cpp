@@ -5,6 +5,13 @@
 #include <cmath>
 #include <limits>
 
+#include "core/cpu_features.h"
+#include "core/half.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace kvstack {
 namespace {
 
@@ -20,6 +27,10 @@ Status validate_retention(const RetentionConfig& c) {
   if (c.is_topk()) {
     if (c.topk < 1 || c.topk > kMax) {
       return bad("k=" + std::to_string(c.topk) + " must be in [1, " + std::to_string(kMax) + "]");
+    }
+    if (c.topk_sink < 0 || c.topk_sink > kMax || c.topk_recent < 0 || c.topk_recent > kMax) {
+      return bad("sink=" + std::to_string(c.topk_sink) + " and recent=" +
+                 std::to_string(c.topk_recent) + " must be in [0, " + std::to_string(kMax) + "]");
     }
     return {};
   }
@@ -83,13 +94,36 @@ Result<RetentionConfig> parse_retention(std::string_view spec) {
     known = "budget, beta, window, kernel, gqa";
   } else if (name == "topk") {
     c.policy = RetentionPolicy::kTopK;
-    if (params.rfind("k=", 0) != 0 || params.find(',') != std::string_view::npos) {
-      return bad("topk takes one parameter, k=N (blocks each decode query reads), e.g. topk:k=16");
+    bool have_k = false;
+    for (size_t at = 0; at < params.size();) {
+      size_t end = params.find(',', at);
+      if (end == std::string_view::npos) end = params.size();
+      const std::string_view kv = params.substr(at, end - at);
+      at = end + 1;
+      const size_t eq = kv.find('=');
+      const std::string_view key = kv.substr(0, eq);
+      int64_t* field = key == "k"        ? &c.topk
+                       : key == "sink"   ? &c.topk_sink
+                       : key == "recent" ? &c.topk_recent
+                                         : nullptr;
+      if (eq == std::string_view::npos || field == nullptr) {
+        return bad(
+            "topk takes k=N (blocks each decode query reads) and optionally sink=S and "
+            "recent=R (blocks always read among them), e.g. topk:k=16; not '" +
+            std::string(kv) + "'");
+      }
+      const std::string_view val = kv.substr(eq + 1);
+      const auto [p, ec] = std::from_chars(val.data(), val.data() + val.size(), *field);
+      if (ec != std::errc() || p != val.data() + val.size()) {
+        return bad("parameter " + std::string(key) + "='" + std::string(val) +
+                   "' is not an integer");
+      }
+      have_k = have_k || key == "k";
     }
-    const std::string_view val = params.substr(2);
-    const auto [p, ec] = std::from_chars(val.data(), val.data() + val.size(), c.topk);
-    if (ec != std::errc() || p != val.data() + val.size()) {
-      return bad("parameter k='" + std::string(val) + "' is not an integer");
+    if (!have_k) {
+      return bad(
+          "topk takes k=N (blocks each decode query reads) and optionally sink=S and "
+          "recent=R, e.g. topk:k=16");
     }
     KV_TRY_STATUS(validate_retention(c));
     return c;
@@ -187,7 +221,8 @@ std::string retention_name(const RetentionConfig& c) {
              (c.slack > 0 ? ",slack=" + std::to_string(c.slack) : std::string()) +
              ",obs=" + std::to_string(c.obs);
     case RetentionPolicy::kTopK:
-      return "topk:k=" + std::to_string(c.topk);
+      return "topk:k=" + std::to_string(c.topk) + ",sink=" + std::to_string(c.topk_sink) +
+             ",recent=" + std::to_string(c.topk_recent);
     case RetentionPolicy::kPyramidKv:
       return "pyramidkv:budget=" + std::to_string(c.budget) + ",beta=" + std::to_string(c.beta) +
              ",window=" + std::to_string(c.window) + ",kernel=" + std::to_string(c.kernel) +
@@ -262,43 +297,120 @@ std::vector<int64_t> h2o_keep_slots(const RetentionConfig& c, std::span<const fl
   return keep;
 }
 
+namespace {
+
+// f16 bound bits -> f32, infinities clamped to +-FLT_MAX: a bound times a
+// zero query channel must give 0, not NaN (the interval still holds every
+// finite key).
+void bounds_to_f32_scalar(const uint16_t* h, float* out, int n) {
+  constexpr float kBig = std::numeric_limits<float>::max();
+  for (int i = 0; i < n; ++i) out[i] = std::clamp(f16_to_f32(h[i]), -kBig, kBig);
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx,f16c"))) void bounds_to_f32_f16c(const uint16_t* h, float* out, int n) {
+  const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
+  const __m256 neg_big = _mm256_set1_ps(-std::numeric_limits<float>::max());
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i)));
+    _mm256_storeu_ps(out + i, _mm256_max_ps(neg_big, _mm256_min_ps(big, v)));
+  }
+  bounds_to_f32_scalar(h + i, out + i, n - i);
+}
+#endif
+
+void bounds_to_f32(const uint16_t* h, float* out, int n) {
+#if defined(__x86_64__)
+  static const bool f16c = cpu_features().f16c && cpu_features().avx2;
+  if (f16c) {
+    bounds_to_f32_f16c(h, out, n);
+    return;
+  }
+#endif
+  bounds_to_f32_scalar(h, out, n);
+}
+
+uint16_t f16_next_up(uint16_t h) {
+  if (h == 0x7c00u) return h;        // +inf
+  if (h == 0x8000u) return 0x0001u;  // -0 -> smallest positive
+  return (h & 0x8000u) != 0 ? static_cast<uint16_t>(h - 1) : static_cast<uint16_t>(h + 1);
+}
+
+uint16_t f16_next_down(uint16_t h) {
+  if (h == 0xfc00u) return h;  // -inf
+  if (h == 0x0000u) return 0x8001u;
+  return (h & 0x8000u) != 0 ? static_cast<uint16_t>(h + 1) : static_cast<uint16_t>(h - 1);
+}
+
+}  // namespace
+
+uint16_t f16_bound_down(float x) {
+  const uint16_t h = f32_to_f16(x);
+  return f16_to_f32(h) > x ? f16_next_down(h) : h;
+}
+
+uint16_t f16_bound_up(float x) {
+  const uint16_t h = f32_to_f16(x);
+  return f16_to_f32(h) < x ? f16_next_up(h) : h;
+}
+
 std::vector<int64_t> topk_blocks(std::span<const float> q, int n_q_heads, int n_kv_heads,
-                                 int head_dim, std::span<const float> summary, int64_t n_full,
-                                 int64_t k_full) {
+                                 int head_dim, std::span<const uint16_t> summary, int64_t n_full,
+                                 int64_t k_full, int64_t n_sink, int64_t n_recent) {
   const int d = head_dim, g = n_q_heads / n_kv_heads;
   KV_CHECK(g * n_kv_heads == n_q_heads &&
                static_cast<int64_t>(q.size()) == int64_t{n_q_heads} * d &&
-               static_cast<int64_t>(summary.size()) >= n_full * n_kv_heads * 2 * d,
+               static_cast<int64_t>(summary.size()) >= n_full * n_kv_heads * 2 * d && k_full >= 0 &&
+               n_sink >= 0 && n_recent >= 0,
            "topk_blocks: bad shapes");
   std::vector<int64_t> out(static_cast<size_t>(std::max<int64_t>(n_full, 0)));
   for (int64_t b = 0; b < n_full; ++b) out[static_cast<size_t>(b)] = b;
   if (n_full <= k_full) return out;
-  std::vector<float> ub(static_cast<size_t>(n_full));
-  for (int64_t b = 0; b < n_full; ++b) {
-    float best = -std::numeric_limits<float>::infinity();
-    for (int h = 0; h < n_q_heads; ++h) {
-      const float* mn = summary.data() + ((b * n_kv_heads + h / g) * 2) * d;
-      const float* mx = mn + d;
-      const float* qh = q.data() + int64_t{h} * d;
-      // Eight partial sums: lets the compiler vectorize the bound.
-      float acc[8] = {};
-      int c = 0;
-      for (; c + 8 <= d; c += 8) {
-        for (int u = 0; u < 8; ++u)
-          acc[u] += std::max(qh[c + u] * mn[c + u], qh[c + u] * mx[c + u]);
+  // Always read (k_full < n_full, so they never overlap): the first blocks,
+  // then the last ones before the query's own.
+  const int64_t sink = std::min(n_sink, k_full);
+  const int64_t recent = std::min(n_recent, k_full - sink);
+  const int64_t lo = sink, hi = n_full - recent;  // ranked candidates [lo, hi)
+  const int64_t n_ranked = k_full - sink - recent;
+  std::vector<int64_t> cand;
+  if (n_ranked > 0) {
+    std::vector<float> ub(static_cast<size_t>(n_full), -std::numeric_limits<float>::infinity());
+    std::vector<float> bounds(static_cast<size_t>(2 * d));
+    for (int64_t b = lo; b < hi; ++b) {
+      float best = -std::numeric_limits<float>::infinity();
+      for (int kh = 0; kh < n_kv_heads; ++kh) {
+        bounds_to_f32(summary.data() + ((b * n_kv_heads + kh) * 2) * d, bounds.data(), 2 * d);
+        const float* mn = bounds.data();
+        const float* mx = mn + d;
+        for (int h = kh * g; h < (kh + 1) * g; ++h) {
+          const float* qh = q.data() + int64_t{h} * d;
+          // Eight partial sums: lets the compiler vectorize the bound.
+          float acc[8] = {};
+          int c = 0;
+          for (; c + 8 <= d; c += 8) {
+            for (int u = 0; u < 8; ++u)
+              acc[u] += std::max(qh[c + u] * mn[c + u], qh[c + u] * mx[c + u]);
+          }
+          float sum = 0.0f;
+          for (; c < d; ++c) sum += std::max(qh[c] * mn[c], qh[c] * mx[c]);
+          for (const float x : acc) sum += x;
+          best = std::max(best, sum);
+        }
       }
-      float s = 0.0f;
-      for (; c < d; ++c) s += std::max(qh[c] * mn[c], qh[c] * mx[c]);
-      for (const float a : acc) s += a;
-      best = std::max(best, s);
+      ub[static_cast<size_t>(b)] = best;
     }
-    ub[static_cast<size_t>(b)] = best;
+    for (int64_t b = lo; b < hi; ++b) cand.push_back(b);
+    std::nth_element(cand.begin(), cand.begin() + n_ranked, cand.end(), [&](int64_t a, int64_t b) {
+      const float ua = ub[static_cast<size_t>(a)], ubb = ub[static_cast<size_t>(b)];
+      return ua != ubb ? ua > ubb : a < b;
+    });
+    cand.resize(static_cast<size_t>(n_ranked));
   }
-  std::nth_element(out.begin(), out.begin() + k_full, out.end(), [&](int64_t a, int64_t b) {
-    const float ua = ub[static_cast<size_t>(a)], ubb = ub[static_cast<size_t>(b)];
-    return ua != ubb ? ua > ubb : a < b;
-  });
-  out.resize(static_cast<size_t>(k_full));
+  out.clear();
+  for (int64_t b = 0; b < sink; ++b) out.push_back(b);
+  for (int64_t b = hi; b < n_full; ++b) out.push_back(b);
+  out.insert(out.end(), cand.begin(), cand.end());
   std::sort(out.begin(), out.end());
   return out;
 }

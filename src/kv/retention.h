@@ -59,13 +59,19 @@
 //                 and nothing compacts (the full history stays resident and
 //                 publishable: the stored K/V are exact). Each table keeps,
 //                 per layer and block, every KV head's per-channel min and
-//                 max of the stored keys (BlockTable::key_summary); a decode
-//                 query reads only k blocks of each full-attention layer:
-//                 its own (last, partial) block plus the k - 1 full blocks
-//                 of highest upper bound on q.k, ub(block) = max over q heads
-//                 of sum_c max(q_c min_c, q_c max_c) (topk_blocks). Prompt
-//                 rows read everything. Saves bandwidth, not memory. With k
-//                 covering every block the output is the exact cache's.
+//                 max of the stored keys in f16, the minimum rounded down and
+//                 the maximum up (f16_bound_down/up), so the interval still
+//                 holds every key (BlockTable::key_summary); a decode query
+//                 reads only k blocks of each full-attention layer: its own
+//                 (last, partial) block, the first `sink` full blocks (the
+//                 attention sinks, default 1) and the `recent` full blocks
+//                 before its own (default 1), as far as k allows (own, then
+//                 sink, then recent), and fills the rest of k with the full
+//                 blocks of highest upper bound on q.k, ub(block) = max over
+//                 q heads of sum_c max(q_c min_c, q_c max_c) (topk_blocks).
+//                 Prompt rows read everything. Saves bandwidth, not memory.
+//                 With k covering every block the output is the exact
+//                 cache's.
 //
 // Positions. Survivors keep their ORIGINAL logical positions: keys are stored
 // already rotated, new tokens get position = logical length (not the
@@ -135,8 +141,12 @@ struct RetentionConfig {
   // (>= 1), slack as streamingllm's; obs = prompt queries whose attention
   // seeds the mass at the end of prefill (>= 0).
   int64_t obs = 32;
-  // topk: blocks each decode query reads per full-attention layer (>= 1).
+  // topk: blocks each decode query reads per full-attention layer (>= 1):
+  // its own, then up to topk_sink first blocks and topk_recent blocks just
+  // before its own (always, as far as k allows), then the best-bound rest.
   int64_t topk = 0;
+  int64_t topk_sink = 1;
+  int64_t topk_recent = 1;
   bool active() const { return policy != RetentionPolicy::kNone; }
   bool is_topk() const { return policy == RetentionPolicy::kTopK; }
   bool is_h2o() const { return policy == RetentionPolicy::kH2o; }
@@ -154,7 +164,8 @@ struct RetentionConfig {
 // to 4, window is required) or "snapkv:budget=B[,window=W][,kernel=K]
 // [,gqa=union|mean]" (window 32, kernel 7, gqa union by default) or
 // "pyramidkv:budget=B[,beta=X]" plus snapkv's keys, or
-// "h2o:budget=B,window=W[,slack=N][,obs=O]" or "topk:k=K"; keys in any order. Errors
+// "h2o:budget=B,window=W[,slack=N][,obs=O]" or "topk:k=K[,sink=S][,recent=R]"
+// (blocks; sink 1, recent 1 by default); keys in any order. Errors
 // (kInvalidArgument) name the policy, key or value at fault.
 Result<RetentionConfig> parse_retention(std::string_view spec);
 // The canonical text of a config ("none", "streamingllm:sinks=4,window=1024,slack=16").
@@ -183,12 +194,20 @@ std::vector<int64_t> h2o_keep_slots(const RetentionConfig& config, std::span<con
 
 // Quest's choice for one decode query: `q` [n_q_heads, head_dim] (as the
 // kernel sees it, before the scale), `summary` [n_full][n_kv_heads][2]
-// [head_dim] per-channel key minima then maxima of each full block.
-// Returns the `k_full` block indices of highest upper bound (ties: the
-// earlier block), ascending; every block when n_full <= k_full.
+// [head_dim] per-channel key minima then maxima of each full block, f16
+// bits (f16_bound_down / f16_bound_up). Returns `k_full` block indices,
+// ascending: blocks [0, min(n_sink, k_full)), then up to n_recent of the
+// last blocks before n_full within what k_full leaves, then the rest of
+// highest upper bound (ties: the earlier block); every block when n_full <=
+// k_full.
 std::vector<int64_t> topk_blocks(std::span<const float> q, int n_q_heads, int n_kv_heads,
-                                 int head_dim, std::span<const float> summary, int64_t n_full,
-                                 int64_t k_full);
+                                 int head_dim, std::span<const uint16_t> summary, int64_t n_full,
+                                 int64_t k_full, int64_t n_sink = 0, int64_t n_recent = 0);
+// The largest f16 value <= x, and the smallest >= x (f16 bits; +-inf past
+// the f16 range on the open side), so that an f16 [min, max] interval still
+// holds every float it was made from. REQUIRES: x is not NaN.
+uint16_t f16_bound_down(float x);
+uint16_t f16_bound_up(float x);
 
 // Prompt tokens layer `layer` of `n_layers` keeps under `config`: budget
 // for snapkv, the pyramid schedule above for pyramidkv.

@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/half.h"
 #include "kv/block_pool.h"
 #include "kv/block_table.h"
 #include "kv/kv_write.h"
@@ -567,28 +568,69 @@ TEST(Compaction, H2oCarriesMassAndPositions) {
   EXPECT_EQ(pool->n_free(), pool->n_blocks());
 }
 
-// Quest's block choice: the bound is an upper bound of every q.k in the
-// block (for every q head), and the chosen blocks are the k of highest
-// bound (ties: the earlier block), ascending.
+// f16 key bounds: f16_bound_down(x) is the largest f16 <= x and
+// f16_bound_up(x) the smallest >= x (adjacent f16 values around x, equal
+// when x is one), over normal, subnormal, zero and out-of-range values.
+TEST(RetentionSelect, F16BoundsRoundOutwards) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> xs = {0.0f, -0.0f, 1.0f,  -1.0f,  65504.0f, -65504.0f, 65505.0f, -65505.0f,
+                           1e6f, -1e6f, 6e-8f, -6e-8f, 1e-10f,   -1e-10f,   3.0e-5f,  0.1f};
+  for (int i = 0; i < 20000; ++i) {
+    const float scale = std::ldexp(1.0f, static_cast<int>(rng() % 50) - 30);
+    xs.push_back(nd(rng) * scale);
+  }
+  for (const float x : xs) {
+    const uint16_t lo = f16_bound_down(x), hi = f16_bound_up(x);
+    const float l = f16_to_f32(lo), h = f16_to_f32(hi);
+    ASSERT_LE(l, x) << x;
+    ASSERT_GE(h, x) << x;
+    if (l == x) {
+      EXPECT_EQ(h, x) << x;
+    } else {
+      // No f16 strictly between: round-to-nearest gives one of the two.
+      const uint16_t nearest = f32_to_f16(x);
+      EXPECT_TRUE(nearest == lo || nearest == hi) << x;
+    }
+  }
+  EXPECT_EQ(f16_to_f32(f16_bound_up(1e6f)), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(f16_to_f32(f16_bound_down(1e6f)), 65504.0f);
+}
+
+// Quest's block choice: the bound from the f16 summary is an upper bound of
+// every q.k in the block (for every q head); the choice is the sink blocks,
+// the recent blocks and the best-bound rest (ties: the earlier block),
+// ascending, k blocks in all.
 TEST(RetentionSelect, TopKBlocksBoundAndChoice) {
   auto c = parse_retention("topk:k=4");
   ASSERT_TRUE(c.ok()) << c.error().message;
   EXPECT_TRUE(c->is_topk());
   EXPECT_EQ(c->topk, 4);
-  EXPECT_EQ(retention_name(*c), "topk:k=4");
-  for (const char* bad : {"topk", "topk:k=0", "topk:k=x", "topk:n=3", "topk:k=2,window=3"}) {
+  EXPECT_EQ(c->topk_sink, 1);
+  EXPECT_EQ(c->topk_recent, 1);
+  EXPECT_EQ(retention_name(*c), "topk:k=4,sink=1,recent=1");
+  auto c2 = parse_retention("topk:recent=3,k=9,sink=0");
+  ASSERT_TRUE(c2.ok()) << c2.error().message;
+  EXPECT_EQ(c2->topk, 9);
+  EXPECT_EQ(c2->topk_sink, 0);
+  EXPECT_EQ(c2->topk_recent, 3);
+  EXPECT_EQ(retention_name(*c2), "topk:k=9,sink=0,recent=3");
+  for (const char* bad : {"topk", "topk:k=0", "topk:k=x", "topk:n=3", "topk:k=2,window=3",
+                          "topk:sink=1", "topk:k=3,sink=-1", "topk:k=3,recent=y"}) {
     EXPECT_FALSE(parse_retention(bad).ok()) << bad;
   }
   std::mt19937 rng(3);
   std::normal_distribution<float> nd;
   const int n_q = 6, n_kv = 2, d = 8, P = 4, g = n_q / n_kv;
-  for (int trial = 0; trial < 50; ++trial) {
+  for (int trial = 0; trial < 200; ++trial) {
     const int64_t n_full = 1 + static_cast<int64_t>(rng() % 12);
     const int64_t k = 1 + static_cast<int64_t>(rng() % 14);
+    const int64_t n_sink = trial % 4 == 0 ? 0 : static_cast<int64_t>(rng() % 3);
+    const int64_t n_recent = trial % 4 == 1 ? 0 : static_cast<int64_t>(rng() % 3);
     std::vector<float> keys(static_cast<size_t>(n_full * P * n_kv * d)), q(n_q * d);
-    for (float& x : keys) x = trial % 5 == 0 ? static_cast<float>(rng() % 3) : nd(rng);
+    for (float& x : keys) x = trial % 5 == 0 ? static_cast<float>(rng() % 3) : nd(rng) * 7.3f;
     for (float& x : q) x = nd(rng);
-    std::vector<float> summ(static_cast<size_t>(n_full * n_kv * 2 * d));
+    std::vector<uint16_t> summ(static_cast<size_t>(n_full * n_kv * 2 * d));
     for (int64_t b = 0; b < n_full; ++b) {
       for (int h = 0; h < n_kv; ++h) {
         for (int ch = 0; ch < d; ++ch) {
@@ -598,12 +640,16 @@ TEST(RetentionSelect, TopKBlocksBoundAndChoice) {
             mn = std::min(mn, x);
             mx = std::max(mx, x);
           }
-          summ[static_cast<size_t>(((b * n_kv + h) * 2) * d + ch)] = mn;
-          summ[static_cast<size_t>(((b * n_kv + h) * 2 + 1) * d + ch)] = mx;
+          summ[static_cast<size_t>(((b * n_kv + h) * 2) * d + ch)] = f16_bound_down(mn);
+          summ[static_cast<size_t>(((b * n_kv + h) * 2 + 1) * d + ch)] = f16_bound_up(mx);
         }
       }
     }
-    // Reference bound per block and the choice by rank.
+    // Reference bound per block (float64 over the f16 summary) and the choice.
+    auto bound_of = [&](int64_t b, int h, int ch, int which) {
+      return double{
+          f16_to_f32(summ[static_cast<size_t>(((b * n_kv + h / g) * 2 + which) * d + ch)])};
+    };
     std::vector<double> ub(static_cast<size_t>(n_full));
     for (int64_t b = 0; b < n_full; ++b) {
       double best = -INFINITY;
@@ -611,8 +657,7 @@ TEST(RetentionSelect, TopKBlocksBoundAndChoice) {
         double bound = 0;
         for (int ch = 0; ch < d; ++ch) {
           const double qc = q[static_cast<size_t>(h) * d + ch];
-          bound += std::max(qc * summ[static_cast<size_t>(((b * n_kv + h / g) * 2) * d + ch)],
-                            qc * summ[static_cast<size_t>(((b * n_kv + h / g) * 2 + 1) * d + ch)]);
+          bound += std::max(qc * bound_of(b, h, ch, 0), qc * bound_of(b, h, ch, 1));
         }
         best = std::max(best, bound);
         for (int t = 0; t < P; ++t) {  // the bound bounds every key of the block
@@ -621,22 +666,34 @@ TEST(RetentionSelect, TopKBlocksBoundAndChoice) {
             dot += double{q[static_cast<size_t>(h) * d + ch]} *
                    keys[static_cast<size_t>(((b * P + t) * n_kv + h / g) * d + ch)];
           }
-          EXPECT_LE(dot, bound + 1e-4);
+          EXPECT_LE(dot, bound + 1e-9 * (1 + std::abs(bound)));
         }
       }
       ub[static_cast<size_t>(b)] = best;
     }
-    const std::vector<int64_t> got = topk_blocks(q, n_q, n_kv, d, summ, n_full, k);
+    const std::vector<int64_t> got =
+        topk_blocks(q, n_q, n_kv, d, summ, n_full, k, n_sink, n_recent);
     std::vector<int64_t> want;
-    for (int64_t b = 0; b < n_full; ++b) {
-      int64_t before = 0;
-      for (int64_t o = 0; o < n_full; ++o) {
-        // float sums: compare with the tolerance of their rounding
-        const bool higher = ub[static_cast<size_t>(o)] > ub[static_cast<size_t>(b)] + 1e-4;
-        const bool tie = std::abs(ub[static_cast<size_t>(o)] - ub[static_cast<size_t>(b)]) <= 1e-4;
-        before += (higher || (tie && o < b)) ? 1 : 0;
+    if (n_full <= k) {
+      for (int64_t b = 0; b < n_full; ++b) want.push_back(b);
+    } else {
+      const int64_t s = std::min(n_sink, k), r = std::min(n_recent, k - s);
+      const int64_t rest = k - s - r;
+      for (int64_t b = 0; b < n_full; ++b) {
+        if (b < s || b >= n_full - r) {
+          want.push_back(b);
+          continue;
+        }
+        int64_t before = 0;  // ranked candidates ahead of b
+        for (int64_t o = s; o < n_full - r; ++o) {
+          // float sums: compare with the tolerance of their rounding
+          const bool higher = ub[static_cast<size_t>(o)] > ub[static_cast<size_t>(b)] + 1e-4;
+          const bool tie =
+              std::abs(ub[static_cast<size_t>(o)] - ub[static_cast<size_t>(b)]) <= 1e-4;
+          before += (higher || (tie && o < b)) ? 1 : 0;
+        }
+        if (before < rest) want.push_back(b);
       }
-      if (before < k) want.push_back(b);
     }
     EXPECT_EQ(got, want) << "trial " << trial;
     EXPECT_EQ(static_cast<int64_t>(got.size()), std::min(n_full, k));

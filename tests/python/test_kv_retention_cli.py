@@ -135,7 +135,8 @@ def test_topk_reads_fewer_blocks_and_covering_k_is_exact(runs):
 
 @pytest.mark.parametrize("spec,msg", [
     ("topk:k=0", "k=0 must be in [1,"),
-    ("topk", "topk takes one parameter, k=N"),
+    ("topk", "topk takes k=N"),
+    ("topk:k=4,sink=x", "parameter sink='x' is not an integer"),
     ("h2o:budget=8", "h2o needs budget=N (heavy hitters) and window=N"),
     ("h2o:budget=8,window=8,kernel=3", "unknown h2o parameter 'kernel'"),
     ("lru:budget=3", "unknown policy 'lru'"),
@@ -185,7 +186,8 @@ def test_server_request_field_default_stats_and_metrics():
                       "streamingllm:sinks=2,window=16",
                       {"policy": "snapkv", "budget": 16, "window": 8, "gqa": "mean"},
                       {"policy": "h2o", "budget": 16, "window": 16, "obs": 8},
-                      {"policy": "topk", "k": 2}):
+                      {"policy": "topk", "k": 2},
+                      {"policy": "topk", "k": 4, "sink": 1, "recent": 2}):
             r = requests.post(srv.base + "/v1/chat/completions",
                               json={"messages": [{"role": "user", "content": PROMPT}],
                                     "max_tokens": 60, "temperature": 0, "kv_retention": field},
