@@ -16,9 +16,12 @@ Per-layer figures (spec section 3): t_p = prefill time / L, t_x = get time / L.
 The transfer here moves the whole prefix after the prefill (no layer-wise
 push), so T_ready = t_prefill + t_pull, to compare with L (t_p + t_x); the
 layer-wise formula t_p + t_x + (L - 1) max(t_p, t_x) is printed as what
-streaming would give.
+streaming would give. --by-layer measures t_p and t_x per layer instead
+(the prefill worker's forward layer times, the decode worker's layer-major
+gets; see by_layer()) and skips ucx_perftest.
 
   .venv/bin/python bench/pd_transfer_bench.py --tokens 1536 --rounds 3 --tls tcp
+  .venv/bin/python bench/pd_transfer_bench.py --by-layer --tokens 1536 --rounds 5 --tls tcp
 """
 import argparse
 import os
