@@ -16,9 +16,12 @@ Per-layer figures (spec section 3): t_p = prefill time / L, t_x = get time / L.
 The transfer here moves the whole prefix after the prefill (no layer-wise
 push), so T_ready = t_prefill + t_pull, to compare with L (t_p + t_x); the
 layer-wise formula t_p + t_x + (L - 1) max(t_p, t_x) is printed as what
-streaming would give.
+streaming would give. --by-layer measures t_p and t_x per layer instead
+(the prefill worker's forward layer times, the decode worker's layer-major
+gets; see by_layer()) and skips ucx_perftest.
 
   .venv/bin/python bench/pd_transfer_bench.py --tokens 1536 --rounds 3 --tls tcp
+  .venv/bin/python bench/pd_transfer_bench.py --by-layer --tokens 1536 --rounds 5 --tls tcp
 """
 import argparse
 import os
@@ -99,7 +102,13 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kv-mem", default="256M")
     ap.add_argument("--tls", default="tcp", help="UCX_TLS for both workers and ucx_perftest")
+    ap.add_argument("--by-layer", action="store_true",
+                    help="decode worker with --kv-pull-by-layer: per-layer t_p (the prefill "
+                         "worker's forward layer times) and t_x (layer-major gets), T_ready "
+                         "against the layer-wise formula; no ucx_perftest")
     args = ap.parse_args()
+    if args.by_layer:
+        return by_layer(args)
 
     with Hosts(2) as hosts:
         if hosts.fallback_reason:
@@ -178,6 +187,91 @@ def main():
                   f"L (t_p + t_x) = {L * (t_p + t_x) * 1e3:.0f} ms; layer-wise formula "
                   f"t_p + t_x + (L-1) max = {(t_p + t_x + (L - 1) * max(t_p, t_x)) * 1e3:.0f} ms "
                   f"(not built: streaming would save {(tr_meas - (t_p + t_x + (L - 1) * max(t_p, t_x))) * 1e3:.0f} ms)")
+        finally:
+            for p in (pre, dec):
+                p.terminate()
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+def by_layer(args):
+    """Per-layer t_p and t_x measured (spec section 3) and T_ready.
+
+    t_p[l]: seconds the prefill worker's forward spent in layer l over the
+    request's prefill steps (/v1/kv/stats transfer.prefill_layer_seconds,
+    difference around the request). t_x[l]: the decode worker's get time of
+    layer l's bytes of every pulled block (layer-major reads,
+    transfer.last_layer_get_seconds). T_ready measured = the HTTP prefill
+    (max_tokens 1) + the whole pull (offer, reads, checks, publish), the
+    transfer starting after the prefill. Against: the whole-prefix figure
+    sum t_p + sum t_x, the layer-wise formula t_p + t_x + (L-1) max(t_p, t_x)
+    with per-layer medians, and the same pipeline replayed exactly with the
+    measured per-layer values (layer l's get starts when layer l is computed
+    and layer l-1's get is done)."""
+    with Hosts(2) as hosts:
+        if hosts.fallback_reason:
+            print("note:", hosts.fallback_reason)
+        # The whole prompt in one forward step (the formula's premise: layer l
+        # of the prefix is complete when the forward finishes layer l; with
+        # chunked prefill only the last chunk would overlap the transfer).
+        one = str(max(4096, 2 * args.tokens))
+        pre, pbase = start(hosts[0], "prefill", args, ["--kv-transfer-host", hosts[0].addr,
+                                                       "--prefill-chunk", one,
+                                                       "--max-batch-tokens", one])
+        dec, dbase = start(hosts[1], "decode", args, ["--kv-pull-by-layer"])
+        try:
+            rows = []
+            for r in range(args.rounds + 1):  # round 0 warms both workers up
+                prompt = words(args.tokens, seed=2000 + r)
+                body = {"model": "kvstack", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+                before = requests.get(pbase + "/v1/kv/stats", timeout=30).json()["transfer"]
+                t0 = time.time()
+                pr = requests.post(pbase + "/v1/completions", timeout=600, json=dict(
+                    body, kv_transfer_params={"do_remote_decode": True}, min_tokens=1)).json()
+                t_prefill = time.time() - t0
+                after = requests.get(pbase + "/v1/kv/stats", timeout=30).json()["transfer"]
+                dr = requests.post(dbase + "/v1/completions", timeout=600,
+                                   json=dict(body, kv_transfer_params=pr["kv_transfer_params"]))
+                assert dr.status_code == 200, dr.text
+                tr = requests.get(dbase + "/v1/kv/stats", timeout=30).json()["transfer"]
+                tp = [a - b for a, b in zip(after["prefill_layer_seconds"],
+                                            before["prefill_layer_seconds"])]
+                tx = tr["last_layer_get_seconds"]
+                assert tx and len(tx) == len(tp), (len(tx), len(tp))
+                if r == 0:
+                    continue
+                L = len(tp)
+                # The layer-wise pipeline replayed with the measured values.
+                ready = done = 0.0
+                for l in range(L):
+                    ready += tp[l]
+                    done = max(ready, done) + tx[l]
+                mp, mx = statistics.median(tp), statistics.median(tx)
+                rows.append(dict(tokens=pr["usage"]["prompt_tokens"], L=L, t_prefill=t_prefill,
+                                 steps=after["prefill_steps"] - before["prefill_steps"],
+                                 sum_tp=sum(tp), sum_tx=sum(tx), tp=mp, tx=mx,
+                                 pull=tr["last_pull_seconds"], get=tr["last_get_seconds"],
+                                 measured=t_prefill + tr["last_pull_seconds"],
+                                 whole=sum(tp) + sum(tx),
+                                 formula=mp + mx + (L - 1) * max(mp, mx), replay=done))
+                print(f"round {r}: t_p {mp * 1e3:.2f} ms/layer, t_x {mx * 1e3:.2f} ms/layer, "
+                      f"T_ready measured {rows[-1]['measured'] * 1e3:.0f} ms, formula "
+                      f"{rows[-1]['formula'] * 1e3:.0f} ms", flush=True)
+            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            print(f"UCX_TLS={args.tls} hosts={'loopback' if hosts.fallback_reason else 'netns'} "
+                  f"rounds={args.rounds} (medians), L={med['L']:.0f}, prompt tokens "
+                  f"{med['tokens']:.0f}, prefill steps {med['steps']:.0f}")
+            print(f"per layer: t_p {med['tp'] * 1e3:.2f} ms, t_x {med['tx'] * 1e3:.2f} ms; "
+                  f"sum t_p {med['sum_tp'] * 1e3:.0f} ms (HTTP prefill {med['t_prefill'] * 1e3:.0f} "
+                  f"ms), sum t_x {med['sum_tx'] * 1e3:.0f} ms (gets {med['get'] * 1e3:.0f} ms, "
+                  f"whole pull {med['pull'] * 1e3:.0f} ms)")
+            print(f"T_ready measured (prefill, then the pull) {med['measured'] * 1e3:.0f} ms; "
+                  f"whole-prefix sum t_p + sum t_x {med['whole'] * 1e3:.0f} ms "
+                  f"({med['measured'] / med['whole'] * 100:.0f}%); layer-wise formula "
+                  f"{med['formula'] * 1e3:.0f} ms; pipeline replayed with the measured "
+                  f"per-layer values {med['replay'] * 1e3:.0f} ms")
         finally:
             for p in (pre, dec):
                 p.terminate()

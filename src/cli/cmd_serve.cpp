@@ -193,6 +193,9 @@ int run_serve(const std::vector<std::string>& argv) {
   specs.push_back({"kv-max-pulls", 0, "N",
                    "decode: KV pulls that run at once, each on its own UCX worker; more wait "
                    "for one within --kv-transfer-timeout (default 4)"});
+  specs.push_back({"kv-pull-by-layer", 0, "",
+                   "decode: read each pulled block layer by layer (one get per block and "
+                   "layer, each layer completed before the next) and time every layer"});
   specs.push_back(help_option());
   auto args = Args::parse(argv, specs);
   if (!args) return fail("serve", args.error().message);
@@ -314,6 +317,7 @@ int run_serve(const std::vector<std::string>& argv) {
     pc.transfer_host = args->get_or("kv-transfer-host", hc.host);
     pc.transfer_port = static_cast<int>(*transfer_port);
     pc.max_pulls = static_cast<int>(*max_pulls);
+    pc.pull_by_layer = args->flag("kv-pull-by-layer");
     pc.lease_timeout = std::chrono::milliseconds(static_cast<int64_t>(*lease_timeout * 1000));
     pc.transfer_timeout = std::chrono::milliseconds(static_cast<int64_t>(*transfer_timeout * 1000));
     if (const char* stall = std::getenv("KVSTACK_TEST_PULL_STALL_MS")) {

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <deque>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -78,6 +79,14 @@ class Forward {
   // that request only and runs the others again.
   int64_t rejected_entry() const { return rejected_entry_; }
 
+  // Per-layer readiness (P/D layer timing, server/pd_agent.h): when set,
+  // step() calls hook(0, n_tok) before layer 0 and hook(l + 1, n_tok) once
+  // layer l's K/V of every sequence of the step are written (n_tok: the
+  // step's tokens). Runs on the engine thread; must be cheap and must not
+  // call back into the engine. An empty function (the default) turns it off.
+  using LayerHook = std::function<void(int n_layers_done, int64_t n_tok)>;
+  void set_layer_hook(LayerHook hook) { layer_hook_ = std::move(hook); }
+
  private:
   Status layer(int l, std::span<const StepSeq> batch, int64_t n_tok);
   // deepseek2 layer over a latent KV layer (forward_deepseek2.cpp); called by
@@ -91,6 +100,7 @@ class Forward {
   const KeyCenter* key_center_ = nullptr;
   std::unique_ptr<Deepseek2Layers> deepseek2_;  // MLA + MoE math (arch deepseek2), else null
   int64_t rejected_entry_ = -1;
+  LayerHook layer_hook_;
   // Workspace, grown on demand ([n_tok, ...] float32 each).
   int64_t capacity_ = 0;
   std::vector<float> x_, h_, q_, k_, v_, attn_, gate_, up_;

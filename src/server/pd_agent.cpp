@@ -95,6 +95,27 @@ Status PulledPrefix::commit(const std::vector<int32_t>& prompt, size_t k, size_t
   return {};
 }
 
+// Per-layer prefill timing. `t` is written by the engine thread only (the
+// hook); the sums are read under `mu` by stats().
+struct PdAgent::LayerTimer {
+  std::vector<Clock::time_point> t;  // [L + 1]: step start, then each layer's end
+  std::mutex mu;
+  std::vector<double> sum;  // [L] seconds
+  int64_t n_steps = 0;
+  void on_layer(int n_done, int64_t n_tok) {
+    if (n_tok < 2) return;  // a decode step: not prefill
+    const auto i = static_cast<size_t>(n_done);
+    if (i >= t.size()) return;
+    t[i] = Clock::now();
+    if (i + 1 != t.size()) return;
+    std::lock_guard<std::mutex> lock(mu);
+    for (size_t l = 0; l + 1 < t.size(); ++l) {
+      sum[l] += std::chrono::duration<double>(t[l + 1] - t[l]).count();
+    }
+    n_steps++;
+  }
+};
+
 Result<std::unique_ptr<PdAgent>> PdAgent::create(Engine& engine, const PdConfig& config) {
   if (config.role == PdRole::kBoth) {
     return make_error(Errc::kInternal, "PdAgent::create: role both needs no agent");
@@ -151,6 +172,14 @@ Result<std::unique_ptr<PdAgent>> PdAgent::create(Engine& engine, const PdConfig&
         static_cast<size_t>(pool.n_blocks() * pool.block_bytes()), tc);
     if (!srv) return srv.error();
     a->server_ = std::move(*srv);
+    // Per-layer t_p (spec section 3): the forward reports each layer done.
+    auto timer = std::make_shared<LayerTimer>();
+    const auto n_layers = static_cast<size_t>(pool.layout().n_layers());
+    timer->t.resize(n_layers + 1);
+    timer->sum.assign(n_layers, 0.0);
+    a->layer_timer_ = timer;
+    engine.forward().set_layer_hook(
+        [timer](int n_done, int64_t n_tok) { timer->on_layer(n_done, n_tok); });
   }
   return a;
 }
@@ -529,7 +558,25 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
     want_recs.push_back(r);
     want.push_back(dst[r]);
   }
-  Status read = session.read_records(want_recs, want, std::max(left, std::chrono::milliseconds(1)));
+  Status read;
+  if (config_.pull_by_layer && pool.n_groups() == 1) {
+    // Layer l's bytes of a block: [end of layer l - 1, end of layer l); the
+    // last range runs to the block's end (padding included: the payload
+    // checksum covers it).
+    const KvLayout& lay = pool.group(0).layout;
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;
+    uint64_t at = 0;
+    for (int l = 0; l < lay.n_layers(); ++l) {
+      const auto end = l + 1 == lay.n_layers() ? static_cast<uint64_t>(o.block_bytes)
+                                               : static_cast<uint64_t>(lay.placement(l).end_offset);
+      ranges.emplace_back(at, end - at);
+      at = end;
+    }
+    read = session.set_layer_ranges(std::move(ranges));
+  }
+  if (read.ok()) {
+    read = session.read_records(want_recs, want, std::max(left, std::chrono::milliseconds(1)));
+  }
   // Every record: identity, group, the hash this worker gives these tokens
   // in this namespace, the token ids, and the payload checksum.
   for (size_t j = 0; j < want_recs.size() && read.ok(); ++j) {
@@ -579,6 +626,7 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
   stats_.last_n_gets = t.n_gets;
   stats_.last_bytes = t.n_bytes;
   stats_.last_bandwidth = t.get_s > 0 ? static_cast<double>(t.n_bytes) / t.get_s : 0;
+  stats_.last_layer_get_s = t.layer_get_s;
   return pin;
 }
 
@@ -591,6 +639,11 @@ PdStats PdAgent::stats() const {
   s.leases = leases_.stats();
   s.max_pulls = config_.role == PdRole::kDecode ? config_.max_pulls : 0;
   if (server_) s.server = server_->stats();
+  if (layer_timer_) {
+    std::lock_guard<std::mutex> lock(layer_timer_->mu);
+    s.prefill_layer_s = layer_timer_->sum;
+    s.n_prefill_steps = layer_timer_->n_steps;
+  }
   return s;
 }
 
@@ -632,7 +685,10 @@ json pd_stats_json(const PdStats& s) {
               {"last_wireup_seconds", s.last_wireup_s},
               {"last_gets", s.last_n_gets},
               {"last_read_bytes", s.last_bytes},
-              {"last_read_bytes_per_second", s.last_bandwidth}};
+              {"last_read_bytes_per_second", s.last_bandwidth},
+              {"last_layer_get_seconds", s.last_layer_get_s},
+              {"prefill_layer_seconds", s.prefill_layer_s},
+              {"prefill_steps", s.n_prefill_steps}};
 }
 
 std::string pd_prometheus(const PdStats& s, const std::string& labels) {

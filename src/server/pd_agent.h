@@ -86,6 +86,9 @@ struct PdConfig {
   // Decode: pulls that may run at once (--kv-max-pulls), each on its own
   // UCX worker ("lane"); more wait for a lane within the transfer timeout.
   int max_pulls = 4;
+  // Decode (--kv-pull-by-layer): layer-major reads, each layer timed
+  // (PullSession::set_layer_ranges); one-group layouts without conversion.
+  bool pull_by_layer = false;
 };
 
 // Counters of /metrics and /v1/kv/stats ("transfer"). Units: bytes, seconds.
@@ -120,6 +123,15 @@ struct PdStats {
   int64_t last_n_gets = 0;    // get operations of the last read (contiguous runs)
   int64_t last_bytes = 0;     // payload bytes of the last read
   double last_bandwidth = 0;  // bytes/s of the last read's gets
+  // decode, --kv-pull-by-layer: per model layer, the last read's get time
+  // of that layer's bytes of every block (t_x per layer), else empty.
+  std::vector<double> last_layer_get_s;
+  // prefill: per model layer, seconds spent in that layer summed over every
+  // forward step of two or more tokens (prefill chunks; Forward's layer
+  // hook), and the number of those steps: t_p per layer of one prefill is
+  // the difference of two readings around it on an otherwise idle worker.
+  std::vector<double> prefill_layer_s;
+  int64_t n_prefill_steps = 0;
 };
 nlohmann::json pd_stats_json(const PdStats& s);
 std::string pd_prometheus(const PdStats& s, const std::string& labels);
@@ -209,6 +221,10 @@ class PdAgent {
                                                        const std::string& cache_salt,
                                                        Clock::time_point t0);
 
+  // Prefill: per-layer times of the forward's prefill steps (shared with
+  // the hook the engine's Forward holds, so it outlives the agent there).
+  struct LayerTimer;
+  std::shared_ptr<LayerTimer> layer_timer_;
   Engine& engine_;
   PdConfig config_;
   std::string engine_id_;

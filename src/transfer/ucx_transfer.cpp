@@ -506,12 +506,42 @@ Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::ato
     if (ws != UCS_OK) return ucx_error("KV transfer: connecting to the prefill worker", ws);
     timings_.wireup_s = seconds_since(t_w);
   }
-  // One get per run of blocks contiguous on both sides.
   const auto t_get = Clock::now();
   std::vector<ucs_status_ptr_t> reqs;
   const auto bb = static_cast<uint64_t>(offer_.block_bytes);
-  size_t i = 0;
   int64_t n_bytes = 0;
+  // Layer-major: range r of every block, all its gets completed, then r + 1.
+  for (const auto& [off, len] : layer_ranges_) {
+    const auto t_l = Clock::now();
+    for (size_t b = 0; b < dst.size(); ++b) {
+      ucp_request_param_t p{};
+      ucs_status_ptr_t r =
+          ucx_api().ucp_get_nbx(e, dst[b] + off, len, offer_.addrs[records[b]] + off, rkey, &p);
+      if (UCS_PTR_IS_ERR(r)) {
+        for (ucs_status_ptr_t q : reqs) (void)wait_request(worker, q, deadline);
+        return ucx_error("KV transfer: ucp_get_nbx", UCS_PTR_STATUS(r));
+      }
+      if (r != nullptr) reqs.push_back(r);
+      timings_.n_gets++;
+      n_bytes += static_cast<int64_t>(len);
+    }
+    ucs_status_t err = UCS_OK;
+    for (ucs_status_ptr_t q : reqs) {
+      const ucs_status_t st = wait_request(worker, q, deadline);
+      if (st != UCS_OK && err == UCS_OK) err = st;
+    }
+    reqs.clear();
+    if (err == UCS_OK && ep_error->load() != 0) err = static_cast<ucs_status_t>(ep_error->load());
+    if (err != UCS_OK) {
+      return ucx_error("KV transfer: reading layer range " +
+                           std::to_string(timings_.layer_get_s.size()) + " of " +
+                           std::to_string(dst.size()) + " blocks",
+                       err);
+    }
+    timings_.layer_get_s.push_back(seconds_since(t_l));
+  }
+  // Whole blocks: one get per run of blocks contiguous on both sides.
+  size_t i = layer_ranges_.empty() ? 0 : dst.size();
   while (i < dst.size()) {
     size_t j = i + 1;
     while (j < dst.size() && records[j] == records[j - 1] + 1 &&
@@ -556,6 +586,22 @@ Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::ato
   }
   timings_.get_s = seconds_since(t_get);
   timings_.n_bytes = n_bytes;
+  return {};
+}
+
+Status PullSession::set_layer_ranges(std::vector<std::pair<uint64_t, uint64_t>> ranges) {
+  uint64_t at = 0;
+  bool tiles = true;
+  for (const auto& [off, len] : ranges) {
+    tiles = tiles && off == at && len > 0;
+    at = off + len;
+  }
+  if (!ranges.empty() && (!tiles || at != static_cast<uint64_t>(offer_.block_bytes))) {
+    return make_error(Errc::kInvalidArgument, "KV transfer: layer ranges do not tile the offer's " +
+                                                  std::to_string(offer_.block_bytes) +
+                                                  "-byte blocks");
+  }
+  layer_ranges_ = std::move(ranges);
   return {};
 }
 

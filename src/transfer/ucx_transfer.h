@@ -37,6 +37,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/result.h"
@@ -133,6 +134,10 @@ struct PullTimings {
   double get_s = 0;      // of which the data gets: first issued .. flush completed
   int64_t n_gets = 0;    // get operations (contiguous blocks are coalesced)
   int64_t n_bytes = 0;
+  // Layer-major reads (PullSession::set_layer_ranges): per layer range, the
+  // time from its first get issued to its last get completed; the ranges
+  // are read one after another, so these add up to about get_s.
+  std::vector<double> layer_get_s;
 };
 
 // Decode side: one UCX worker and, per prefill worker (its worker address),
@@ -193,6 +198,14 @@ class PullSession {
   // records[i] into dst[i].
   Status read_records(std::span<const size_t> records, std::span<uint8_t* const> dst,
                       std::chrono::milliseconds timeout);
+  // Layer-major reads: each block's payload is `ranges` (byte offset,
+  // length; ascending, contiguous from 0 to offer().block_bytes), one per
+  // model layer. read()/read_records() then read range 0 of every block,
+  // wait for it, then range 1, ..., timing each (timings().layer_get_s):
+  // what a decode worker pulling layer l as soon as it is ready does.
+  // Empty (the default): whole blocks, contiguous runs coalesced.
+  // kInvalidArgument unless the ranges tile the block.
+  Status set_layer_ranges(std::vector<std::pair<uint64_t, uint64_t>> ranges);
   // Tells the server the pull ended (ok: verified); the lease ends.
   Status finish(bool ok);
   const PullTimings& timings() const { return timings_; }
@@ -214,6 +227,7 @@ class PullSession {
   void* ep_ = nullptr;      // ucp_ep_h
   void* rkey_ = nullptr;    // ucp_rkey_h
   std::chrono::milliseconds timeout_{10000};
+  std::vector<std::pair<uint64_t, uint64_t>> layer_ranges_;
   PullTimings timings_;
   bool finished_ = false;
 

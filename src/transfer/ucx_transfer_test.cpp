@@ -85,6 +85,32 @@ TEST_F(UcxTransfer, PullsExactBytesAndCompletesTheLease) {
   EXPECT_EQ(again.error().code, Errc::kNotFound);
 }
 
+TEST_F(UcxTransfer, LayerMajorReadGivesTheSameBytesAndTimesEachRange) {
+  const std::vector<int32_t> ids = {10, 11, 20, 5};
+  const uint64_t id = lease(ids);
+  auto s = PullSession::open(*ucx, "127.0.0.1", server->port(), id, milliseconds(3000));
+  ASSERT_TRUE(s.ok()) << s.error().message;
+  // Ranges that do not tile the block are refused.
+  EXPECT_EQ((*s)->set_layer_ranges({{0, 4096}}).error().code, Errc::kInvalidArgument);
+  EXPECT_FALSE((*s)->set_layer_ranges({{0, 4096}, {4000, 4192}}).ok());
+  EXPECT_FALSE((*s)->set_layer_ranges({{0, 8192}, {8192, 64}}).ok());
+  EXPECT_FALSE((*s)->set_layer_ranges({{0, 0}, {0, 8192}}).ok());
+  // Three "layers" of 1000, 3000 and 4192 bytes.
+  ASSERT_TRUE((*s)->set_layer_ranges({{0, 1000}, {1000, 3000}, {4000, 4192}}).ok());
+  std::vector<uint8_t> local(ids.size() * kBlockBytes, 0);
+  std::vector<uint8_t*> dst;
+  for (size_t i = 0; i < ids.size(); ++i) dst.push_back(local.data() + i * kBlockBytes);
+  ASSERT_TRUE((*s)->read(dst, milliseconds(3000)).ok());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ASSERT_EQ(0, std::memcmp(dst[i], pool.data() + ids[i] * kBlockBytes, kBlockBytes)) << i;
+  }
+  EXPECT_EQ((*s)->timings().n_gets, 3 * 4);  // one per block and range
+  EXPECT_EQ((*s)->timings().n_bytes, 4 * kBlockBytes);
+  ASSERT_EQ((*s)->timings().layer_get_s.size(), 3u);
+  for (double t : (*s)->timings().layer_get_s) EXPECT_GT(t, 0.0);
+  ASSERT_TRUE((*s)->finish(true).ok());
+}
+
 TEST_F(UcxTransfer, PullerKeepsOneEndpointPerPeerAcrossPulls) {
   auto puller = UcxPuller::create(*ucx);
   ASSERT_TRUE(puller.ok()) << puller.error().message;

@@ -332,6 +332,43 @@ def test_decode_worker_with_another_layout_converts_the_blocks(hosts, cluster, b
         dec.stop()
 
 
+def test_layer_by_layer_pull_gives_the_same_output_and_times_every_layer(hosts, cluster):
+    """--kv-pull-by-layer reads layer l of every block, then layer l + 1
+    (what a pull of each layer as it becomes ready does): the records still
+    verify, greedy output equals one server's, and both workers report the
+    per-layer times (t_p of the prefill's forward, t_x of the gets)."""
+    prefill, _, both, _ = cluster
+    dec = Worker(hosts[2], "decode", port=8013, extra=["--kv-pull-by-layer"])
+    try:
+        for prompt in (PROMPTS[3], PROMPTS[1] + " " + PROMPTS[2] + " " + PROMPTS[0]):
+            ref = both.post("/v1/completions", completion(prompt)).json()
+            before = prefill.stats()["transfer"]
+            params = prefill_request(prefill, prompt)
+            after = prefill.stats()["transfer"]
+            L = int(re.search(r";L=(\d+);", params["kv_format"]).group(1))
+            assert len(after["prefill_layer_seconds"]) == L
+            assert after["prefill_steps"] > before["prefill_steps"]
+            assert all(a > b for a, b in zip(after["prefill_layer_seconds"],
+                                              before["prefill_layer_seconds"] or [0.0] * L))
+            r = dec.post("/v1/completions", completion(prompt, kv_transfer_params=params))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == ref["choices"][0]["text"], prompt[:40]
+            assert r.json()["usage"] == ref["usage"] | {
+                "prompt_tokens_details": r.json()["usage"]["prompt_tokens_details"]}
+            # The lookup stops at least one token before the prompt's end.
+            cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert params["n_tokens"] - 1 <= cached <= params["n_tokens"] and cached > 0
+            tr = dec.stats()["transfer"]
+            assert len(tr["last_layer_get_seconds"]) == L
+            assert all(t > 0 for t in tr["last_layer_get_seconds"])
+            assert tr["last_gets"] == L * params["n_tokens"] // P
+        tr = dec.assert_clean()["transfer"]
+        assert tr["pulls_ok"] == 2 and tr["pulls_failed"] == 0
+        prefill.assert_clean()
+    finally:
+        dec.stop()
+
+
 def test_unconvertible_layout_stays_a_clear_400(hosts, cluster):
     prefill, _, _, _ = cluster
     dec = Worker(hosts[2], "decode", port=8011, extra=["--kv-dtype", "bf16"])
