@@ -243,6 +243,53 @@ MLA_AVX2 void accum_avx2(const float* w, const float* buf, int H, int n, int dpa
   }
 }
 
+// TB rows x 2 vectors of 8 columns over the whole k, 16 columns at a time.
+template <int TB>
+MLA_AVX2 inline void gemm_block_avx2(const float* c, int k, const float* wt, int ldw, float* out,
+                                     int o) {
+  __m256 a[TB][2];
+  for (int t = 0; t < TB; ++t) a[t][0] = a[t][1] = _mm256_setzero_ps();
+  for (int i = 0; i < k; ++i) {
+    const float* w = wt + static_cast<int64_t>(i) * ldw + o;
+    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    for (int t = 0; t < TB; ++t) {
+      const __m256 cv = _mm256_broadcast_ss(c + static_cast<int64_t>(t) * k + i);
+      a[t][0] = _mm256_fmadd_ps(cv, w0, a[t][0]);
+      a[t][1] = _mm256_fmadd_ps(cv, w1, a[t][1]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) {
+    _mm256_storeu_ps(out + static_cast<int64_t>(t) * ldw + o, a[t][0]);
+    _mm256_storeu_ps(out + static_cast<int64_t>(t) * ldw + o + 8, a[t][1]);
+  }
+}
+
+MLA_AVX2 void gemm_avx2(const float* c, int m, int k, const float* wt, int ldw, int o0, int o1,
+                        float* out) {
+  for (int ob = o0; ob < o1; ob += kMlaGemmCols) {
+    for (int o = ob; o < ob + kMlaGemmCols; o += 16) {
+      int t = 0;
+      for (; t + 6 <= m; t += 6) {
+        gemm_block_avx2<6>(c + static_cast<int64_t>(t) * k, k, wt, ldw,
+                           out + static_cast<int64_t>(t) * ldw, o);
+      }
+      for (; t < m; ++t) {
+        gemm_block_avx2<1>(c + static_cast<int64_t>(t) * k, k, wt, ldw,
+                           out + static_cast<int64_t>(t) * ldw, o);
+      }
+    }
+  }
+}
+
+MLA_AVX2 void to_f16_avx2(const float* x, int n, uint16_t* out) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) out[i] = f32_to_f16(x[i]);
+}
+
 // ---- AVX-512 ----
 
 MLA_AVX512 void decode_avx512(KvDtype dt, const uint8_t* const* rows, const uint8_t* const* metas,
@@ -378,8 +425,57 @@ MLA_AVX512 void accum_avx512(const float* w, const float* buf, int H, int n, int
   }
 }
 
-const MlaTileFns kAvx2Fns{decode_avx2, scores_avx2, softmax_tile, accum_avx2};
-const MlaTileFns kAvx512Fns{decode_avx512, scores_avx512, softmax_tile, accum_avx512};
+// TB rows x 4 vectors of 16 columns (one kMlaGemmCols block) over the whole k.
+template <int TB>
+MLA_AVX512 inline void gemm_block_avx512(const float* c, int k, const float* wt, int ldw,
+                                         float* out, int o) {
+  __m512 a[TB][4];
+  for (int t = 0; t < TB; ++t) {
+    for (int v = 0; v < 4; ++v) a[t][v] = _mm512_setzero_ps();
+  }
+  for (int i = 0; i < k; ++i) {
+    const float* w = wt + static_cast<int64_t>(i) * ldw + o;
+    __m512 wv[4];
+    for (int v = 0; v < 4; ++v) wv[v] = _mm512_loadu_ps(w + 16 * v);
+    for (int t = 0; t < TB; ++t) {
+      const __m512 cv = _mm512_set1_ps(c[static_cast<int64_t>(t) * k + i]);
+      for (int v = 0; v < 4; ++v) a[t][v] = _mm512_fmadd_ps(cv, wv[v], a[t][v]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) {
+    for (int v = 0; v < 4; ++v)
+      _mm512_storeu_ps(out + static_cast<int64_t>(t) * ldw + o + 16 * v, a[t][v]);
+  }
+}
+
+MLA_AVX512 void gemm_avx512(const float* c, int m, int k, const float* wt, int ldw, int o0, int o1,
+                            float* out) {
+  for (int o = o0; o < o1; o += kMlaGemmCols) {
+    int t = 0;
+    for (; t + 6 <= m; t += 6) {
+      gemm_block_avx512<6>(c + static_cast<int64_t>(t) * k, k, wt, ldw,
+                           out + static_cast<int64_t>(t) * ldw, o);
+    }
+    for (; t < m; ++t) {
+      gemm_block_avx512<1>(c + static_cast<int64_t>(t) * k, k, wt, ldw,
+                           out + static_cast<int64_t>(t) * ldw, o);
+    }
+  }
+}
+
+MLA_AVX512 void to_f16_avx512(const float* x, int n, uint16_t* out) {
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) out[i] = f32_to_f16(x[i]);
+}
+
+const MlaTileFns kAvx2Fns{decode_avx2, scores_avx2, softmax_tile,
+                          accum_avx2,  gemm_avx2,   to_f16_avx2};
+const MlaTileFns kAvx512Fns{decode_avx512, scores_avx512, softmax_tile,
+                            accum_avx512,  gemm_avx512,   to_f16_avx512};
 
 }  // namespace
 
