@@ -87,11 +87,15 @@ Status mla_attention_expanded(const PagedKvLayerView& view, const MlaAttnParams&
 // cached ones: per head and (query, key) pair the absorbed kernel does
 // 2 d_c + d_R multiply-adds, the expanded one qk_nope + d_R + v_dim (plus
 // padding) after expanding the n_past + n_new latents at (qk_nope + v_dim)
-// d_c each, so expanding pays from a number of rows that hardly depends on
-// n_past. The threshold is measured (docs/benchmarks.md, mla_attention_bench
-// --prefill): expanded when n_new >= kMlaExpandMinRows.
+// d_c each, so expanding pays once a chunk has enough rows to spread the
+// expansion over; measured (docs/benchmarks.md, mla_attention_bench
+// --prefill, DeepSeek-V2 widths, 16 heads) the expanded form wins from ~192
+// rows at 4096 cached tokens and only ties at 384-512 rows on an empty
+// cache, where the absorbed kernel's working set stays in cache. Expanded
+// when n_new >= kMlaExpandMinRows and n_past + n_new >= kMlaExpandMinKeys.
 inline constexpr int32_t kMlaExpandMinRows = 256;
-bool mla_prefer_expanded(int32_t n_new);
+inline constexpr int32_t kMlaExpandMinKeys = 1024;
+bool mla_prefer_expanded(int32_t n_past, int32_t n_new);
 
 // Latent dtypes the kernels read: f32, f16, bf16, int8.
 bool mla_latent_dtype_supported(KvDtype dtype);

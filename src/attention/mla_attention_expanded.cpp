@@ -77,8 +77,8 @@ void up_project(const mla_detail::MlaTileFns* fns, const float* c, int m, int k,
 
 }  // namespace
 
-bool mla_prefer_expanded(int32_t n_new) {
-  return n_new >= kMlaExpandMinRows;
+bool mla_prefer_expanded(int32_t n_past, int32_t n_new) {
+  return n_new >= kMlaExpandMinRows && int64_t{n_past} + n_new >= kMlaExpandMinKeys;
 }
 
 Status mla_attention_expanded(const PagedKvLayerView& view, const MlaAttnParams& p,

@@ -126,7 +126,8 @@ std::string deepseek2_kernel_summary(const ModelConfig& c, bool latent) {
   const MlaPrefill pm = mla_prefill_mode();
   const std::string prefill =
       pm == MlaPrefill::kAuto
-          ? "prefill chunks of >= " + std::to_string(kMlaExpandMinRows) + " rows expanded, "
+          ? "prefill chunks of >= " + std::to_string(kMlaExpandMinRows) +
+                " rows over >= " + std::to_string(kMlaExpandMinKeys) + " keys expanded, "
       : pm == MlaPrefill::kExpanded ? std::string("prefill expanded (KVSTACK_MLA_PREFILL), ")
                                     : std::string("prefill absorbed (KVSTACK_MLA_PREFILL), ");
   std::string s = latent ? "mla: latent cache, absorbed attention, " + prefill + lat +
@@ -265,7 +266,8 @@ Status Deepseek2Layers::latent_attention(int layer, std::span<const StepSeq> bat
     int64_t row = 0;
     for (size_t i = 0; i < batch.size(); ++i) {
       const auto nn = static_cast<int32_t>(batch[i].tokens.size());
-      expanded[i] = static_cast<char>(mode == MlaPrefill::kAuto       ? mla_prefer_expanded(nn)
+      const auto past = static_cast<int32_t>(batch[i].table->length());
+      expanded[i] = static_cast<char>(mode == MlaPrefill::kAuto ? mla_prefer_expanded(past, nn)
                                       : mode == MlaPrefill::kExpanded ? nn > 1
                                                                       : false);
       if (expanded[i] == 0) {
