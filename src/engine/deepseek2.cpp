@@ -130,11 +130,11 @@ std::string deepseek2_kernel_summary(const ModelConfig& c, bool latent) {
                 " rows over >= " + std::to_string(kMlaExpandMinKeys) + " keys expanded, "
       : pm == MlaPrefill::kExpanded ? std::string("prefill expanded (KVSTACK_MLA_PREFILL), ")
                                     : std::string("prefill absorbed (KVSTACK_MLA_PREFILL), ");
-  std::string s = latent ? "mla: latent cache, absorbed attention, " + prefill + lat +
-                               " per token shared by " + std::to_string(c.n_heads) + " heads ("
-                         : "mla: expanded to per-head K/V (" + std::to_string(c.n_heads) +
-                               " heads, cached " + std::to_string(c.head_dim) +
-                               " per head; latent " + lat + ", ";
+  std::string s =
+      latent ? "mla: latent cache, absorbed attention, " + lat + " per token shared by " +
+                   std::to_string(c.n_heads) + " heads (" + prefill
+             : "mla: expanded to per-head K/V (" + std::to_string(c.n_heads) + " heads, cached " +
+                   std::to_string(c.head_dim) + " per head; latent " + lat + ", ";
   s += "k " + std::to_string(m.qk_nope) + "+" + std::to_string(m.qk_rope) + ", v " +
        std::to_string(m.v_head_dim) + ", " + (m.split_kv_b ? "attn_k_b/attn_v_b" : "attn_kv_b") +
        ", " + (m.q_lora_rank > 0 ? "q low-rank " + std::to_string(m.q_lora_rank) : "attn_q") +

@@ -160,6 +160,7 @@ def test_load_line_names_mla_and_moe(models):
     proc = run_kvstack("logits", "-m", path, "--tokens", "1,2,3", "--out", "/dev/null",
                        "--threads", THREADS, "--kv-mla", "latent")
     assert "mla: latent cache, absorbed attention, 32+16 per token" in proc.stderr
+    assert "heads (prefill chunks of >= 256 rows over >= 1024 keys expanded, k 32+16" in proc.stderr
     assert "moe: top-2 of 8 experts (sigmoid" in proc.stderr, proc.stderr
 
 
