@@ -154,7 +154,8 @@ std::string deepseek2_kernel_summary(const ModelConfig& c, bool latent) {
   return s;
 }
 
-void Deepseek2Layers::project_q_kv_a(const LayerWeights& w, const float* h, int64_t n_tok) {
+void Deepseek2Layers::project_q_kv_a(const LayerWeights& w, const float* h, int64_t n_tok,
+                                     bool kv) {
   const ModelConfig& c = model_.config();
   const ModelConfig::Mla& m = c.mla;
   const auto n = static_cast<size_t>(n_tok);
@@ -167,6 +168,7 @@ void Deepseek2Layers::project_q_kv_a(const LayerWeights& w, const float* h, int6
   } else {
     matmul(w.wq, h, n_tok, qfull_.data(), &threads_);
   }
+  if (!kv) return;
   kva_.resize(n * static_cast<size_t>(m.kv_lora_rank + m.qk_rope));
   matmul(w.mla.wkv_a, h, n_tok, kva_.data(), &threads_);
 }
@@ -214,15 +216,23 @@ Status Deepseek2Layers::latent_attention(int layer, std::span<const StepSeq> bat
   const int64_t H = c.n_heads, dqk = m.qk_dim(), nope = m.qk_nope, rope = m.qk_rope;
   const int64_t r = m.kv_lora_rank, vd = m.v_head_dim, dl = r + rope;
   const auto n = static_cast<size_t>(n_tok);
+  // Cross-layer sharing (config.h): a shared layer reads the latent rows of
+  // its source layer kl, which this step has already written, and uses the
+  // source's up-projection W_kv_b (so it attends over exactly the source's
+  // K/V, as with the expanded cache); it computes only its own q.
+  const bool shared = !c.stores_kv(layer);
+  const int kl = c.kv_index(layer);
   // q, the latent and the RoPE key, from the same projections as qkv().
-  project_q_kv_a(w, h, n_tok);
-  rows_.resize(n * static_cast<size_t>(dl));
-  for (int64_t t = 0; t < n_tok; ++t) {
-    rms_norm(kva_.data() + t * dl, w.mla.kv_a_norm, r, c.norm_eps, rows_.data() + t * dl);
-    std::copy_n(kva_.data() + t * dl + r, rope, rows_.data() + t * dl + r);
+  project_q_kv_a(w, h, n_tok, !shared);
+  if (!shared) {
+    rows_.resize(n * static_cast<size_t>(dl));
+    for (int64_t t = 0; t < n_tok; ++t) {
+      rms_norm(kva_.data() + t * dl, w.mla.kv_a_norm, r, c.norm_eps, rows_.data() + t * dl);
+      std::copy_n(kva_.data() + t * dl + r, rope, rows_.data() + t * dl + r);
+    }
+    rope_yarn_rows(rows_.data() + r, n_tok, dl, 1, pos, c);
   }
   rope_yarn_rows(qfull_.data() + nope, n_tok * H, dqk, H, pos, c);
-  rope_yarn_rows(rows_.data() + r, n_tok, dl, 1, pos, c);
 
   // W_kvb in f32 once: rows h*(nope+v) + i (i < nope) are W_UK,h, then W_UV,h;
   // and W_UK,h^T [r][nope] per head, so both up-projections are matmuls.
@@ -231,10 +241,10 @@ Status Deepseek2Layers::latent_attention(int layer, std::span<const StepSeq> bat
     wuk_t_f32_.resize(static_cast<size_t>(c.n_layers));
     wkv_b_t_f32_.resize(static_cast<size_t>(c.n_layers));
   }
-  std::vector<float>& wb = wkv_b_f32_[static_cast<size_t>(layer)];
-  std::vector<float>& wkt = wuk_t_f32_[static_cast<size_t>(layer)];
+  std::vector<float>& wb = wkv_b_f32_[static_cast<size_t>(kl)];
+  std::vector<float>& wkt = wuk_t_f32_[static_cast<size_t>(kl)];
   if (wb.empty()) {
-    const WeightView& kvb = w.mla.wkv_b;
+    const WeightView& kvb = model_.layers()[static_cast<size_t>(kl)].mla.wkv_b;
     wb.resize(static_cast<size_t>(kvb.n_out * kvb.n_in));
     const size_t rb = ggml_row_bytes(kvb.type, kvb.n_in);
     for (int64_t i = 0; i < kvb.n_out; ++i) {
@@ -298,9 +308,9 @@ Status Deepseek2Layers::latent_attention(int layer, std::span<const StepSeq> bat
   }
 
   // Check every sequence's rows, then write them and attend.
-  const PagedKvLayerView view = batch.front().table->pool().layer_view(layer);
+  const PagedKvLayerView view = batch.front().table->pool().layer_view(kl);
   int64_t row = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
+  for (size_t i = 0; i < batch.size() && !shared; ++i) {
     const auto nn = static_cast<int64_t>(batch[i].tokens.size());
     const Status st =
         kv_validate_rows(view, batch[i].table->length(), rows_.data() + row * dl, nullptr, nn);
@@ -318,8 +328,8 @@ Status Deepseek2Layers::latent_attention(int layer, std::span<const StepSeq> bat
   for (size_t i = 0; i < batch.size(); ++i) {
     const StepSeq& s = batch[i];
     const auto nn = static_cast<int64_t>(s.tokens.size());
-    s.table->write(layer, s.table->length(), rows_.data() + row * dl, nullptr, nn);
-    const std::span<const int32_t> ids = s.table->ids_for_layer(layer);
+    if (!shared) s.table->write(kl, s.table->length(), rows_.data() + row * dl, nullptr, nn);
+    const std::span<const int32_t> ids = s.table->ids_for_layer(kl);
     AttnSeq a{.block_table = ids.data(),
               .n_blocks = static_cast<int32_t>(ids.size()),
               .n_past = static_cast<int32_t>(s.table->length()),
@@ -342,7 +352,7 @@ Status Deepseek2Layers::latent_attention(int layer, std::span<const StepSeq> bat
                          .scale = c.attn_scale};
   if (!exp_seqs.empty()) {
     // W_kv_b^T [r][H (nope + v)] for the expansion, built on first use.
-    std::vector<float>& wbt = wkv_b_t_f32_[static_cast<size_t>(layer)];
+    std::vector<float>& wbt = wkv_b_t_f32_[static_cast<size_t>(kl)];
     if (wbt.empty()) {
       const int64_t cols = H * (nope + vd);
       wbt.resize(static_cast<size_t>(r * cols));

@@ -97,8 +97,9 @@ class Deepseek2Layers {
  private:
   // The projections both attention paths start from: qfull_ [n_tok, H,
   // qk_nope + qk_rope] (through the low-rank q path when the file has one)
-  // and kva_ [n_tok, kv_lora + qk_rope] = h . W_kv_a^T; no norm, no RoPE.
-  void project_q_kv_a(const LayerWeights& w, const float* h, int64_t n_tok);
+  // and kva_ [n_tok, kv_lora + qk_rope] = h . W_kv_a^T (only when kv); no
+  // norm, no RoPE.
+  void project_q_kv_a(const LayerWeights& w, const float* h, int64_t n_tok, bool kv = true);
 
   const Model& model_;
   ThreadPool& threads_;
