@@ -75,7 +75,8 @@ struct MlaUpProjection {
 // head, not absorbed); seqs[i].out: [n_new, H, v_dim], the attention output
 // after W_UV. Per sequence, K_h,j = [W_UK,h c_j ; k_R,j] and V_h,j = W_UV,h
 // c_j of all n_past + n_new positions are materialised from the stored
-// latent rows into a temporary (f32 for an f32 latent, else f16; thread-local,
+// latent rows into a temporary (f32 for an f32 latent, else f16, or f32 again
+// for a sequence with an element outside f16's range; thread-local,
 // grows only: H (n_past + n_new) max(qk_nope + d_R, v_dim) elements for each
 // of K and V) and read by paged_attention()'s prefill kernel. The cache stays
 // latent. Same errors as mla_attention, kInvalidArgument without w_kv_b_t.

@@ -10,6 +10,8 @@
 // which paged_attention() then reads with the unabsorbed q. The cache itself
 // stays latent; the temporary is thread-local scratch that only grows.
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <vector>
 
 #include "attention/mla_attention.h"
@@ -22,6 +24,7 @@ namespace {
 
 constexpr int32_t kExpandPiece = 240;  // tokens up-projected per GEMM (a multiple of 6 rows)
 constexpr int kTmpBlock = 64;          // tokens per block of the temporary layer
+constexpr float kF16Max = 65504.0f;    // largest finite f16
 
 inline const uint8_t* row_at(const PagedKvLayerView& v, const AttnSeq& s, int32_t j) {
   const int32_t blk = s.block_table[j / v.block_size];
@@ -98,8 +101,10 @@ Status mla_attention_expanded(const PagedKvLayerView& view, const MlaAttnParams&
                                               kv_dtype_name(view.dtype) + " is not readable here");
   }
   const int dqk = nope + dr, hd = std::max(dqk, vd), kvw = nope + vd;
-  const KvDtype tdt = view.dtype == KvDtype::kF32 ? KvDtype::kF32 : KvDtype::kF16;
-  const int64_t esz = tdt == KvDtype::kF32 ? 4 : 2;
+  // The temporary's dtype: f32 for an f32 latent, else f16 unless an element
+  // of the sequence's K/V falls outside f16's range (then that sequence is
+  // expanded again in f32: never an inf the absorbed form would not see).
+  const KvDtype first_dt = view.dtype == KvDtype::kF32 ? KvDtype::kF32 : KvDtype::kF16;
   const int ncol = H * kvw;
   // As mla_attention: best_isa()'s tile functions, AVX-512 falling back to
   // AVX2, none (scalar loops) under KVSTACK_ISA=scalar or without AVX2.
@@ -108,92 +113,102 @@ Status mla_attention_expanded(const PagedKvLayerView& view, const MlaAttnParams&
   if (fns == nullptr && isa == Isa::kAvx512) fns = mla_detail::mla_tile_fns(Isa::kAvx2);
   thread_local ExpandScratch sc;
   PagedKvLayerView tv;
-  tv.dtype = tdt;
   tv.block_size = kTmpBlock;
   tv.n_kv_heads = H;
   tv.head_dim = hd;
-  tv.slot_stride = hd * esz;
-  tv.head_stride = kTmpBlock * tv.slot_stride;
-  tv.block_stride = H * tv.head_stride;
   const AttnParams ap{.n_q_heads = H, .n_kv_heads = H, .head_dim = hd, .scale = p.scale};
 
   for (const AttnSeq& s : seqs) {
     if (s.n_new <= 0) continue;
     const int32_t T = s.n_past + s.n_new;
     const int32_t nb = (T + kTmpBlock - 1) / kTmpBlock;
-    const auto bytes = static_cast<size_t>(nb * tv.block_stride);
-    if (sc.k.size() < bytes) {
-      sc.k.resize(bytes);
-      sc.v.resize(bytes);
-    }
-    if (sc.table.size() < static_cast<size_t>(nb)) {
-      const size_t old = sc.table.size();
-      sc.table.resize(static_cast<size_t>(nb));
-      for (size_t b = old; b < sc.table.size(); ++b) sc.table[b] = static_cast<int32_t>(b);
-    }
-    tv.k = sc.k.data();
-    tv.v = sc.v.data();
-    grow(sc.lat, static_cast<size_t>(kExpandPiece) * d);
-    grow(sc.kv, static_cast<size_t>(kExpandPiece) * H * kvw);
-    for (int32_t t0 = 0; t0 < T; t0 += kExpandPiece) {
-      const int32_t m = std::min(kExpandPiece, T - t0);
-      // Decoded rows; the matmul reads the first d_c of each (stride d).
-      for (int32_t j = 0; j < m; ++j) {
-        kv_decode_row(view.dtype, row_at(view, s, t0 + j), meta_at(view, s, t0 + j), d,
-                      sc.lat.data() + static_cast<size_t>(j) * d);
+    for (KvDtype tdt = first_dt;; tdt = KvDtype::kF32) {
+      tv.dtype = tdt;
+      tv.slot_stride = hd * (tdt == KvDtype::kF32 ? 4 : 2);
+      tv.head_stride = kTmpBlock * tv.slot_stride;
+      tv.block_stride = H * tv.head_stride;
+      std::atomic<bool> overflow{false};
+      const auto bytes = static_cast<size_t>(nb * tv.block_stride);
+      if (sc.k.size() < bytes) {
+        sc.k.resize(bytes);
+        sc.v.resize(bytes);
       }
-      // matmul wants contiguous [m][d_c] rows: compact in place (d_c <= d).
-      std::vector<float>& kr = sc.rope;
-      grow(kr, static_cast<size_t>(m) * dr);
-      for (int32_t j = 0; j < m; ++j) {
-        std::copy_n(sc.lat.data() + static_cast<size_t>(j) * d + dc, dr,
-                    kr.data() + static_cast<size_t>(j) * dr);
-        std::copy_n(sc.lat.data() + static_cast<size_t>(j) * d, dc,
-                    sc.lat.data() + static_cast<size_t>(j) * dc);
+      if (sc.table.size() < static_cast<size_t>(nb)) {
+        const size_t old = sc.table.size();
+        sc.table.resize(static_cast<size_t>(nb));
+        for (size_t b = old; b < sc.table.size(); ++b) sc.table[b] = static_cast<int32_t>(b);
       }
-      up_project(fns, sc.lat.data(), m, dc, up.w_kv_b_t, ncol, sc.kv.data(), pool);
-      // sc is thread-local: the pool's workers get its buffers as pointers.
-      const float* kvp = sc.kv.data();
-      const float* krp = kr.data();
-      uint8_t* kbase = sc.k.data();
-      uint8_t* vbase = sc.v.data();
-      auto pack = [&](int64_t b, int64_t e) {
-        std::vector<float> krow(static_cast<size_t>(hd)), vrow(static_cast<size_t>(hd));
-        for (int64_t j = b; j < e; ++j) {
-          const int32_t t = t0 + static_cast<int32_t>(j);
-          const float* kvj = kvp + j * H * kvw;
-          for (int h = 0; h < H; ++h) {
-            std::fill(krow.begin(), krow.end(), 0.0f);
-            std::fill(vrow.begin(), vrow.end(), 0.0f);
-            std::copy_n(kvj + static_cast<int64_t>(h) * kvw, nope, krow.data());
-            std::copy_n(krp + j * dr, dr, krow.data() + nope);
-            std::copy_n(kvj + static_cast<int64_t>(h) * kvw + nope, vd, vrow.data());
-            const int64_t off = (t / kTmpBlock) * tv.block_stride + h * tv.head_stride +
-                                (t % kTmpBlock) * tv.slot_stride;
-            if (tdt == KvDtype::kF32) {
-              std::copy_n(krow.data(), hd, reinterpret_cast<float*>(kbase + off));
-              std::copy_n(vrow.data(), hd, reinterpret_cast<float*>(vbase + off));
-            } else {
-              auto* ko = reinterpret_cast<uint16_t*>(kbase + off);
-              auto* vo = reinterpret_cast<uint16_t*>(vbase + off);
-              if (fns != nullptr) {
-                fns->to_f16(krow.data(), hd, ko);
-                fns->to_f16(vrow.data(), hd, vo);
+      tv.k = sc.k.data();
+      tv.v = sc.v.data();
+      grow(sc.lat, static_cast<size_t>(kExpandPiece) * d);
+      grow(sc.kv, static_cast<size_t>(kExpandPiece) * H * kvw);
+      for (int32_t t0 = 0; t0 < T; t0 += kExpandPiece) {
+        const int32_t m = std::min(kExpandPiece, T - t0);
+        // Decoded rows; the matmul reads the first d_c of each (stride d).
+        for (int32_t j = 0; j < m; ++j) {
+          kv_decode_row(view.dtype, row_at(view, s, t0 + j), meta_at(view, s, t0 + j), d,
+                        sc.lat.data() + static_cast<size_t>(j) * d);
+        }
+        // matmul wants contiguous [m][d_c] rows: compact in place (d_c <= d).
+        std::vector<float>& kr = sc.rope;
+        grow(kr, static_cast<size_t>(m) * dr);
+        for (int32_t j = 0; j < m; ++j) {
+          std::copy_n(sc.lat.data() + static_cast<size_t>(j) * d + dc, dr,
+                      kr.data() + static_cast<size_t>(j) * dr);
+          std::copy_n(sc.lat.data() + static_cast<size_t>(j) * d, dc,
+                      sc.lat.data() + static_cast<size_t>(j) * dc);
+        }
+        up_project(fns, sc.lat.data(), m, dc, up.w_kv_b_t, ncol, sc.kv.data(), pool);
+        // sc is thread-local: the pool's workers get its buffers as pointers.
+        const float* kvp = sc.kv.data();
+        const float* krp = kr.data();
+        uint8_t* kbase = sc.k.data();
+        uint8_t* vbase = sc.v.data();
+        auto pack = [&](int64_t b, int64_t e) {
+          std::vector<float> krow(static_cast<size_t>(hd)), vrow(static_cast<size_t>(hd));
+          for (int64_t j = b; j < e; ++j) {
+            const int32_t t = t0 + static_cast<int32_t>(j);
+            const float* kvj = kvp + j * H * kvw;
+            for (int h = 0; h < H; ++h) {
+              std::fill(krow.begin(), krow.end(), 0.0f);
+              std::fill(vrow.begin(), vrow.end(), 0.0f);
+              std::copy_n(kvj + static_cast<int64_t>(h) * kvw, nope, krow.data());
+              std::copy_n(krp + j * dr, dr, krow.data() + nope);
+              std::copy_n(kvj + static_cast<int64_t>(h) * kvw + nope, vd, vrow.data());
+              const int64_t off = (t / kTmpBlock) * tv.block_stride + h * tv.head_stride +
+                                  (t % kTmpBlock) * tv.slot_stride;
+              if (tdt == KvDtype::kF32) {
+                std::copy_n(krow.data(), hd, reinterpret_cast<float*>(kbase + off));
+                std::copy_n(vrow.data(), hd, reinterpret_cast<float*>(vbase + off));
               } else {
                 for (int i = 0; i < hd; ++i) {
-                  ko[i] = f32_to_f16(krow[static_cast<size_t>(i)]);
-                  vo[i] = f32_to_f16(vrow[static_cast<size_t>(i)]);
+                  if (!(std::fabs(krow[static_cast<size_t>(i)]) <= kF16Max) ||
+                      !(std::fabs(vrow[static_cast<size_t>(i)]) <= kF16Max)) {
+                    overflow.store(true, std::memory_order_relaxed);
+                  }
+                }
+                auto* ko = reinterpret_cast<uint16_t*>(kbase + off);
+                auto* vo = reinterpret_cast<uint16_t*>(vbase + off);
+                if (fns != nullptr) {
+                  fns->to_f16(krow.data(), hd, ko);
+                  fns->to_f16(vrow.data(), hd, vo);
+                } else {
+                  for (int i = 0; i < hd; ++i) {
+                    ko[i] = f32_to_f16(krow[static_cast<size_t>(i)]);
+                    vo[i] = f32_to_f16(vrow[static_cast<size_t>(i)]);
+                  }
                 }
               }
             }
           }
+        };
+        if (pool != nullptr && m > 1) {
+          pool->parallel_for(m, 8, pack);
+        } else {
+          pack(0, m);
         }
-      };
-      if (pool != nullptr && m > 1) {
-        pool->parallel_for(m, 8, pack);
-      } else {
-        pack(0, m);
       }
+      if (tdt == KvDtype::kF32 || !overflow.load()) break;
     }
     // q padded to hd; out [n_new][H][hd], of which the first v are kept.
     const auto nq = static_cast<size_t>(s.n_new) * H;

@@ -423,6 +423,64 @@ TEST(MlaAttention, Int8LatentAgainstFloat64OnUnquantizedRows) {
 
 // The int8 latent's bytes: d codes plus one f16 scale per token and layer
 // (payload), the scales in their own 64-byte aligned region of the block.
+// The expanded form's f16 temporary cannot hold K/V beyond 65504: with an
+// up-projection that large the sequence is expanded again in f32, so the
+// result is the absorbed one, not inf or NaN.
+TEST(MlaAttention, ExpandedFormFallsBackToF32OutsideF16Range) {
+  constexpr int h = 2, dc = 16, dr = 8, nope = 8, dv = 8, cols = h * (nope + dv);
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const std::vector<Case> cases = {{40, 30}};
+  Latent lat(rng, h, dc, dr, 16, KvDtype::kF16, cases, 1.0f);
+  std::vector<float> wt(static_cast<size_t>(dc) * cols);  // W_kv_b^T, entries ~3e4
+  for (float& x : wt) x = nd(rng) * 3e4f;
+  // Unabsorbed q (small, so the softmax stays soft) and its absorbed form.
+  const int n = cases[0].n_new;
+  std::vector<float> qe(static_cast<size_t>(n) * h * (nope + dr));
+  for (float& x : qe) x = nd(rng) * 1e-5f;
+  std::vector<float> qa(static_cast<size_t>(n) * h * (dc + dr), 0.0f);
+  for (int i = 0; i < n * h; ++i) {
+    const int hh = i % h;
+    for (int d = 0; d < dc; ++d) {
+      for (int k = 0; k < nope; ++k) {
+        qa[static_cast<size_t>(i) * (dc + dr) + d] +=
+            qe[static_cast<size_t>(i) * (nope + dr) + k] *
+            wt[static_cast<size_t>(d) * cols + hh * (nope + dv) + k];
+      }
+    }
+    for (int k = 0; k < dr; ++k) {
+      qa[static_cast<size_t>(i) * (dc + dr) + dc + k] =
+          qe[static_cast<size_t>(i) * (nope + dr) + nope + k];
+    }
+  }
+  const MlaAttnParams p{.n_heads = h, .latent_dim = dc, .rope_dim = dr, .scale = 0.25f};
+  std::vector<float> o_exp(static_cast<size_t>(n) * h * dv), o_lat(static_cast<size_t>(n) * h * dc);
+  AttnSeq s = lat.seqs[0];
+  s.q = qe.data();
+  s.out = o_exp.data();
+  const MlaUpProjection up{.w_kv_b_t = wt.data(), .qk_nope = nope, .v_dim = dv};
+  ASSERT_TRUE(mla_attention_expanded(lat.view, p, up, {&s, 1}, nullptr).ok());
+  s.q = qa.data();
+  s.out = o_lat.data();
+  ASSERT_TRUE(mla_attention_reference(lat.view, p, {&s, 1}, nullptr).ok());
+  double max_v = 0;
+  for (int i = 0; i < n * h; ++i) {
+    const int hh = i % h;
+    for (int o = 0; o < dv; ++o) {
+      double absorbed = 0;  // W_UV,h . o_lat
+      for (int d = 0; d < dc; ++d) {
+        absorbed += double{wt[static_cast<size_t>(d) * cols + hh * (nope + dv) + nope + o]} *
+                    o_lat[static_cast<size_t>(i) * dc + d];
+      }
+      const float got = o_exp[static_cast<size_t>(i) * dv + o];
+      ASSERT_TRUE(std::isfinite(got)) << "row " << i / h << " head " << hh;
+      ASSERT_NEAR(got, absorbed, 1e-4 * std::fabs(absorbed) + 1.0) << "row " << i / h;
+      max_v = std::max(max_v, std::fabs(absorbed));
+    }
+  }
+  EXPECT_GT(max_v, 65504.0);  // the outputs themselves lie outside f16's range
+}
+
 TEST(MlaAttention, Int8LatentLayoutBytes) {
   auto l = KvLayout::create({KvLayerSpec{.kind = KvLayerKind::kMlaLatent,
                                          .latent_dim = 512,
