@@ -60,6 +60,44 @@ Status mla_attention_isa(Isa isa, const PagedKvLayerView& view, const MlaAttnPar
 Status mla_attention_reference(const PagedKvLayerView& view, const MlaAttnParams& p,
                                std::span<const AttnSeq> seqs, ThreadPool* pool);
 
+// The up-projection of an MLA latent, transposed: f32 row-major
+// [d_c][H (qk_nope + v_dim)], the transpose of llama.cpp's attn_kv_b
+// [H (qk_nope + v_dim)][d_c], whose rows h (qk_nope + v_dim) + i are W_UK,h
+// for i < qk_nope, then W_UV,h.
+struct MlaUpProjection {
+  const float* w_kv_b_t = nullptr;
+  int qk_nope = 0;
+  int v_dim = 0;
+};
+
+// Expanded (unabsorbed) form over the same latent layer, for prefill chunks:
+// seqs[i].q: [n_new, H, qk_nope + d_R] (q_nope and the rotated q_rope per
+// head, not absorbed); seqs[i].out: [n_new, H, v_dim], the attention output
+// after W_UV. Per sequence, K_h,j = [W_UK,h c_j ; k_R,j] and V_h,j = W_UV,h
+// c_j of all n_past + n_new positions are materialised from the stored
+// latent rows into a temporary (f32 for an f32 latent, else f16, or f32 again
+// for a sequence with an element outside f16's range; thread-local,
+// grows only: H (n_past + n_new) max(qk_nope + d_R, v_dim) elements for each
+// of K and V) and read by paged_attention()'s prefill kernel. The cache stays
+// latent. Same errors as mla_attention, kInvalidArgument without w_kv_b_t.
+Status mla_attention_expanded(const PagedKvLayerView& view, const MlaAttnParams& p,
+                              const MlaUpProjection& up, std::span<const AttnSeq> seqs,
+                              ThreadPool* pool);
+
+// The rule between the two forms of a chunk of n_new query rows over n_past
+// cached ones: per head and (query, key) pair the absorbed kernel does
+// 2 d_c + d_R multiply-adds, the expanded one qk_nope + d_R + v_dim (plus
+// padding) after expanding the n_past + n_new latents at (qk_nope + v_dim)
+// d_c each, so expanding pays once a chunk has enough rows to spread the
+// expansion over; measured (docs/benchmarks.md, mla_attention_bench
+// --prefill, DeepSeek-V2 widths, 16 heads) the expanded form wins from ~192
+// rows at 4096 cached tokens and only ties at 384-512 rows on an empty
+// cache, where the absorbed kernel's working set stays in cache. Expanded
+// when n_new >= kMlaExpandMinRows and n_past + n_new >= kMlaExpandMinKeys.
+inline constexpr int32_t kMlaExpandMinRows = 256;
+inline constexpr int32_t kMlaExpandMinKeys = 1024;
+bool mla_prefer_expanded(int32_t n_past, int32_t n_new);
+
 // Latent dtypes the kernels read: f32, f16, bf16, int8.
 bool mla_latent_dtype_supported(KvDtype dtype);
 

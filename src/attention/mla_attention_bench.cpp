@@ -10,7 +10,14 @@
 // layer), the fastest and the median of --reps calls, and the read bandwidth
 // of the fastest.
 //
-// usage: mla_attention_bench [--ctx 4096,16384] [--threads 2] [--reps 20]
+// --prefill 16,64,512: instead, a prefill chunk of n_new rows on top of ctx
+// cached tokens (n_past = ctx), latent f16 and int8: the absorbed kernel
+// (mla_attention; the engine's W_UK / W_UV matmuls around it, 2 n_new H
+// qk_nope d_c multiply-adds, not included) against the expanded form
+// (mla_attention_expanded: up-projection of all ctx + n_new latents, then the
+// paged prefill kernel), fastest and median of --reps calls and the ratio.
+//
+// usage: mla_attention_bench [--ctx 4096,16384] [--threads 2] [--reps 20] [--prefill N,...]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -83,31 +90,98 @@ void fill(const PagedKvLayerView& v, int n_blocks, std::mt19937& rng) {
   }
 }
 
+std::vector<int> int_list(char* p) {
+  std::vector<int> v;
+  while (*p != '\0') {
+    v.push_back(static_cast<int>(std::strtol(p, &p, 10)));
+    if (*p != ',') break;
+    ++p;
+  }
+  return v;
+}
+
+// Prefill chunk of n_new rows after ctx cached ones, absorbed vs expanded.
+int prefill_bench(const std::vector<int>& ctxs, const std::vector<int>& n_news, int reps,
+                  ThreadPool& pool, std::mt19937& rng) {
+  constexpr int kNope = 128, kV = 128;
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> wkvb(static_cast<size_t>(kHeads) * (kNope + kV) * kDc);  // [d_c][H (nope + v)]
+  for (float& x : wkvb) x = nd(rng) * 0.044f;                                 // ~1/sqrt(d_c)
+  const MlaUpProjection up{.w_kv_b_t = wkvb.data(), .qk_nope = kNope, .v_dim = kV};
+  const MlaAttnParams p{.n_heads = kHeads, .latent_dim = kDc, .rope_dim = kDr, .scale = 0.07f};
+  std::printf("%-7s %-6s %-5s %12s %12s %12s %12s %8s\n", "n_past", "n_new", "dtype", "absorb min",
+              "absorb med", "expand min", "expand med", "abs/exp");
+  for (int ctx : ctxs) {
+    for (int n_new : n_news) {
+      const int n = ctx + n_new;
+      const int n_blocks = (n + kBlock - 1) / kBlock;
+      std::vector<int32_t> table(static_cast<size_t>(n_blocks));
+      for (int b = 0; b < n_blocks; ++b) table[static_cast<size_t>(b)] = n_blocks - 1 - b;
+      std::vector<float> qa(static_cast<size_t>(n_new) * kHeads * (kDc + kDr)),
+          qe(static_cast<size_t>(n_new) * kHeads * (kNope + kDr)),
+          oa(static_cast<size_t>(n_new) * kHeads * kDc),
+          oe(static_cast<size_t>(n_new) * kHeads * kV);
+      for (float& x : qa) x = nd(rng) * 0.05f;
+      for (float& x : qe) x = nd(rng) * 0.05f;
+      for (KvDtype dt : {KvDtype::kF16, KvDtype::kInt8}) {
+        auto layout = KvLayout::create(
+            {KvLayerSpec{
+                .kind = KvLayerKind::kMlaLatent, .latent_dim = kDc, .rope_dim = kDr, .dtype = dt}},
+            kBlock);
+        if (!layout) return 1;
+        Pool mem(layout->block_bytes() * n_blocks);
+        const PagedKvLayerView view = layout->layer_view(0, mem.base);
+        fill(view, n_blocks, rng);
+        AttnSeq seq{.block_table = table.data(),
+                    .n_blocks = n_blocks,
+                    .n_past = ctx,
+                    .n_new = n_new,
+                    .q = qa.data(),
+                    .out = oa.data()};
+        const Timing a = time_ms(reps, [&] { (void)mla_attention(view, p, {&seq, 1}, &pool); });
+        seq.q = qe.data();
+        seq.out = oe.data();
+        const Timing e = time_ms(reps, [&] {
+          (void)mla_attention_expanded(view, p, up, {&seq, 1}, &pool);
+        });
+        std::printf("%-7d %-6d %-5s %12.3f %12.3f %12.3f %12.3f %8.2f\n", ctx, n_new,
+                    kv_dtype_name(dt), a.min_ms, a.median_ms, e.min_ms, e.median_ms,
+                    a.min_ms / e.min_ms);
+      }
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<int> ctxs = {4096, 16384};
+  std::vector<int> ctxs = {4096, 16384}, prefill;
   int threads = 2, reps = 20;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--ctx") {
-      ctxs.clear();
-      for (char* p = argv[i + 1]; *p != '\0';) {
-        ctxs.push_back(static_cast<int>(std::strtol(p, &p, 10)));
-        if (*p == ',') ++p;
-      }
+      ctxs = int_list(argv[i + 1]);
+    } else if (a == "--prefill") {
+      prefill = int_list(argv[i + 1]);
     } else if (a == "--threads") {
       threads = std::atoi(argv[i + 1]);
     } else if (a == "--reps") {
       reps = std::atoi(argv[i + 1]);
     } else {
       std::fprintf(stderr,
-                   "usage: mla_attention_bench [--ctx 4096,16384] [--threads 2] [--reps 20]\n");
+                   "usage: mla_attention_bench [--ctx 4096,16384] [--threads 2] [--reps 20] "
+                   "[--prefill N,...]\n");
       return 2;
     }
   }
   ThreadPool pool(threads);
   std::mt19937 rng(1);
+  if (!prefill.empty()) {
+    std::printf("mla_attention_bench --prefill: %d heads, latent %d + %d, %d threads, isa %s\n",
+                kHeads, kDc, kDr, threads, isa_name(best_isa()));
+    return prefill_bench(ctxs, prefill, reps, pool, rng);
+  }
   std::printf(
       "mla_attention_bench: %d heads, latent %d + %d, expanded %d x %d (K and V), %d "
       "threads, isa %s, %d calls each\n",

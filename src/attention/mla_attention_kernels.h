@@ -41,7 +41,17 @@ struct MlaTileFns {
   // acc: [H][dcpad], dcpad = mla_pad(d_c) <= dpad.
   void (*accum)(const float* w, const float* buf, int H, int n, int dpad, int dcpad, const float* f,
                 float* acc);
+  // The expanded form's up-projection (mla_attention_expanded.cpp), a plain
+  // f32 GEMM: out[t][o] = sum_k c[t][k] wt[k][o] for t < m, o in [o0, o1);
+  // c: [m][k] (row stride k), wt: [k][ldw], out: [m][ldw]. o0 and o1 are
+  // multiples of kMlaGemmCols (o1 <= ldw). Column blocks outside, the m rows
+  // inside, so a block of wt stays in cache while every row passes.
+  void (*gemm)(const float* c, int m, int k, const float* wt, int ldw, int o0, int o1, float* out);
+  // out[i] = f16(x[i]) for i < n, round to nearest even (as f32_to_f16).
+  void (*to_f16)(const float* x, int n, uint16_t* out);
 };
+
+inline constexpr int kMlaGemmCols = 64;  // columns per gemm block (4 AVX-512 vectors)
 
 // The tile functions of exactly `isa` (kAvx2 or kAvx512); null for kScalar
 // and when the CPU lacks the ISA.

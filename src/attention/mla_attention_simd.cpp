@@ -1,8 +1,14 @@
 // AVX2 (+FMA, F16C) and AVX-512 (F, BW, VL) tile functions of the MLA latent
-// attention (mla_attention_kernels.h). Every function that uses these
-// instructions carries its target attribute; the file is compiled for
-// generic x86-64 and mla_tile_fns() hands a table out only after checking
-// the CPU (cpu_features()).
+// attention (mla_attention_kernels.h). The functions are written once, as
+// templates over an ISA traits struct (mla_attention_simd_impl.h), and
+// instantiated below for Avx2Ops and Avx512Ops: the impl is included once per
+// ISA inside its own namespace with MLA_TARGET set to that ISA's target
+// attribute, so each instantiation is compiled for its own instruction set
+// (the file itself is compiled for generic x86-64, like the project's other
+// ISA-specific files) and mla_tile_fns() hands a table out only after
+// checking the CPU (cpu_features()). Each ISA keeps its own horizontal-sum
+// order and register blocking; the results are those of the two hand-written
+// copies this replaced, bit for bit.
 //
 // Per tile of n <= 16 keys and H heads (d = d_c + d_R, rows padded to dpad):
 //   decode: n rows -> f32 buffer (f16 via vcvtph2ps, bf16 by a shift, int8
@@ -12,7 +18,10 @@
 //           f = e^(m_old - m_new) the accumulator is rescaled by), in AVX2;
 //   accum:  acc_h = f_h acc_h + sum_j w_hj c_j over d_c; 4 heads x 4 (AVX2:
 //           2) vectors of accumulators stay in registers over the tile, so
-//           each loaded latent vector feeds 4 heads.
+//           each loaded latent vector feeds 4 heads;
+//   gemm:   the expanded prefill's f32 up-projection, 6 rows x 64 columns
+//           of accumulators per block (AVX2: 6 x 16);
+//   to_f16: f32 -> f16 (vcvtps2ph, round to nearest even).
 // GCC 12's AVX-512 intrinsics pass _mm512_undefined_*() as the merge source
 // of unmasked operations, which -W(maybe-)uninitialized reports inside the
 // system header (GCC bug 105593, as in ops/matmul_avx512.cpp).
@@ -111,284 +120,93 @@ MLA_AVX2 void softmax_tile(float* s, int H, int n, float* m, float* l, float* f)
   }
 }
 
-// ---- AVX2 ----
+// ---- ISA traits (mla_attention_simd_impl.h lists what the templates use) ----
 
-MLA_AVX2 void decode_avx2(KvDtype dt, const uint8_t* const* rows, const uint8_t* const* metas,
-                          int n, int d, int dpad, float* buf) {
-  const int dv = d / 8 * 8;
-  for (int j = 0; j < n; ++j) {
-    const uint8_t* r = rows[j];
-    float* o = buf + static_cast<int64_t>(j) * dpad;
-    const float sc = int8_row_scale(dt, metas[j]);
-    int i = 0;
-    switch (dt) {
-      case KvDtype::kF32:
-        for (; i < dv; i += 8)
-          _mm256_storeu_ps(o + i, _mm256_loadu_ps(reinterpret_cast<const float*>(r) + i));
-        break;
-      case KvDtype::kF16:
-        for (; i < dv; i += 8) {
-          _mm256_storeu_ps(o + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
-                                      r + 2 * static_cast<int64_t>(i)))));
-        }
-        break;
-      case KvDtype::kBF16:
-        for (; i < dv; i += 8) {
-          const __m256i w = _mm256_cvtepu16_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2 * static_cast<int64_t>(i))));
-          _mm256_storeu_ps(o + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-        }
-        break;
-      case KvDtype::kInt8: {
-        const __m256 sv = _mm256_set1_ps(sc);
-        for (; i < dv; i += 8) {
-          const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + i));
-          _mm256_storeu_ps(o + i, _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c))));
-        }
-        break;
-      }
-      default:
-        break;
-    }
-    for (; i < d; ++i) o[i] = decode_one(dt, r, i, sc);
-    for (; i < dpad; ++i) o[i] = 0.0f;
+struct Avx2Ops {
+  using V = __m256;
+  static constexpr int W = 8;
+  static constexpr int kAccVecs = 2;   // accum: 4 heads x 2 vectors of accumulators
+  static constexpr int kGemmVecs = 2;  // gemm: 6 rows x 2 vectors
+  MLA_AVX2 static V zero() { return _mm256_setzero_ps(); }
+  MLA_AVX2 static V load(const float* p) { return _mm256_loadu_ps(p); }
+  MLA_AVX2 static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  MLA_AVX2 static V set1(float x) { return _mm256_set1_ps(x); }
+  MLA_AVX2 static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  MLA_AVX2 static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  MLA_AVX2 static float reduce_add(V v) { return hsum8(v); }
+  MLA_AVX2 static V load_f16(const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-}
+  MLA_AVX2 static V load_bf16(const uint8_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  MLA_AVX2 static V load_i8(const uint8_t* p) {
+    const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+  }
+  MLA_AVX2 static void store_f16(uint16_t* p, V v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
 
-template <int HB, int KB>
-MLA_AVX2 inline void scores_block_avx2(const float* q, const float* buf, int dpad, float scale,
-                                       float* s) {
-  __m256 acc[HB][KB];
-  for (int a = 0; a < HB; ++a) {
-    for (int b = 0; b < KB; ++b) acc[a][b] = _mm256_setzero_ps();
+struct Avx512Ops {
+  using V = __m512;
+  static constexpr int W = 16;
+  static constexpr int kAccVecs = 4;   // accum: 4 heads x 4 vectors (then 1 for the tail)
+  static constexpr int kGemmVecs = 4;  // gemm: 6 rows x 4 vectors
+  MLA_AVX512 static V zero() { return _mm512_setzero_ps(); }
+  MLA_AVX512 static V load(const float* p) { return _mm512_loadu_ps(p); }
+  MLA_AVX512 static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  MLA_AVX512 static V set1(float x) { return _mm512_set1_ps(x); }
+  MLA_AVX512 static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  MLA_AVX512 static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  MLA_AVX512 static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
+  MLA_AVX512 static V load_f16(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  for (int i = 0; i < dpad; i += 8) {
-    __m256 kv[KB];
-    for (int b = 0; b < KB; ++b) kv[b] = _mm256_loadu_ps(buf + static_cast<int64_t>(b) * dpad + i);
-    for (int a = 0; a < HB; ++a) {
-      const __m256 qv = _mm256_loadu_ps(q + static_cast<int64_t>(a) * dpad + i);
-      for (int b = 0; b < KB; ++b) acc[a][b] = _mm256_fmadd_ps(qv, kv[b], acc[a][b]);
-    }
+  MLA_AVX512 static V load_bf16(const uint8_t* p) {
+    const __m512i w =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
-  for (int a = 0; a < HB; ++a) {
-    for (int b = 0; b < KB; ++b) s[a * kMlaTile + b] = scale * hsum8(acc[a][b]);
+  MLA_AVX512 static V load_i8(const uint8_t* p) {
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
   }
-}
+  MLA_AVX512 static void store_f16(uint16_t* p, V v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
 
-MLA_AVX2 void scores_avx2(const float* q, const float* buf, int H, int n, int dpad, float scale,
-                          float* s) {
-  int h = 0;
-  for (; h + 2 <= H; h += 2) {
-    const float* qh = q + static_cast<int64_t>(h) * dpad;
-    float* sh = s + static_cast<int64_t>(h) * kMlaTile;
-    int j = 0;
-    for (; j + 4 <= n; j += 4)
-      scores_block_avx2<2, 4>(qh, buf + static_cast<int64_t>(j) * dpad, dpad, scale, sh + j);
-    for (; j < n; ++j)
-      scores_block_avx2<2, 1>(qh, buf + static_cast<int64_t>(j) * dpad, dpad, scale, sh + j);
-  }
-  for (; h < H; ++h) {
-    const float* qh = q + static_cast<int64_t>(h) * dpad;
-    float* sh = s + static_cast<int64_t>(h) * kMlaTile;
-    int j = 0;
-    for (; j + 4 <= n; j += 4)
-      scores_block_avx2<1, 4>(qh, buf + static_cast<int64_t>(j) * dpad, dpad, scale, sh + j);
-    for (; j < n; ++j)
-      scores_block_avx2<1, 1>(qh, buf + static_cast<int64_t>(j) * dpad, dpad, scale, sh + j);
-  }
-}
+// ---- the instantiations, one namespace per ISA ----
 
-// HB heads x IC vectors of 8 columns starting at column i.
-template <int HB, int IC>
-MLA_AVX2 inline void accum_block_avx2(const float* w, const float* buf, int n, int dpad, int dcpad,
-                                      const float* f, float* acc, int i) {
-  __m256 a[HB][IC];
-  for (int x = 0; x < HB; ++x) {
-    const __m256 fv = _mm256_set1_ps(f[x]);
-    for (int c = 0; c < IC; ++c) {
-      a[x][c] =
-          _mm256_mul_ps(fv, _mm256_loadu_ps(acc + static_cast<int64_t>(x) * dcpad + i + 8 * c));
-    }
-  }
-  for (int j = 0; j < n; ++j) {
-    __m256 cv[IC];
-    for (int c = 0; c < IC; ++c)
-      cv[c] = _mm256_loadu_ps(buf + static_cast<int64_t>(j) * dpad + i + 8 * c);
-    for (int x = 0; x < HB; ++x) {
-      const __m256 wv = _mm256_broadcast_ss(w + x * kMlaTile + j);
-      for (int c = 0; c < IC; ++c) a[x][c] = _mm256_fmadd_ps(wv, cv[c], a[x][c]);
-    }
-  }
-  for (int x = 0; x < HB; ++x) {
-    for (int c = 0; c < IC; ++c)
-      _mm256_storeu_ps(acc + static_cast<int64_t>(x) * dcpad + i + 8 * c, a[x][c]);
-  }
-}
+namespace isa_avx2 {
+#define MLA_TARGET MLA_AVX2
+#include "attention/mla_attention_simd_impl.h"
+#undef MLA_TARGET
+const MlaTileFns kFns{decode<Avx2Ops>, scores<Avx2Ops>, softmax_tile,
+                      accum<Avx2Ops>,  gemm<Avx2Ops>,   to_f16<Avx2Ops>};
+}  // namespace isa_avx2
 
-MLA_AVX2 void accum_avx2(const float* w, const float* buf, int H, int n, int dpad, int dcpad,
-                         const float* f, float* acc) {
-  // dcpad is a multiple of 16: whole pairs of 8-column vectors.
-  int h = 0;
-  for (; h + 4 <= H; h += 4) {
-    for (int i = 0; i < dcpad; i += 16) {
-      accum_block_avx2<4, 2>(w + h * kMlaTile, buf, n, dpad, dcpad, f + h,
-                             acc + static_cast<int64_t>(h) * dcpad, i);
-    }
-  }
-  for (; h < H; ++h) {
-    for (int i = 0; i < dcpad; i += 16) {
-      accum_block_avx2<1, 2>(w + h * kMlaTile, buf, n, dpad, dcpad, f + h,
-                             acc + static_cast<int64_t>(h) * dcpad, i);
-    }
-  }
-}
-
-// ---- AVX-512 ----
-
-MLA_AVX512 void decode_avx512(KvDtype dt, const uint8_t* const* rows, const uint8_t* const* metas,
-                              int n, int d, int dpad, float* buf) {
-  const int dv = d / 16 * 16;
-  for (int j = 0; j < n; ++j) {
-    const uint8_t* r = rows[j];
-    float* o = buf + static_cast<int64_t>(j) * dpad;
-    const float sc = int8_row_scale(dt, metas[j]);
-    int i = 0;
-    switch (dt) {
-      case KvDtype::kF32:
-        for (; i < dv; i += 16)
-          _mm512_storeu_ps(o + i, _mm512_loadu_ps(reinterpret_cast<const float*>(r) + i));
-        break;
-      case KvDtype::kF16:
-        for (; i < dv; i += 16) {
-          _mm512_storeu_ps(o + i,
-                           _mm512_cvtph_ps(_mm256_loadu_si256(
-                               reinterpret_cast<const __m256i*>(r + 2 * static_cast<int64_t>(i)))));
-        }
-        break;
-      case KvDtype::kBF16:
-        for (; i < dv; i += 16) {
-          const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(r + 2 * static_cast<int64_t>(i))));
-          _mm512_storeu_ps(o + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-        }
-        break;
-      case KvDtype::kInt8: {
-        const __m512 sv = _mm512_set1_ps(sc);
-        for (; i < dv; i += 16) {
-          const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i));
-          _mm512_storeu_ps(o + i, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c))));
-        }
-        break;
-      }
-      default:
-        break;
-    }
-    for (; i < d; ++i) o[i] = decode_one(dt, r, i, sc);
-    for (; i < dpad; ++i) o[i] = 0.0f;
-  }
-}
-
-template <int HB, int KB>
-MLA_AVX512 inline void scores_block_avx512(const float* q, const float* buf, int dpad, float scale,
-                                           float* s) {
-  __m512 acc[HB][KB];
-  for (int a = 0; a < HB; ++a) {
-    for (int b = 0; b < KB; ++b) acc[a][b] = _mm512_setzero_ps();
-  }
-  for (int i = 0; i < dpad; i += 16) {
-    __m512 kv[KB];
-    for (int b = 0; b < KB; ++b) kv[b] = _mm512_loadu_ps(buf + static_cast<int64_t>(b) * dpad + i);
-    for (int a = 0; a < HB; ++a) {
-      const __m512 qv = _mm512_loadu_ps(q + static_cast<int64_t>(a) * dpad + i);
-      for (int b = 0; b < KB; ++b) acc[a][b] = _mm512_fmadd_ps(qv, kv[b], acc[a][b]);
-    }
-  }
-  for (int a = 0; a < HB; ++a) {
-    for (int b = 0; b < KB; ++b) s[a * kMlaTile + b] = scale * _mm512_reduce_add_ps(acc[a][b]);
-  }
-}
-
-MLA_AVX512 void scores_avx512(const float* q, const float* buf, int H, int n, int dpad, float scale,
-                              float* s) {
-  int h = 0;
-  for (; h + 2 <= H; h += 2) {
-    const float* qh = q + static_cast<int64_t>(h) * dpad;
-    float* sh = s + static_cast<int64_t>(h) * kMlaTile;
-    int j = 0;
-    for (; j + 4 <= n; j += 4)
-      scores_block_avx512<2, 4>(qh, buf + static_cast<int64_t>(j) * dpad, dpad, scale, sh + j);
-    for (; j < n; ++j)
-      scores_block_avx512<2, 1>(qh, buf + static_cast<int64_t>(j) * dpad, dpad, scale, sh + j);
-  }
-  for (; h < H; ++h) {
-    const float* qh = q + static_cast<int64_t>(h) * dpad;
-    float* sh = s + static_cast<int64_t>(h) * kMlaTile;
-    int j = 0;
-    for (; j + 4 <= n; j += 4)
-      scores_block_avx512<1, 4>(qh, buf + static_cast<int64_t>(j) * dpad, dpad, scale, sh + j);
-    for (; j < n; ++j)
-      scores_block_avx512<1, 1>(qh, buf + static_cast<int64_t>(j) * dpad, dpad, scale, sh + j);
-  }
-}
-
-template <int HB, int IC>
-MLA_AVX512 inline void accum_block_avx512(const float* w, const float* buf, int n, int dpad,
-                                          int dcpad, const float* f, float* acc, int i) {
-  __m512 a[HB][IC];
-  for (int x = 0; x < HB; ++x) {
-    const __m512 fv = _mm512_set1_ps(f[x]);
-    for (int c = 0; c < IC; ++c) {
-      a[x][c] =
-          _mm512_mul_ps(fv, _mm512_loadu_ps(acc + static_cast<int64_t>(x) * dcpad + i + 16 * c));
-    }
-  }
-  for (int j = 0; j < n; ++j) {
-    __m512 cv[IC];
-    for (int c = 0; c < IC; ++c)
-      cv[c] = _mm512_loadu_ps(buf + static_cast<int64_t>(j) * dpad + i + 16 * c);
-    for (int x = 0; x < HB; ++x) {
-      const __m512 wv = _mm512_set1_ps(w[x * kMlaTile + j]);
-      for (int c = 0; c < IC; ++c) a[x][c] = _mm512_fmadd_ps(wv, cv[c], a[x][c]);
-    }
-  }
-  for (int x = 0; x < HB; ++x) {
-    for (int c = 0; c < IC; ++c)
-      _mm512_storeu_ps(acc + static_cast<int64_t>(x) * dcpad + i + 16 * c, a[x][c]);
-  }
-}
-
-template <int HB>
-MLA_AVX512 inline void accum_heads_avx512(const float* w, const float* buf, int n, int dpad,
-                                          int dcpad, const float* f, float* acc) {
-  int i = 0;
-  for (; i + 64 <= dcpad; i += 64) accum_block_avx512<HB, 4>(w, buf, n, dpad, dcpad, f, acc, i);
-  for (; i < dcpad; i += 16) accum_block_avx512<HB, 1>(w, buf, n, dpad, dcpad, f, acc, i);
-}
-
-MLA_AVX512 void accum_avx512(const float* w, const float* buf, int H, int n, int dpad, int dcpad,
-                             const float* f, float* acc) {
-  int h = 0;
-  for (; h + 4 <= H; h += 4) {
-    accum_heads_avx512<4>(w + h * kMlaTile, buf, n, dpad, dcpad, f + h,
-                          acc + static_cast<int64_t>(h) * dcpad);
-  }
-  for (; h < H; ++h) {
-    accum_heads_avx512<1>(w + h * kMlaTile, buf, n, dpad, dcpad, f + h,
-                          acc + static_cast<int64_t>(h) * dcpad);
-  }
-}
-
-const MlaTileFns kAvx2Fns{decode_avx2, scores_avx2, softmax_tile, accum_avx2};
-const MlaTileFns kAvx512Fns{decode_avx512, scores_avx512, softmax_tile, accum_avx512};
+namespace isa_avx512 {
+#define MLA_TARGET MLA_AVX512
+#include "attention/mla_attention_simd_impl.h"
+#undef MLA_TARGET
+const MlaTileFns kFns{decode<Avx512Ops>, scores<Avx512Ops>, softmax_tile,
+                      accum<Avx512Ops>,  gemm<Avx512Ops>,   to_f16<Avx512Ops>};
+}  // namespace isa_avx512
 
 }  // namespace
 
 const MlaTileFns* mla_tile_fns(Isa isa) {
   const CpuFeatures& c = cpu_features();
   const bool avx2 = c.avx2 && c.fma && c.f16c;
-  if (isa == Isa::kAvx512)
-    return avx2 && c.avx512f && c.avx512bw && c.avx512vl ? &kAvx512Fns : nullptr;
-  if (isa == Isa::kAvx2) return avx2 ? &kAvx2Fns : nullptr;
+  if (isa == Isa::kAvx512) {
+    return avx2 && c.avx512f && c.avx512bw && c.avx512vl ? &isa_avx512::kFns : nullptr;
+  }
+  if (isa == Isa::kAvx2) return avx2 ? &isa_avx2::kFns : nullptr;
   return nullptr;
 }
 

@@ -5,7 +5,10 @@
 // by W_UV after it. Every block size (1 .. 64), several sequences per call
 // with different n_past / n_new splits (decode rows and prefill chunks), f32,
 // f16, bf16 and int8 latent rows (the reference reads the stored, rounded
-// rows), on the scalar reference and on the kernel mla_attention() picks.
+// rows), on the scalar reference, on the kernel mla_attention() picks and in
+// the expanded form (mla_attention_expanded: K/V materialised from the
+// latents, the paged prefill kernel), which must also agree with the
+// absorbed result.
 // The SIMD kernels (AVX2, AVX-512) against the scalar reference over random
 // shapes; the int8 latent against float64 on the unquantized rows.
 #include "attention/mla_attention.h"
@@ -47,9 +50,32 @@ TEST(MlaAttention, AbsorbedEqualsUnabsorbedFloat64) {
   for (float& x : wk) x = nd(rng) / std::sqrt(static_cast<float>(DC));
   for (float& x : wv) x = nd(rng) / std::sqrt(static_cast<float>(DC));
   const float scale = 1.0f / std::sqrt(static_cast<float>(NOPE + DR));
-  const std::vector<Case> cases = {{0, 1}, {0, 9}, {5, 1}, {17, 6}, {40, 1}, {63, 3}};
+  // W_kv_b^T [DC][H (NOPE + DV)] for the expanded form: 112 columns, one
+  // SIMD GEMM block of 64 and a scalar tail.
+  constexpr int kCols = H * (NOPE + DV);
+  std::vector<float> wt(static_cast<size_t>(DC) * kCols);
+  for (int d = 0; d < DC; ++d) {
+    for (int h = 0; h < H; ++h) {
+      for (int k = 0; k < NOPE; ++k) {
+        wt[static_cast<size_t>(d) * kCols + h * (NOPE + DV) + k] =
+            wk[(static_cast<size_t>(h) * NOPE + k) * DC + d];
+      }
+      for (int o = 0; o < DV; ++o) {
+        wt[static_cast<size_t>(d) * kCols + h * (NOPE + DV) + NOPE + o] =
+            wv[(static_cast<size_t>(h) * DV + o) * DC + d];
+      }
+    }
+  }
+  const MlaUpProjection up{.w_kv_b_t = wt.data(), .qk_nope = NOPE, .v_dim = DV};
+  // The last case spans two expansion pieces (240 tokens each).
+  const std::vector<Case> cases = {{0, 1}, {0, 9}, {5, 1}, {17, 6}, {40, 1}, {63, 3}, {230, 20}};
   int checked = 0;
-  for (const bool reference : {true, false}) {
+  // Mode 0: the absorbed scalar reference, 1: the absorbed kernel
+  // mla_attention() picks, 2: the expanded form (mla_attention_expanded).
+  // Absorbed within 2e-5 of float64; expanded within 2e-5 from an f32 latent
+  // (f32 temporary K/V) and 4e-3 from the others (K/V rounded to f16), and
+  // within the sum of both of the absorbed result.
+  for (const int mode : {0, 1, 2}) {
     for (KvDtype dt : {KvDtype::kF32, KvDtype::kF16, KvDtype::kBF16, KvDtype::kInt8}) {
       for (int bs : {1, 2, 4, 16, 64}) {
         auto layout = KvLayout::create(
@@ -66,7 +92,7 @@ TEST(MlaAttention, AbsorbedEqualsUnabsorbedFloat64) {
         int next = total_blocks;
         std::vector<std::vector<int32_t>> tables;
         std::vector<std::vector<float>> rows;  // as stored (decoded), [n][DC + DR]
-        std::vector<std::vector<float>> q_nope, q_rope, q_abs, out_lat;
+        std::vector<std::vector<float>> q_nope, q_rope, q_abs, out_lat, q_exp, out_exp;
         std::vector<AttnSeq> seqs;
         for (const Case& c : cases) {
           const int n = c.n_past + c.n_new;
@@ -103,6 +129,15 @@ TEST(MlaAttention, AbsorbedEqualsUnabsorbedFloat64) {
               std::copy_n(qr.data() + (static_cast<size_t>(i) * H + h) * DR, DR, a + DC);
             }
           }
+          std::vector<float> qe(static_cast<size_t>(c.n_new) * H * (NOPE + DR));
+          for (int i = 0; i < c.n_new * H; ++i) {
+            std::copy_n(qn.data() + static_cast<size_t>(i) * NOPE, NOPE,
+                        qe.data() + static_cast<size_t>(i) * (NOPE + DR));
+            std::copy_n(qr.data() + static_cast<size_t>(i) * DR, DR,
+                        qe.data() + static_cast<size_t>(i) * (NOPE + DR) + NOPE);
+          }
+          q_exp.push_back(std::move(qe));
+          out_exp.emplace_back(static_cast<size_t>(c.n_new) * H * DV, -7.0f);
           tables.push_back(std::move(t));
           rows.push_back(std::move(r));
           q_nope.push_back(std::move(qn));
@@ -115,14 +150,26 @@ TEST(MlaAttention, AbsorbedEqualsUnabsorbedFloat64) {
                                  .n_blocks = static_cast<int32_t>(tables[s].size()),
                                  .n_past = cases[s].n_past,
                                  .n_new = cases[s].n_new,
-                                 .q = q_abs[s].data(),
-                                 .out = out_lat[s].data()});
+                                 .q = mode == 2 ? q_exp[s].data() : q_abs[s].data(),
+                                 .out = mode == 2 ? out_exp[s].data() : out_lat[s].data()});
         }
         ThreadPool threads(2);
         const MlaAttnParams p{.n_heads = H, .latent_dim = DC, .rope_dim = DR, .scale = scale};
-        ASSERT_TRUE((reference ? mla_attention_reference(view, p, seqs, &threads)
-                               : mla_attention(view, p, seqs, &threads))
+        ASSERT_TRUE((mode == 0   ? mla_attention_reference(view, p, seqs, &threads)
+                     : mode == 1 ? mla_attention(view, p, seqs, &threads)
+                                 : mla_attention_expanded(view, p, up, seqs, &threads))
                         .ok());
+        // The absorbed result, for the agreement check of the expanded one.
+        std::vector<std::vector<float>> out_abs;
+        if (mode == 2) {
+          std::vector<AttnSeq> as = seqs;
+          for (size_t s = 0; s < cases.size(); ++s) {
+            as[s].q = q_abs[s].data();
+            as[s].out = out_lat[s].data();
+          }
+          ASSERT_TRUE(mla_attention(view, p, as, &threads).ok());
+        }
+        const double tol = mode == 2 && dt != KvDtype::kF32 ? 4e-3 : 2e-5;
         for (size_t s = 0; s < cases.size(); ++s) {
           const Case& c = cases[s];
           for (int i = 0; i < c.n_new; ++i) {
@@ -161,13 +208,21 @@ TEST(MlaAttention, AbsorbedEqualsUnabsorbedFloat64) {
                 }
                 // Absorbed: W_UV applied to the kernel's latent output.
                 const float* ol = out_lat[s].data() + (static_cast<size_t>(i) * H + h) * DC;
-                double got = 0;
+                double absorbed = 0;
                 for (int d = 0; d < DC; ++d) {
-                  got += double{wv[(static_cast<size_t>(h) * DV + o) * DC + d]} * ol[d];
+                  absorbed += double{wv[(static_cast<size_t>(h) * DV + o) * DC + d]} * ol[d];
                 }
-                ASSERT_NEAR(got, ref, 2e-5)
-                    << (reference ? "reference" : "dispatched") << " dtype " << kv_dtype_name(dt)
-                    << " block " << bs << " seq " << s << " row " << i << " head " << h;
+                const double got =
+                    mode == 2 ? out_exp[s][(static_cast<size_t>(i) * H + h) * DV + o] : absorbed;
+                ASSERT_NEAR(got, ref, tol) << (mode == 0   ? "reference"
+                                               : mode == 1 ? "dispatched"
+                                                           : "expanded")
+                                           << " dtype " << kv_dtype_name(dt) << " block " << bs
+                                           << " seq " << s << " row " << i << " head " << h;
+                if (mode == 2) {
+                  ASSERT_NEAR(got, absorbed, tol + 2e-5)
+                      << "expanded vs absorbed, dtype " << kv_dtype_name(dt) << " block " << bs;
+                }
                 ++checked;
               }
             }
@@ -176,7 +231,7 @@ TEST(MlaAttention, AbsorbedEqualsUnabsorbedFloat64) {
       }
     }
   }
-  EXPECT_EQ(checked, 2 * 4 * 5 * (1 + 9 + 1 + 6 + 1 + 3) * H * DV);
+  EXPECT_EQ(checked, 3 * 4 * 5 * (1 + 9 + 1 + 6 + 1 + 3 + 20) * H * DV);
 }
 
 // A latent layer of random rows and sequences with random splits; rows as
@@ -368,6 +423,64 @@ TEST(MlaAttention, Int8LatentAgainstFloat64OnUnquantizedRows) {
 
 // The int8 latent's bytes: d codes plus one f16 scale per token and layer
 // (payload), the scales in their own 64-byte aligned region of the block.
+// The expanded form's f16 temporary cannot hold K/V beyond 65504: with an
+// up-projection that large the sequence is expanded again in f32, so the
+// result is the absorbed one, not inf or NaN.
+TEST(MlaAttention, ExpandedFormFallsBackToF32OutsideF16Range) {
+  constexpr int h = 2, dc = 16, dr = 8, nope = 8, dv = 8, cols = h * (nope + dv);
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const std::vector<Case> cases = {{40, 30}};
+  Latent lat(rng, h, dc, dr, 16, KvDtype::kF16, cases, 1.0f);
+  std::vector<float> wt(static_cast<size_t>(dc) * cols);  // W_kv_b^T, entries ~3e4
+  for (float& x : wt) x = nd(rng) * 3e4f;
+  // Unabsorbed q (small, so the softmax stays soft) and its absorbed form.
+  const int n = cases[0].n_new;
+  std::vector<float> qe(static_cast<size_t>(n) * h * (nope + dr));
+  for (float& x : qe) x = nd(rng) * 1e-5f;
+  std::vector<float> qa(static_cast<size_t>(n) * h * (dc + dr), 0.0f);
+  for (int i = 0; i < n * h; ++i) {
+    const int hh = i % h;
+    for (int d = 0; d < dc; ++d) {
+      for (int k = 0; k < nope; ++k) {
+        qa[static_cast<size_t>(i) * (dc + dr) + d] +=
+            qe[static_cast<size_t>(i) * (nope + dr) + k] *
+            wt[static_cast<size_t>(d) * cols + hh * (nope + dv) + k];
+      }
+    }
+    for (int k = 0; k < dr; ++k) {
+      qa[static_cast<size_t>(i) * (dc + dr) + dc + k] =
+          qe[static_cast<size_t>(i) * (nope + dr) + nope + k];
+    }
+  }
+  const MlaAttnParams p{.n_heads = h, .latent_dim = dc, .rope_dim = dr, .scale = 0.25f};
+  std::vector<float> o_exp(static_cast<size_t>(n) * h * dv), o_lat(static_cast<size_t>(n) * h * dc);
+  AttnSeq s = lat.seqs[0];
+  s.q = qe.data();
+  s.out = o_exp.data();
+  const MlaUpProjection up{.w_kv_b_t = wt.data(), .qk_nope = nope, .v_dim = dv};
+  ASSERT_TRUE(mla_attention_expanded(lat.view, p, up, {&s, 1}, nullptr).ok());
+  s.q = qa.data();
+  s.out = o_lat.data();
+  ASSERT_TRUE(mla_attention_reference(lat.view, p, {&s, 1}, nullptr).ok());
+  double max_v = 0;
+  for (int i = 0; i < n * h; ++i) {
+    const int hh = i % h;
+    for (int o = 0; o < dv; ++o) {
+      double absorbed = 0;  // W_UV,h . o_lat
+      for (int d = 0; d < dc; ++d) {
+        absorbed += double{wt[static_cast<size_t>(d) * cols + hh * (nope + dv) + nope + o]} *
+                    o_lat[static_cast<size_t>(i) * dc + d];
+      }
+      const float got = o_exp[static_cast<size_t>(i) * dv + o];
+      ASSERT_TRUE(std::isfinite(got)) << "row " << i / h << " head " << hh;
+      ASSERT_NEAR(got, absorbed, 1e-4 * std::fabs(absorbed) + 1.0) << "row " << i / h;
+      max_v = std::max(max_v, std::fabs(absorbed));
+    }
+  }
+  EXPECT_GT(max_v, 65504.0);  // the outputs themselves lie outside f16's range
+}
+
 TEST(MlaAttention, Int8LatentLayoutBytes) {
   auto l = KvLayout::create({KvLayerSpec{.kind = KvLayerKind::kMlaLatent,
                                          .latent_dim = 512,

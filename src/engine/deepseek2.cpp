@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <numeric>
 
 #include "attention/mla_attention.h"
@@ -102,14 +103,38 @@ void rope_yarn_rows(float* x, int64_t n_rows, int64_t stride, int64_t rows_per_p
   }
 }
 
+MlaPrefill mla_prefill_mode() {
+  static const MlaPrefill mode = [] {
+    const char* e = std::getenv("KVSTACK_MLA_PREFILL");
+    if (e == nullptr) return MlaPrefill::kAuto;
+    const std::string v = e;
+    if (v == "absorbed") return MlaPrefill::kAbsorbed;
+    if (v == "expanded") return MlaPrefill::kExpanded;
+    if (v != "auto" && !v.empty()) {
+      std::fprintf(
+          stderr, "kvstack: KVSTACK_MLA_PREFILL=%s is not auto, absorbed or expanded; using auto\n",
+          e);
+    }
+    return MlaPrefill::kAuto;
+  }();
+  return mode;
+}
+
 std::string deepseek2_kernel_summary(const ModelConfig& c, bool latent) {
   const ModelConfig::Mla& m = c.mla;
   const std::string lat = std::to_string(m.kv_lora_rank) + "+" + std::to_string(m.qk_rope);
-  std::string s = latent ? "mla: latent cache, absorbed attention, " + lat +
-                               " per token shared by " + std::to_string(c.n_heads) + " heads ("
-                         : "mla: expanded to per-head K/V (" + std::to_string(c.n_heads) +
-                               " heads, cached " + std::to_string(c.head_dim) +
-                               " per head; latent " + lat + ", ";
+  const MlaPrefill pm = mla_prefill_mode();
+  const std::string prefill =
+      pm == MlaPrefill::kAuto
+          ? "prefill chunks of >= " + std::to_string(kMlaExpandMinRows) +
+                " rows over >= " + std::to_string(kMlaExpandMinKeys) + " keys expanded, "
+      : pm == MlaPrefill::kExpanded ? std::string("prefill expanded (KVSTACK_MLA_PREFILL), ")
+                                    : std::string("prefill absorbed (KVSTACK_MLA_PREFILL), ");
+  std::string s =
+      latent ? "mla: latent cache, absorbed attention, " + lat + " per token shared by " +
+                   std::to_string(c.n_heads) + " heads (" + prefill
+             : "mla: expanded to per-head K/V (" + std::to_string(c.n_heads) + " heads, cached " +
+                   std::to_string(c.head_dim) + " per head; latent " + lat + ", ";
   s += "k " + std::to_string(m.qk_nope) + "+" + std::to_string(m.qk_rope) + ", v " +
        std::to_string(m.v_head_dim) + ", " + (m.split_kv_b ? "attn_k_b/attn_v_b" : "attn_kv_b") +
        ", " + (m.q_lora_rank > 0 ? "q low-rank " + std::to_string(m.q_lora_rank) : "attn_q") +
@@ -129,7 +154,8 @@ std::string deepseek2_kernel_summary(const ModelConfig& c, bool latent) {
   return s;
 }
 
-void Deepseek2Layers::project_q_kv_a(const LayerWeights& w, const float* h, int64_t n_tok) {
+void Deepseek2Layers::project_q_kv_a(const LayerWeights& w, const float* h, int64_t n_tok,
+                                     bool kv) {
   const ModelConfig& c = model_.config();
   const ModelConfig::Mla& m = c.mla;
   const auto n = static_cast<size_t>(n_tok);
@@ -142,6 +168,7 @@ void Deepseek2Layers::project_q_kv_a(const LayerWeights& w, const float* h, int6
   } else {
     matmul(w.wq, h, n_tok, qfull_.data(), &threads_);
   }
+  if (!kv) return;
   kva_.resize(n * static_cast<size_t>(m.kv_lora_rank + m.qk_rope));
   matmul(w.mla.wkv_a, h, n_tok, kva_.data(), &threads_);
 }
@@ -189,26 +216,35 @@ Status Deepseek2Layers::latent_attention(int layer, std::span<const StepSeq> bat
   const int64_t H = c.n_heads, dqk = m.qk_dim(), nope = m.qk_nope, rope = m.qk_rope;
   const int64_t r = m.kv_lora_rank, vd = m.v_head_dim, dl = r + rope;
   const auto n = static_cast<size_t>(n_tok);
+  // Cross-layer sharing (config.h): a shared layer reads the latent rows of
+  // its source layer kl, which this step has already written, and uses the
+  // source's up-projection W_kv_b (so it attends over exactly the source's
+  // K/V, as with the expanded cache); it computes only its own q.
+  const bool shared = !c.stores_kv(layer);
+  const int kl = c.kv_index(layer);
   // q, the latent and the RoPE key, from the same projections as qkv().
-  project_q_kv_a(w, h, n_tok);
-  rows_.resize(n * static_cast<size_t>(dl));
-  for (int64_t t = 0; t < n_tok; ++t) {
-    rms_norm(kva_.data() + t * dl, w.mla.kv_a_norm, r, c.norm_eps, rows_.data() + t * dl);
-    std::copy_n(kva_.data() + t * dl + r, rope, rows_.data() + t * dl + r);
+  project_q_kv_a(w, h, n_tok, !shared);
+  if (!shared) {
+    rows_.resize(n * static_cast<size_t>(dl));
+    for (int64_t t = 0; t < n_tok; ++t) {
+      rms_norm(kva_.data() + t * dl, w.mla.kv_a_norm, r, c.norm_eps, rows_.data() + t * dl);
+      std::copy_n(kva_.data() + t * dl + r, rope, rows_.data() + t * dl + r);
+    }
+    rope_yarn_rows(rows_.data() + r, n_tok, dl, 1, pos, c);
   }
   rope_yarn_rows(qfull_.data() + nope, n_tok * H, dqk, H, pos, c);
-  rope_yarn_rows(rows_.data() + r, n_tok, dl, 1, pos, c);
 
   // W_kvb in f32 once: rows h*(nope+v) + i (i < nope) are W_UK,h, then W_UV,h;
   // and W_UK,h^T [r][nope] per head, so both up-projections are matmuls.
   if (wkv_b_f32_.empty()) {
     wkv_b_f32_.resize(static_cast<size_t>(c.n_layers));
     wuk_t_f32_.resize(static_cast<size_t>(c.n_layers));
+    wkv_b_t_f32_.resize(static_cast<size_t>(c.n_layers));
   }
-  std::vector<float>& wb = wkv_b_f32_[static_cast<size_t>(layer)];
-  std::vector<float>& wkt = wuk_t_f32_[static_cast<size_t>(layer)];
+  std::vector<float>& wb = wkv_b_f32_[static_cast<size_t>(kl)];
+  std::vector<float>& wkt = wuk_t_f32_[static_cast<size_t>(kl)];
   if (wb.empty()) {
-    const WeightView& kvb = w.mla.wkv_b;
+    const WeightView& kvb = model_.layers()[static_cast<size_t>(kl)].mla.wkv_b;
     wb.resize(static_cast<size_t>(kvb.n_out * kvb.n_in));
     const size_t rb = ggml_row_bytes(kvb.type, kvb.n_in);
     for (int64_t i = 0; i < kvb.n_out; ++i) {
@@ -231,28 +267,50 @@ Status Deepseek2Layers::latent_attention(int layer, std::span<const StepSeq> bat
                       .n_in = n_in,
                       .n_out = n_out};
   };
+  // Which sequences run expanded (mla_prefer_expanded; KVSTACK_MLA_PREFILL
+  // overrides), and the token rows of the others, which run absorbed.
+  const MlaPrefill mode = mla_prefill_mode();
+  std::vector<char> expanded(batch.size(), 0);
+  abs_rows_.clear();
+  {
+    int64_t row = 0;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const auto nn = static_cast<int32_t>(batch[i].tokens.size());
+      const auto past = static_cast<int32_t>(batch[i].table->length());
+      expanded[i] = static_cast<char>(mode == MlaPrefill::kAuto ? mla_prefer_expanded(past, nn)
+                                      : mode == MlaPrefill::kExpanded ? nn > 1
+                                                                      : false);
+      if (expanded[i] == 0) {
+        for (int32_t t = 0; t < nn; ++t) abs_rows_.push_back(row + t);
+      }
+      row += nn;
+    }
+  }
+  const auto n_abs = static_cast<int64_t>(abs_rows_.size());
   // Absorb W_UK into the query: q_abs,h = [W_UK,h^T q_nope,h ; q_rope,h], one
-  // f32 matmul per head over the tokens (gathered to contiguous rows).
+  // f32 matmul per head over the absorbed rows (gathered to contiguous rows).
   q_abs_.resize(n * static_cast<size_t>(H * dl));
   head_in_.resize(n * static_cast<size_t>(std::max(nope, r)));
   head_out_.resize(n * static_cast<size_t>(std::max(r, vd)));
-  for (int64_t hh = 0; hh < H; ++hh) {
-    for (int64_t t = 0; t < n_tok; ++t) {
-      std::copy_n(qfull_.data() + (t * H + hh) * dqk, nope, head_in_.data() + t * nope);
+  for (int64_t hh = 0; hh < H && n_abs > 0; ++hh) {
+    for (int64_t a = 0; a < n_abs; ++a) {
+      const int64_t t = abs_rows_[static_cast<size_t>(a)];
+      std::copy_n(qfull_.data() + (t * H + hh) * dqk, nope, head_in_.data() + a * nope);
     }
-    matmul(f32_view(wkt.data() + hh * r * nope, r, nope), head_in_.data(), n_tok, head_out_.data(),
+    matmul(f32_view(wkt.data() + hh * r * nope, r, nope), head_in_.data(), n_abs, head_out_.data(),
            &threads_);
-    for (int64_t t = 0; t < n_tok; ++t) {
+    for (int64_t a = 0; a < n_abs; ++a) {
+      const int64_t t = abs_rows_[static_cast<size_t>(a)];
       float* qa = q_abs_.data() + (t * H + hh) * dl;
-      std::copy_n(head_out_.data() + t * r, r, qa);
+      std::copy_n(head_out_.data() + a * r, r, qa);
       std::copy_n(qfull_.data() + (t * H + hh) * dqk + nope, rope, qa + r);
     }
   }
 
   // Check every sequence's rows, then write them and attend.
-  const PagedKvLayerView view = batch.front().table->pool().layer_view(layer);
+  const PagedKvLayerView view = batch.front().table->pool().layer_view(kl);
   int64_t row = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
+  for (size_t i = 0; i < batch.size() && !shared; ++i) {
     const auto nn = static_cast<int64_t>(batch[i].tokens.size());
     const Status st =
         kv_validate_rows(view, batch[i].table->length(), rows_.data() + row * dl, nullptr, nn);
@@ -264,35 +322,63 @@ Status Deepseek2Layers::latent_attention(int layer, std::span<const StepSeq> bat
     row += nn;
   }
   o_lat_.resize(n * static_cast<size_t>(H * r));
-  std::vector<AttnSeq> seqs;
+  std::vector<AttnSeq> seqs, exp_seqs;
   seqs.reserve(batch.size());
   row = 0;
-  for (const StepSeq& s : batch) {
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const StepSeq& s = batch[i];
     const auto nn = static_cast<int64_t>(s.tokens.size());
-    s.table->write(layer, s.table->length(), rows_.data() + row * dl, nullptr, nn);
-    const std::span<const int32_t> ids = s.table->ids_for_layer(layer);
-    seqs.push_back(AttnSeq{.block_table = ids.data(),
-                           .n_blocks = static_cast<int32_t>(ids.size()),
-                           .n_past = static_cast<int32_t>(s.table->length()),
-                           .n_new = static_cast<int32_t>(nn),
-                           .q = q_abs_.data() + row * H * dl,
-                           .out = o_lat_.data() + row * H * r});
+    if (!shared) s.table->write(kl, s.table->length(), rows_.data() + row * dl, nullptr, nn);
+    const std::span<const int32_t> ids = s.table->ids_for_layer(kl);
+    AttnSeq a{.block_table = ids.data(),
+              .n_blocks = static_cast<int32_t>(ids.size()),
+              .n_past = static_cast<int32_t>(s.table->length()),
+              .n_new = static_cast<int32_t>(nn),
+              .q = q_abs_.data() + row * H * dl,
+              .out = o_lat_.data() + row * H * r};
+    if (expanded[i] != 0) {
+      // Unabsorbed q (RoPE applied above); the output lands in out directly.
+      a.q = qfull_.data() + row * H * dqk;
+      a.out = out + row * H * vd;
+      exp_seqs.push_back(a);
+    } else {
+      seqs.push_back(a);
+    }
     row += nn;
   }
   const MlaAttnParams ap{.n_heads = c.n_heads,
                          .latent_dim = m.kv_lora_rank,
                          .rope_dim = m.qk_rope,
                          .scale = c.attn_scale};
+  if (!exp_seqs.empty()) {
+    // W_kv_b^T [r][H (nope + v)] for the expansion, built on first use.
+    std::vector<float>& wbt = wkv_b_t_f32_[static_cast<size_t>(kl)];
+    if (wbt.empty()) {
+      const int64_t cols = H * (nope + vd);
+      wbt.resize(static_cast<size_t>(r * cols));
+      for (int64_t o = 0; o < cols; ++o) {
+        for (int64_t j = 0; j < r; ++j) {
+          wbt[static_cast<size_t>(j * cols + o)] = wb[static_cast<size_t>(o * r + j)];
+        }
+      }
+    }
+    const MlaUpProjection up{
+        .w_kv_b_t = wbt.data(), .qk_nope = static_cast<int>(nope), .v_dim = static_cast<int>(vd)};
+    KV_TRY_STATUS(mla_attention_expanded(view, ap, up, exp_seqs, &threads_));
+  }
+  if (n_abs == 0) return {};
   KV_TRY_STATUS(mla_attention(view, ap, seqs, &threads_));
   // W_UV after the weighted sum: out_h = W_UV,h o_lat,h (a matmul per head).
   for (int64_t hh = 0; hh < H; ++hh) {
-    for (int64_t t = 0; t < n_tok; ++t) {
-      std::copy_n(o_lat_.data() + (t * H + hh) * r, r, head_in_.data() + t * r);
+    for (int64_t a = 0; a < n_abs; ++a) {
+      const int64_t t = abs_rows_[static_cast<size_t>(a)];
+      std::copy_n(o_lat_.data() + (t * H + hh) * r, r, head_in_.data() + a * r);
     }
-    matmul(f32_view(wb.data() + (hh * (nope + vd) + nope) * r, vd, r), head_in_.data(), n_tok,
+    matmul(f32_view(wb.data() + (hh * (nope + vd) + nope) * r, vd, r), head_in_.data(), n_abs,
            head_out_.data(), &threads_);
-    for (int64_t t = 0; t < n_tok; ++t) {
-      std::copy_n(head_out_.data() + t * vd, vd, out + (t * H + hh) * vd);
+    for (int64_t a = 0; a < n_abs; ++a) {
+      const int64_t t = abs_rows_[static_cast<size_t>(a)];
+      std::copy_n(head_out_.data() + a * vd, vd, out + (t * H + hh) * vd);
     }
   }
   return {};

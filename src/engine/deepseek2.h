@@ -59,6 +59,13 @@ void moe_forward(const MoeWeights& w, const MoeRouteParams& p, const float* h, i
 void rope_yarn_rows(float* x, int64_t n_rows, int64_t stride, int64_t rows_per_pos,
                     const int32_t* pos, const ModelConfig& c);
 
+// How the latent cache's prefill chunks run: kAuto picks per sequence by
+// mla_prefer_expanded() (attention/mla_attention.h); the environment variable
+// KVSTACK_MLA_PREFILL=absorbed|expanded|auto (read once) forces a form, for
+// measurements (expanded: every chunk of more than one row).
+enum class MlaPrefill { kAuto, kAbsorbed, kExpanded };
+MlaPrefill mla_prefill_mode();
+
 // For the load line: "mla: expanded to per-head K/V (...); moe: top-k of E
 // experts (gating, ...)".
 // latent: the KV cache holds latent rows (--kv-mla latent), else expanded K/V.
@@ -90,8 +97,9 @@ class Deepseek2Layers {
  private:
   // The projections both attention paths start from: qfull_ [n_tok, H,
   // qk_nope + qk_rope] (through the low-rank q path when the file has one)
-  // and kva_ [n_tok, kv_lora + qk_rope] = h . W_kv_a^T; no norm, no RoPE.
-  void project_q_kv_a(const LayerWeights& w, const float* h, int64_t n_tok);
+  // and kva_ [n_tok, kv_lora + qk_rope] = h . W_kv_a^T (only when kv); no
+  // norm, no RoPE.
+  void project_q_kv_a(const LayerWeights& w, const float* h, int64_t n_tok, bool kv = true);
 
   const Model& model_;
   ThreadPool& threads_;
@@ -101,6 +109,9 @@ class Deepseek2Layers {
   // Per layer, wkv_b in f32 ([H * (nope + v)][kv_lora]) and W_UK,h^T per head
   // ([H][kv_lora][nope]), built on first latent use.
   std::vector<std::vector<float>> wkv_b_f32_, wuk_t_f32_;
+  // Per layer, W_kv_b^T ([kv_lora][H * (nope + v)]) for the expanded prefill.
+  std::vector<std::vector<float>> wkv_b_t_f32_;
+  std::vector<int64_t> abs_rows_;          // token rows of the sequences that run absorbed
   std::vector<float> head_in_, head_out_;  // one head's rows gathered for a matmul
 };
 

@@ -81,7 +81,9 @@ Result<KvLayout> engine_kv_layout(const ModelConfig& c, const EngineConfig& conf
                         "--kv-mla latent: supports one KV dtype (f32, f16, bf16, int8) and no "
                         "--kv-rotate / --kv-center");
     }
-    for (int l = 0; l < c.n_layers; ++l) {
+    // Cross-layer sharing: the shared layers (the last ones) store nothing.
+    layers.resize(static_cast<size_t>(c.n_kv_layers()));
+    for (int l = 0; l < c.n_kv_layers(); ++l) {
       layers[static_cast<size_t>(l)] = KvLayerSpec{.kind = KvLayerKind::kMlaLatent,
                                                    .latent_dim = c.mla.kv_lora_rank,
                                                    .rope_dim = c.mla.qk_rope,

@@ -312,9 +312,6 @@ Result<ModelConfig> load_model_config(const GgufFile& f) {
     KV_TRY_STATUS(apply_deepseek2(f, c, value_length));
     c.layer_rope_scale.assign(n_layers, c.rope_freq_scale);
   }
-  if (c.shared_kv_layers > 0 && c.arch == "deepseek2") {
-    return bad(f, "attention.shared_kv_layers is not supported for deepseek2");
-  }
   if (Status st = assign_kv_sharing(c); !st.ok()) return bad(f, st.error().message);
   return c;
 }

@@ -66,6 +66,8 @@ class Deepseek2Spec:
     ctx: int = 1024
     rope_base: float = 10000.0
     weight_type: QK = QK.F32
+    embd_type: QK = QK.Q8_0     # token_embd (tied output)
+    shared_kv_layers: int = 0   # the last N layers read the last storing layer's KV
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -149,6 +151,9 @@ def write_deepseek2(path, spec: Deepseek2Spec, tokenizer_gguf):
     w.add_expert_weights_norm(spec.weights_norm)
     w.add_expert_gating_func(gguf.ExpertGatingFuncType(spec.gating))
     w.add_rope_dimension_count(spec.rope)
+    if spec.shared_kv_layers:
+        # The key llama.cpp's gemma3n/gemma4 read; llama.cpp's deepseek2 does not.
+        w.add_uint32("deepseek2.attention.shared_kv_layers", spec.shared_kv_layers)
     if spec.yarn:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(spec.yarn_factor)
@@ -174,7 +179,7 @@ def write_deepseek2(path, spec: Deepseek2Spec, tokenizer_gguf):
     def norm(name, n):
         w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
 
-    mat("token_embd.weight", n_vocab, spec.n_embd, std=0.5, qtype=QK.Q8_0)
+    mat("token_embd.weight", n_vocab, spec.n_embd, std=0.5, qtype=spec.embd_type)
     norm("output_norm.weight", spec.n_embd)  # output.weight absent: tied embeddings
     for i in range(spec.n_layer):
         p = f"blk.{i}."

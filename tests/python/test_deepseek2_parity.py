@@ -101,7 +101,8 @@ def test_logits_and_greedy_match_llama_cpp(models, prompts, variant):
 
 
 @pytest.mark.parametrize("variant", ["qlora-kvb", "q-split", "qlora-split-sigmoid"])
-def test_latent_cache_equals_expanded_for_every_block_size_and_split(models, prompts, variant):
+def test_latent_cache_equals_expanded_for_every_block_size_and_split(models, prompts, variant,
+                                                                      monkeypatch):
     """The absorbed latent path and the expanded per-head K/V path are two
     formulas for one attention: with f32 caches their logits agree for every
     block size and prefill split (chunks of 1, 7 and 160), to 5e-3 of the
@@ -110,16 +111,26 @@ def test_latent_cache_equals_expanded_for_every_block_size_and_split(models, pro
     one activation across a rounding step moves the logits by ~1e-2; and a
     kv_b file's f16 attn_kv_b makes the expanded path round the latent to f16
     before the up-projection (as ggml's f16 matmul does) while the latent path
-    keeps it f32. A wrong formula moves logits by units."""
+    keeps it f32. A wrong formula moves logits by units.
+
+    The latent cache's prefill chunks run in both of their forms
+    (KVSTACK_MLA_PREFILL): absorbed, and expanded (K/V materialised from the
+    cached latents for the chunk, the cache staying latent), each against the
+    expanded cache; decode rows (chunk 1) are always absorbed."""
     path = models[variant][0]
     ids = prompts["medium"]
     base = kvstack_logits(ids, "-m", path, "--kv-dtype", "f32", "--kv-mla", "expanded")
-    for bs, chunk in ((1, 7), (4, 1), (16, 160), (64, 7)):
-        got = kvstack_logits(ids, "-m", path, "--kv-dtype", "f32", "--kv-mla", "latent",
-                             "--block-size", bs, "--prefill-chunk", chunk)
-        err = np.abs(got - base).max()
-        print(f"\n[{variant}] latent vs expanded, block {bs}, chunk {chunk}: max abs {err:.2e}")
-        assert err < 5e-3 * np.abs(base).max(), (bs, chunk, err)
+    for form in ("absorbed", "expanded"):
+        monkeypatch.setenv("KVSTACK_MLA_PREFILL", form)
+        for bs, chunk in ((1, 7), (4, 1), (16, 160), (64, 7)):
+            if form == "expanded" and chunk == 1:
+                continue  # one-row chunks run absorbed in every form
+            got = kvstack_logits(ids, "-m", path, "--kv-dtype", "f32", "--kv-mla", "latent",
+                                 "--block-size", bs, "--prefill-chunk", chunk)
+            err = np.abs(got - base).max()
+            print(f"\n[{variant}] latent ({form} prefill) vs expanded cache, block {bs}, "
+                  f"chunk {chunk}: max abs {err:.2e}")
+            assert err < 5e-3 * np.abs(base).max(), (form, bs, chunk, err)
 
 
 def test_latent_cache_bytes_per_token(models):
@@ -149,6 +160,7 @@ def test_load_line_names_mla_and_moe(models):
     proc = run_kvstack("logits", "-m", path, "--tokens", "1,2,3", "--out", "/dev/null",
                        "--threads", THREADS, "--kv-mla", "latent")
     assert "mla: latent cache, absorbed attention, 32+16 per token" in proc.stderr
+    assert "heads (prefill chunks of >= 256 rows over >= 1024 keys expanded, k 32+16" in proc.stderr
     assert "moe: top-2 of 8 experts (sigmoid" in proc.stderr, proc.stderr
 
 
