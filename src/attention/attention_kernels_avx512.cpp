@@ -187,29 +187,61 @@ inline int int4_position(int r) {
   return 4 * (2 * k + u) + i % 4;
 }
 
-void pack_query(const float* qs, int d, bool int4_order, PackedQuery q) {
-  alignas(64) int8_t codes[kQueryGroup];
+// kInt4Order.idx[p] = r with int4_position(r) == p: the vpermb indices that
+// put a 64-element block's codes from element order into int4 keys' order.
+struct Int4Order {
+  alignas(64) uint8_t idx[64];
+  Int4Order() {
+    for (int r = 0; r < 64; ++r) idx[int4_position(r)] = static_cast<uint8_t>(r);
+  }
+};
+const Int4Order kInt4Order;
+
+// q^ of the query q [d] times scale: round_query_int8's codes and scales
+// bit for bit (the same float products, max |x| / 127, 127 / max |x|,
+// nearest-even rounding, a non-finite group gets scale NaN and zero codes),
+// 32 elements per group in two vectors.
+KV_AVX512 void pack_query(const float* q, float scale, int d, bool int4_order, PackedQuery pq) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  const __m512i lim = _mm512_set1_epi32(127);
   double corr = 0.0;
-  for (int g = 0; g < d / kQueryGroup; ++g) {
-    float gs = 0.0f;
-    round_query_int8(qs + kQueryGroup * g, kQueryGroup, codes, &gs);
-    int sum = 0;
-    for (int i = 0; i < kQueryGroup; ++i) sum += codes[i];
-    q.gscale[g] = gs;
-    q.qsum[g] = gs * static_cast<float>(sum);
-    corr += 128.0 * gs * sum;
-    for (int i = 0; i < kQueryGroup; ++i) {
-      const int e = kQueryGroup * g + i;  // element
-      if (!int4_order) {
-        q.codes[e] = codes[i];
+  for (int b = 0; b < d / 64; ++b) {
+    alignas(64) int8_t nat[64];  // the block's codes in element order
+    for (int half = 0; half < 2; ++half) {
+      const int g = 2 * b + half;
+      const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(q + 32 * g), sc);
+      const __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(q + 32 * g + 16), sc);
+      constexpr int kNonFinite = 0x01 | 0x08 | 0x10 | 0x80;  // QNaN, +inf, -inf, SNaN
+      float gs;
+      int sum = 0;
+      if ((_mm512_fpclass_ps_mask(x0, kNonFinite) | _mm512_fpclass_ps_mask(x1, kNonFinite)) != 0) {
+        gs = std::numeric_limits<float>::quiet_NaN();
+        std::memset(nat + 32 * half, 0, 32);
       } else {
-        const int r = e % 64;
-        q.codes[64 * (e / 64) + int4_position(r)] = codes[i];
+        const float amax =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        gs = amax / 127.0f;
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i r0 =
+            _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), lim),
+                             _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+        const __m512i r1 =
+            _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv)), lim),
+                             _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+        _mm_store_si128(reinterpret_cast<__m128i*>(nat + 32 * half), _mm512_cvtepi32_epi8(r0));
+        _mm_store_si128(reinterpret_cast<__m128i*>(nat + 32 * half + 16), _mm512_cvtepi32_epi8(r1));
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
       }
+      pq.gscale[g] = gs;
+      pq.qsum[g] = gs * static_cast<float>(sum);
+      corr += 128.0 * gs * sum;
     }
+    __m512i v = _mm512_load_si512(nat);
+    if (int4_order) v = _mm512_permutexvar_epi8(_mm512_load_si512(kInt4Order.idx), v);
+    _mm512_storeu_si512(pq.codes + 64 * b, v);
   }
   // NaN scales (a non-finite query) propagate into corr and the scores.
-  *q.corr = static_cast<float>(corr);
+  *pq.corr = static_cast<float>(corr);
 }
 
 // ---------------------------------------------------------------- q.K --
@@ -647,14 +679,13 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
   KV_CHECK(a.round_query, "decode_tile_avx512_vnni: keys are read with q^ only");
   const bool k4 = a.k.dtype == KvDtype::kInt4;
   const bool v4 = a.v.dtype == KvDtype::kInt4;
-  // Scratch (floats): qs [d], acc [n_vec, d], s [n_vec, kChunk], m, l, alpha,
+  // Scratch (floats): acc [n_vec, d], s [n_vec, kChunk], m, l, alpha,
   // corr [n_vec], gscale, qsum [n_vec, d / 32], lsum [n_vec, 16] (softmax
   // lane sums), wmin [n_vec, d / 32, 16] (int4 V: lane sums of p min per
   // group, rescaled as acc is), codes [n_vec, d / 4].
   const size_t ng = static_cast<size_t>(d) / 32;
-  float* qs = thread_scratch().get(d + static_cast<size_t>(n_vec) *
-                                           (d + kChunk + 4 + 2 * ng + 16 + 16 * ng + d / 4));
-  float* acc = qs + d;
+  float* acc = thread_scratch().get(static_cast<size_t>(n_vec) *
+                                    (d + kChunk + 4 + 2 * ng + 16 + 16 * ng + d / 4));
   float* s = acc + static_cast<size_t>(n_vec) * d;
   float* m = s + static_cast<size_t>(n_vec) * kChunk;
   float* l = m + n_vec;
@@ -668,16 +699,6 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
   thread_local std::vector<PackedQuery> tl_pq;
   if (tl_pq.size() < static_cast<size_t>(n_vec)) tl_pq.resize(static_cast<size_t>(n_vec));
   PackedQuery* pq = tl_pq.data();
-  for (int h = 0; h < n_vec; ++h) {
-    for (int c = 0; c < d; ++c) qs[c] = a.q[static_cast<size_t>(h) * d + c] * a.scale;
-    pq[h] =
-        PackedQuery{codes + static_cast<size_t>(h) * d, gscale + h * ng, qsum + h * ng, corr + h};
-    pack_query(qs, d, k4, pq[h]);
-    std::memset(acc + static_cast<size_t>(h) * d, 0, sizeof(float) * d);
-    m[h] = kNegInf;
-    std::memset(lsum + h * 16, 0, sizeof(float) * 16);
-    std::memset(wmin + h * ng * 16, 0, sizeof(float) * 16 * ng);
-  }
   const int n_sub = (g + kMaxSub - 1) / kMaxSub;
   const int32_t t_begin = std::max(a.key_begin, first_visible(a.pos0, a.window));
   const int32_t t_end = std::min(a.key_end, a.pos0 + 1);
@@ -701,6 +722,8 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
       v4 ? pv_fn<KvDtype::kInt4>(g / n_sub + 1) : pv_fn<KvDtype::kInt8>(g / n_sub + 1)};
   int cur = 0;
   thread_local LinePrefetch pf;  // 24 KiB: not on the stack
+  // The first chunk's lines are requested before the queries are packed,
+  // so that the packing overlaps their latency.
   if (t_begin < t_end) {
     const int n0 = std::min<int32_t>(kChunk, t_end - t_begin);
     chunk_slots(a, t_begin, n0, base[0], slot[0]);
@@ -710,6 +733,15 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
       pf.flush();
       pf.clear();
     }
+  }
+  for (int h = 0; h < n_vec; ++h) {
+    pq[h] =
+        PackedQuery{codes + static_cast<size_t>(h) * d, gscale + h * ng, qsum + h * ng, corr + h};
+    pack_query(a.q + static_cast<size_t>(h) * d, a.scale, d, k4, pq[h]);
+    std::memset(acc + static_cast<size_t>(h) * d, 0, sizeof(float) * d);
+    m[h] = kNegInf;
+    std::memset(lsum + h * 16, 0, sizeof(float) * 16);
+    std::memset(wmin + h * ng * 16, 0, sizeof(float) * 16 * ng);
   }
   for (int32_t c0 = t_begin; c0 < t_end; c0 += kChunk) {
     const int n = std::min<int32_t>(kChunk, t_end - c0);
