@@ -1,7 +1,8 @@
 // AVX-512 VNNI decode kernel for int8 and int4 K/V: integer dot products on
 // the stored codes. Every function that uses these instructions carries the
 // target attribute; the file is compiled for generic x86-64 and only entered
-// after select_kernels() has checked the CPU (AVX-512 F/BW/VL/DQ + VNNI).
+// after select_kernels() has checked the CPU (AVX-512 F/BW/VL/DQ + VNNI +
+// VBMI).
 //
 // q . K: the query (times the attention scale) is rounded to q^, int8 codes
 // per group of 32 elements (round_query_int8, as the int4 AVX2 path does).
@@ -22,11 +23,14 @@
 // (int8) or group scale (int4), are rounded per (query vector, chunk, V
 // group) to int16 codes w^ = nearbyint(w * 32767 / max w) (weights are >= 0,
 // so the largest is 32767 and the rest keep 15 bits relative to it). The V
-// codes of two keys are widened to int16 and interleaved, and vpdpwssd adds
-// w^_j v_j + w^_j+1 v_j+1 per column in int32 (at most 32 pairs: no
-// overflow); the chunk's sum is scaled back once per column. int4's minimum
-// enters as sum_j w_j min_j per group, in float. The float softmax state
-// (running max and sum) is exactly the AVX2 kernel's.
+// codes of two keys are paired as int16 words (v_j, v_j+1) in element order
+// by one VBMI vpermt2b per 16 elements (int4: and the nibble split), and
+// vpdpwssd adds w^_j v_j + w^_j+1 v_j+1 per column in int32 (at most 32
+// pairs: no overflow); the chunk's sum is scaled back once per column.
+// int4's minimum enters as sum_j w_j min_j per group, in float, kept as 16
+// lane sums rescaled with the accumulator and summed across lanes once per
+// tile, as the softmax sum is. The float softmax state is the AVX2 kernel's
+// (running max, sum) with a degree-6 exp and the sum in lanes.
 //
 // So, against the float kernels, scores carry q^'s rounding (as int4 keys
 // already do on every path) and the p . V sum a relative rounding of at
