@@ -1,7 +1,8 @@
 // AVX-512 VNNI decode kernel for int8 and int4 K/V: integer dot products on
 // the stored codes. Every function that uses these instructions carries the
 // target attribute; the file is compiled for generic x86-64 and only entered
-// after select_kernels() has checked the CPU (AVX-512 F/BW/VL/DQ + VNNI).
+// after select_kernels() has checked the CPU (AVX-512 F/BW/VL/DQ + VNNI +
+// VBMI).
 //
 // q . K: the query (times the attention scale) is rounded to q^, int8 codes
 // per group of 32 elements (round_query_int8, as the int4 AVX2 path does).
@@ -22,11 +23,14 @@
 // (int8) or group scale (int4), are rounded per (query vector, chunk, V
 // group) to int16 codes w^ = nearbyint(w * 32767 / max w) (weights are >= 0,
 // so the largest is 32767 and the rest keep 15 bits relative to it). The V
-// codes of two keys are widened to int16 and interleaved, and vpdpwssd adds
-// w^_j v_j + w^_j+1 v_j+1 per column in int32 (at most 32 pairs: no
-// overflow); the chunk's sum is scaled back once per column. int4's minimum
-// enters as sum_j w_j min_j per group, in float. The float softmax state
-// (running max and sum) is exactly the AVX2 kernel's.
+// codes of two keys are paired as int16 words (v_j, v_j+1) in element order
+// by one VBMI vpermt2b per 16 elements (int4: and the nibble split), and
+// vpdpwssd adds w^_j v_j + w^_j+1 v_j+1 per column in int32 (at most 32
+// pairs: no overflow); the chunk's sum is scaled back once per column.
+// int4's minimum enters as sum_j w_j min_j per group, in float, kept as 16
+// lane sums rescaled with the accumulator and summed across lanes once per
+// tile, as the softmax sum is. The float softmax state is the AVX2 kernel's
+// (running max, sum) with a degree-6 exp and the sum in lanes.
 //
 // So, against the float kernels, scores carry q^'s rounding (as int4 keys
 // already do on every path) and the p . V sum a relative rounding of at
@@ -52,8 +56,10 @@
 #include "attention/attention_kernels.h"
 #include "attention/attention_quant.h"
 
-#define KV_AVX512 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define KV_AVX512                                                                 \
+  __attribute__((                                                                 \
+      target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma," \
+             "f16c")))
 
 namespace kvstack::attn_detail {
 namespace {
@@ -185,29 +191,61 @@ inline int int4_position(int r) {
   return 4 * (2 * k + u) + i % 4;
 }
 
-void pack_query(const float* qs, int d, bool int4_order, PackedQuery q) {
-  alignas(64) int8_t codes[kQueryGroup];
+// kInt4Order.idx[p] = r with int4_position(r) == p: the vpermb indices that
+// put a 64-element block's codes from element order into int4 keys' order.
+struct Int4Order {
+  alignas(64) uint8_t idx[64];
+  Int4Order() {
+    for (int r = 0; r < 64; ++r) idx[int4_position(r)] = static_cast<uint8_t>(r);
+  }
+};
+const Int4Order kInt4Order;
+
+// q^ of the query q [d] times scale: round_query_int8's codes and scales
+// bit for bit (the same float products, max |x| / 127, 127 / max |x|,
+// nearest-even rounding, a non-finite group gets scale NaN and zero codes),
+// 32 elements per group in two vectors.
+KV_AVX512 void pack_query(const float* q, float scale, int d, bool int4_order, PackedQuery pq) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  const __m512i lim = _mm512_set1_epi32(127);
   double corr = 0.0;
-  for (int g = 0; g < d / kQueryGroup; ++g) {
-    float gs = 0.0f;
-    round_query_int8(qs + kQueryGroup * g, kQueryGroup, codes, &gs);
-    int sum = 0;
-    for (int i = 0; i < kQueryGroup; ++i) sum += codes[i];
-    q.gscale[g] = gs;
-    q.qsum[g] = gs * static_cast<float>(sum);
-    corr += 128.0 * gs * sum;
-    for (int i = 0; i < kQueryGroup; ++i) {
-      const int e = kQueryGroup * g + i;  // element
-      if (!int4_order) {
-        q.codes[e] = codes[i];
+  for (int b = 0; b < d / 64; ++b) {
+    alignas(64) int8_t nat[64];  // the block's codes in element order
+    for (int half = 0; half < 2; ++half) {
+      const int g = 2 * b + half;
+      const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(q + 32 * g), sc);
+      const __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(q + 32 * g + 16), sc);
+      constexpr int kNonFinite = 0x01 | 0x08 | 0x10 | 0x80;  // QNaN, +inf, -inf, SNaN
+      float gs;
+      int sum = 0;
+      if ((_mm512_fpclass_ps_mask(x0, kNonFinite) | _mm512_fpclass_ps_mask(x1, kNonFinite)) != 0) {
+        gs = std::numeric_limits<float>::quiet_NaN();
+        std::memset(nat + 32 * half, 0, 32);
       } else {
-        const int r = e % 64;
-        q.codes[64 * (e / 64) + int4_position(r)] = codes[i];
+        const float amax =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        gs = amax / 127.0f;
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i r0 =
+            _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), lim),
+                             _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+        const __m512i r1 =
+            _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv)), lim),
+                             _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+        _mm_store_si128(reinterpret_cast<__m128i*>(nat + 32 * half), _mm512_cvtepi32_epi8(r0));
+        _mm_store_si128(reinterpret_cast<__m128i*>(nat + 32 * half + 16), _mm512_cvtepi32_epi8(r1));
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
       }
+      pq.gscale[g] = gs;
+      pq.qsum[g] = gs * static_cast<float>(sum);
+      corr += 128.0 * gs * sum;
     }
+    __m512i v = _mm512_load_si512(nat);
+    if (int4_order) v = _mm512_permutexvar_epi8(_mm512_load_si512(kInt4Order.idx), v);
+    _mm512_storeu_si512(pq.codes + 64 * b, v);
   }
   // NaN scales (a non-finite query) propagate into corr and the scores.
-  *q.corr = static_cast<float>(corr);
+  *pq.corr = static_cast<float>(corr);
 }
 
 // ---------------------------------------------------------------- q.K --
@@ -371,42 +409,39 @@ KV_AVX512 void qk16(const PackedQuery* q, int d, const uint8_t* const* kp, int64
 
 // ---------------------------------------------------------------- p.V --
 
-// simd::exp8 (ops/simd_avx2.h) on 16 lanes, the same operations per lane:
-// exp(x) = 2^k e^r, r = x - k ln 2 in two steps, a degree-7 polynomial, the
-// power of two split as 2^kc 2^(k - kc); +inf above 88.72, 0 below -87.33.
+// exp(x) for the online softmax's x = s - m <= 0, 16 lanes: exp(x) = 2^k
+// e^r, k = round(x log2 e), r = x - k ln 2 in two steps, a degree-6
+// polynomial (relative error below 2e-7, well under the 2^-16 of the int16
+// weights it feeds) and 2^k by vscalefps; 0 below -87.33 (and for the
+// chunk padding's -inf), NaN stays NaN. Inputs above 0 do not occur.
 KV_AVX512 inline __m512 exp16(__m512 x) {
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
   r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.4286068203094172e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  const __m512 kc = _mm512_min_ps(_mm512_max_ps(k, _mm512_set1_ps(-126.f)), _mm512_set1_ps(127.f));
-  const __m512 kr =
-      _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(k, kc), _mm512_set1_ps(-1.f)), _mm512_set1_ps(1.f));
-  const __m512i bias = _mm512_set1_epi32(127);
-  const __m512 s1 =
-      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(kc), bias), 23));
-  const __m512 s2 =
-      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(kr), bias), 23));
-  __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
-  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72f), _CMP_GT_OQ), y,
-                           _mm512_set1_ps(std::numeric_limits<float>::infinity()));
-  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33f), _CMP_LT_OQ), y,
-                           _mm512_setzero_ps());
-  return y;
+  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33f), _CMP_NLT_UQ), p, k);
+}
+
+// The largest lane of v in every lane (no trip through a scalar register).
+KV_AVX512 inline __m512 broadcast_max(__m512 v) {
+  v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+  v = _mm512_max_ps(v, _mm512_permute_ps(v, 0x4E));
+  return _mm512_max_ps(v, _mm512_permute_ps(v, 0xB1));
 }
 
 // Online-softmax update of one query vector over a chunk of n scores at s
-// (padded to kChunk in place), as the AVX2 kernel's softmax_update: leaves
-// p = exp(s - m_new) in s (0 past n), returns the rescale of the old state.
-KV_AVX512 float softmax_update(float* s, int n, float* m, float* l) {
+// (padded to kChunk in place): leaves p = exp(s - m_new) in s (0 past n),
+// returns the rescale alpha of the old state. The running sum is kept as 16
+// lane sums lsum (lsum = alpha lsum + p, summed across lanes once at the end).
+KV_AVX512 float softmax_update(float* s, int n, float* m, float* lsum) {
   for (int j = n; j < kChunk; ++j) s[j] = kNegInf;
   __m512 mx = _mm512_loadu_ps(s);
   for (int x = 1; x < kVecs; ++x) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + 16 * x));
@@ -418,14 +453,14 @@ KV_AVX512 float softmax_update(float* s, int n, float* m, float* l) {
   }
   const float alpha = m_new == *m ? 1.0f : std::exp(*m - m_new);
   const __m512 mv = _mm512_set1_ps(m_new);
-  __m512 sum = _mm512_setzero_ps();
+  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(lsum), _mm512_set1_ps(alpha));
 #pragma GCC unroll 4
   for (int x = 0; x < kVecs; ++x) {
     const __m512 px = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * x), mv));
     _mm512_storeu_ps(s + 16 * x, px);
     sum = _mm512_add_ps(sum, px);
   }
-  *l = *l * alpha + _mm512_reduce_add_ps(sum);
+  _mm512_storeu_ps(lsum, sum);
   *m = m_new;
   return alpha;
 }
@@ -434,26 +469,19 @@ KV_AVX512 float softmax_update(float* s, int n, float* m, float* l) {
 // (int8 V: one group), scale ws[g] (value = code * ws).
 struct ChunkWeights {
   alignas(64) int16_t wq[8][kChunk];  // up to d = 256 for int4 V
+  __m512 msum[8];  // int4 V: lane sums of p_j min_{j,g} (summed across lanes at the end)
   float ws[8];
-  float wmin[8];  // int4 V: sum_j p_j min_{j,g}
 };
 
-// Rounds the weights w [kChunk] (>= 0, 0 past the chunk) to wq, scale ws.
-KV_AVX512 inline void round_weights(const float* w, int16_t* wq, float* ws) {
-  __m512 wv[kVecs];
-  __m512 mxv = _mm512_setzero_ps();
+// Rounds the weights wv [kVecs x 16] (>= 0, 0 past the chunk) to wq, scale
+// ws: codes nearbyint(w * 32767 / max w); all zero gives zero codes.
+KV_AVX512 inline void round_weights(const __m512* wv, int16_t* wq, float* ws) {
+  __m512 mxv = wv[0];
 #pragma GCC unroll 4
-  for (int x = 0; x < kVecs; ++x) {
-    wv[x] = _mm512_loadu_ps(w + 16 * x);
-    mxv = _mm512_max_ps(mxv, wv[x]);
-  }
-  const float mx = _mm512_reduce_max_ps(mxv);
-  if (!(mx > 0.0f)) {  // all zero (or NaN: the output is NaN through l)
-    std::memset(wq, 0, sizeof(int16_t) * kChunk);
-    *ws = mx > 0.0f || mx == 0.0f ? 0.0f : mx;
-    return;
-  }
-  const __m512 inv = _mm512_set1_ps(32767.0f / mx);
+  for (int x = 1; x < kVecs; ++x) mxv = _mm512_max_ps(mxv, wv[x]);
+  mxv = broadcast_max(mxv);
+  const __m512 inv =
+      _mm512_div_ps(_mm512_set1_ps(32767.0f), _mm512_max_ps(mxv, _mm512_set1_ps(1e-30f)));
   const __m512i lim = _mm512_set1_epi32(32767);
 #pragma GCC unroll 4
   for (int x = 0; x < kVecs; ++x) {
@@ -461,112 +489,97 @@ KV_AVX512 inline void round_weights(const float* w, int16_t* wq, float* ws) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(wq + 16 * x),
                        _mm512_cvtepi32_epi16(_mm512_min_epi32(c, lim)));
   }
-  *ws = mx / 32767.0f;
+  *ws = _mm512_cvtss_f32(mxv) * (1.0f / 32767.0f);
 }
 
-// Column order of the int16 sums: a 32-element half of a 64-element block
-// widened to 32 words and interleaved with the next key's by unpacklo/hi:
-// unpacklo lane 4L + i holds word 8L + i, unpackhi lane 4L + i word 8L + 4
-// + i. idx_lo/idx_hi put natural words 0..15 / 16..31 back in order from
-// (unpacklo, unpackhi) via permutex2var.
-KV_AVX512 inline __m512i word_order(int first_lane) {
-  alignas(64) int32_t idx[16];
-  for (int q = 0; q < 16; ++q) {
-    const int lane = first_lane + q / 8, r = q % 8;
-    idx[q] = r < 4 ? 4 * lane + r : 16 + 4 * lane + r - 4;
+// Byte-permute indices that pair two keys' V codes as int16 words for
+// vpdpwssd: dword i of the result holds (code e of key j, code e of key
+// j + 1) for 16 consecutive elements e, in element order. vpermt2b picks
+// the bytes from the two keys' rows (a = indices 0..63, b = 64..127) and
+// zeroes the rest (mask), so each word is one code byte, zero-extended
+// (int4: low byte, its nibbles split afterwards) or in the high byte (int8:
+// sign-extended afterwards by an arithmetic shift of 8).
+//   int4, sel 0 / 1: row bytes 0..15 / 16..31 of the 32-byte block (the
+//     two 32-element groups; each byte's low nibble is element i, its high
+//     nibble element 16 + i of the group);
+//   int8, sel 0..3: row bytes 16 sel .. 16 sel + 15 of the 64-byte block.
+template <KvDtype F>
+KV_AVX512 inline __m512i pair_index(int sel) {
+  alignas(64) uint8_t idx[64] = {};
+  for (int i = 0; i < 16; ++i) {
+    const int lo = F == KvDtype::kInt8 ? 1 : 0;  // byte of the word that holds the code
+    idx[4 * i + lo] = static_cast<uint8_t>(16 * sel + i);
+    idx[4 * i + 2 + lo] = static_cast<uint8_t>(64 + 16 * sel + i);
   }
   return _mm512_load_si512(idx);
 }
 
-// Words of V row j for the 32 elements at block b, half hf, as int16: int8
-// V: elements 64b + 32hf + (0..31); int4 V: half 0 = low nibbles of groups
-// 2b and 2b + 1 (elements 64b + 0..15, 64b + 32..47), half 1 = high nibbles
-// (64b + 16..31, 64b + 48..63).
-template <KvDtype F>
-KV_AVX512 inline __m512i v_words(const uint8_t* row, int b, int hf) {
-  if constexpr (F == KvDtype::kInt8) {
-    return _mm512_cvtepi8_epi16(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 64 * b + 32 * hf)));
-  } else {
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b));
-    const __m256i x = hf == 0 ? c : _mm256_srli_epi16(c, 4);
-    return _mm512_cvtepu8_epi16(_mm256_and_si256(x, _mm256_set1_epi8(0x0f)));
-  }
-}
-
-// Natural element of word w (0..31) of v_words(F, b, hf), relative to 64b.
-template <KvDtype F>
-constexpr int v_word_element(int hf, int w) {
-  if constexpr (F == KvDtype::kInt8) {
-    return 32 * hf + w;
-  } else {
-    return (w / 16) * 32 + hf * 16 + w % 16;
-  }
-}
-
 // acc[h] = alpha[h] acc[h] + sum_j w_hj V_j for SG query vectors over a
 // chunk of n keys (rows at vp[j] + voff; vp[n] valid filler when n is odd),
-// weights from cw[h].
+// weights from cw[h]. Per key pair and 64-element block: two (int4) or four
+// (int8) byte permutes build the four word vectors of elements 16k..16k+15
+// (k < 4), each of which feeds SG vpdpwssd against the pair's weights.
 template <KvDtype F, int SG>
 KV_AVX512 void pv_chunk(const ChunkWeights* cw, const uint8_t* const* vp, int64_t voff, int n,
                         const float* alpha, float* acc, int d, LinePrefetch* pf, int per_step) {
   const int n2 = (n + 1) / 2 * 2;
-  const __m512i ord_lo = word_order(0), ord_hi = word_order(2);
+  constexpr bool k4 = F == KvDtype::kInt4;
+  constexpr __mmask64 kWordMask = k4 ? 0x5555555555555555ull : 0xAAAAAAAAAAAAAAAAull;
+  __m512i ix[4];
+#pragma GCC unroll 4
+  for (int s = 0; s < (k4 ? 2 : 4); ++s) ix[s] = pair_index<F>(s);
+  const __m512i nib = _mm512_set1_epi16(0x0f);
   for (int b = 0; b < d / 64; ++b) {
-    // ia[h][2 hf + u]: half hf, u = 0 unpacklo / 1 unpackhi.
-    __m512i ia[SG][4];
+    __m512i ia[SG][4];  // ia[h][k]: elements 64 b + 16 k + (0..15)
 #pragma GCC unroll 4
     for (int h = 0; h < SG; ++h) {
 #pragma GCC unroll 4
-      for (int x = 0; x < 4; ++x) ia[h][x] = _mm512_setzero_si512();
+      for (int k = 0; k < 4; ++k) ia[h][k] = _mm512_setzero_si512();
     }
     for (int j = 0; j < n2; j += 2) {
       if (b == 0) pf->step(per_step);
-      __m512i wv[SG];  // the pair's weights, shared by both halves
+      __m512i v[4];
+      if constexpr (k4) {
+        const __m512i x = _mm512_castsi256_si512(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp[j] + voff + 32 * b)));
+        const __m512i y = _mm512_castsi256_si512(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp[j + 1] + voff + 32 * b)));
+#pragma GCC unroll 2
+        for (int s = 0; s < 2; ++s) {
+          const __m512i p = _mm512_maskz_permutex2var_epi8(kWordMask, x, ix[s], y);
+          v[2 * s] = _mm512_and_si512(p, nib);
+          v[2 * s + 1] = _mm512_srli_epi16(p, 4);
+        }
+      } else {
+        const __m512i x = _mm512_loadu_si512(vp[j] + voff + 64 * b);
+        const __m512i y = _mm512_loadu_si512(vp[j + 1] + voff + 64 * b);
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; ++s) {
+          v[s] = _mm512_srai_epi16(_mm512_maskz_permutex2var_epi8(kWordMask, x, ix[s], y), 8);
+        }
+      }
 #pragma GCC unroll 4
       for (int h = 0; h < SG; ++h) {
-        if constexpr (F == KvDtype::kInt8) {
-          wv[h] = _mm512_set1_epi32(load_i32(&cw[h].wq[0][j]));
-        } else {  // lanes 0..7: group 2b, 8..15: group 2b + 1
-          wv[h] = _mm512_inserti64x4(_mm512_set1_epi32(load_i32(&cw[h].wq[2 * b][j])),
-                                     _mm256_set1_epi32(load_i32(&cw[h].wq[2 * b + 1][j])), 1);
-        }
-      }
-#pragma GCC unroll 2
-      for (int hf = 0; hf < 2; ++hf) {
-        const __m512i a = v_words<F>(vp[j] + voff, b, hf);
-        const __m512i c = v_words<F>(vp[j + 1] + voff, b, hf);
-        const __m512i lo = _mm512_unpacklo_epi16(a, c);
-        const __m512i hi = _mm512_unpackhi_epi16(a, c);
-#pragma GCC unroll 4
-        for (int h = 0; h < SG; ++h) {
-          ia[h][2 * hf] = _mm512_dpwssd_epi32(ia[h][2 * hf], lo, wv[h]);
-          ia[h][2 * hf + 1] = _mm512_dpwssd_epi32(ia[h][2 * hf + 1], hi, wv[h]);
-        }
+        // int8 V: one weight per key; int4: group 2b for k < 2, 2b + 1 after.
+        const __m512i w0 = _mm512_set1_epi32(load_i32(&cw[h].wq[k4 ? 2 * b : 0][j]));
+        const __m512i w1 = k4 ? _mm512_set1_epi32(load_i32(&cw[h].wq[2 * b + 1][j])) : w0;
+        ia[h][0] = _mm512_dpwssd_epi32(ia[h][0], v[0], w0);
+        ia[h][1] = _mm512_dpwssd_epi32(ia[h][1], v[1], w0);
+        ia[h][2] = _mm512_dpwssd_epi32(ia[h][2], v[2], w1);
+        ia[h][3] = _mm512_dpwssd_epi32(ia[h][3], v[3], w1);
       }
     }
-    // Back to float, in element order: each 16-element output vector comes
-    // from one half's (unpacklo, unpackhi) pair.
+    // Back to float, scaled once per chunk and group.
 #pragma GCC unroll 4
     for (int h = 0; h < SG; ++h) {
       float* ah = acc + static_cast<size_t>(h) * d + 64 * b;
       const __m512 al = _mm512_set1_ps(alpha[h]);
-#pragma GCC unroll 2
-      for (int hf = 0; hf < 2; ++hf) {
-        const __m512 flo = _mm512_cvtepi32_ps(ia[h][2 * hf]);
-        const __m512 fhi = _mm512_cvtepi32_ps(ia[h][2 * hf + 1]);
-#pragma GCC unroll 2
-        for (int o = 0; o < 2; ++o) {
-          const __m512 x = _mm512_permutex2var_ps(flo, o == 0 ? ord_lo : ord_hi, fhi);
-          // Words 16 o .. 16 o + 15 of this half: one V group each.
-          const int e0 = v_word_element<F>(hf, 16 * o);
-          const int g = F == KvDtype::kInt8 ? 0 : 2 * b + e0 / 32;
-          float* dst = ah + e0;
-          __m512 y = _mm512_mul_ps(_mm512_loadu_ps(dst), al);
-          y = _mm512_fmadd_ps(x, _mm512_set1_ps(cw[h].ws[g]), y);
-          if constexpr (F == KvDtype::kInt4) y = _mm512_add_ps(y, _mm512_set1_ps(cw[h].wmin[g]));
-          _mm512_storeu_ps(dst, y);
-        }
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        const int g = k4 ? 2 * b + k / 2 : 0;
+        __m512 y = _mm512_mul_ps(_mm512_loadu_ps(ah + 16 * k), al);
+        y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[h][k]), _mm512_set1_ps(cw[h].ws[g]), y);
+        _mm512_storeu_ps(ah + 16 * k, y);
       }
     }
   }
@@ -574,16 +587,15 @@ KV_AVX512 void pv_chunk(const ChunkWeights* cw, const uint8_t* const* vp, int64_
 
 // Weights of one query vector's chunk (p [kChunk], 0 past the chunk) for
 // V format F, V metadata in vm: int8: p_j * scale_j; int4: per group
-// p_j * scale_{j,g}, and sum_j p_j min_{j,g}.
+// p_j * scale_{j,g}, and the lane sums of p_j min_{j,g}.
 template <KvDtype F>
 KV_AVX512 void chunk_weights(const float* p, const ChunkMeta* vm, int d, ChunkWeights* cw) {
-  alignas(64) float w[kChunk];
+  __m512 px[kVecs], w[kVecs];
+#pragma GCC unroll 4
+  for (int x = 0; x < kVecs; ++x) px[x] = _mm512_loadu_ps(p + 16 * x);
   if constexpr (F == KvDtype::kInt8) {
 #pragma GCC unroll 4
-    for (int x = 0; x < kVecs; ++x) {
-      _mm512_store_ps(w + 16 * x, _mm512_mul_ps(_mm512_loadu_ps(p + 16 * x),
-                                                _mm512_load_ps(vm->f[0] + 16 * x)));
-    }
+    for (int x = 0; x < kVecs; ++x) w[x] = _mm512_mul_ps(px[x], _mm512_load_ps(vm->f[0] + 16 * x));
     round_weights(w, cw->wq[0], &cw->ws[0]);
   } else {
     for (int g = 0; g < d / 32; ++g) {
@@ -592,12 +604,11 @@ KV_AVX512 void chunk_weights(const float* p, const ChunkMeta* vm, int d, ChunkWe
       __m512 msum = _mm512_setzero_ps();
 #pragma GCC unroll 4
       for (int x = 0; x < kVecs; ++x) {
-        const __m512 px = _mm512_loadu_ps(p + 16 * x);
-        _mm512_store_ps(w + 16 * x, _mm512_mul_ps(px, _mm512_load_ps(sc + 16 * x)));
-        msum = _mm512_fmadd_ps(px, _mm512_load_ps(mn + 16 * x), msum);
+        w[x] = _mm512_mul_ps(px[x], _mm512_load_ps(sc + 16 * x));
+        msum = _mm512_fmadd_ps(px[x], _mm512_load_ps(mn + 16 * x), msum);
       }
       round_weights(w, cw->wq[g], &cw->ws[g]);
-      cw->wmin[g] = _mm512_reduce_add_ps(msum);
+      cw->msum[g] = msum;
     }
   }
 }
@@ -636,14 +647,22 @@ PvFn pv_fn(int sg) {
 }
 
 // Row and (per-row) metadata addresses of the chunk's keys in one stream of
-// KV head hh.
-inline void stream_rows(const HeadStream& s, int hh, const int64_t* base, const int32_t* slot,
-                        int n, const uint8_t** rows, const uint8_t** metas) {
-  const uint8_t* data = s.data + hh * s.head_stride;
-  const uint8_t* meta = s.meta + hh * s.meta_head_stride;
-  for (int j = 0; j < n; ++j) {
-    rows[j] = data + base[j] + slot[j] * s.slot_stride;
-    metas[j] = meta + base[j] + slot[j] * s.meta_slot_stride;
+// KV head hh (eight keys per step: pointers are 64-bit lanes).
+KV_AVX512 void stream_rows(const HeadStream& s, int hh, const int64_t* base, const int32_t* slot,
+                           int n, const uint8_t** rows, const uint8_t** metas) {
+  const __m512i data = _mm512_set1_epi64(reinterpret_cast<intptr_t>(s.data + hh * s.head_stride));
+  const __m512i meta =
+      _mm512_set1_epi64(reinterpret_cast<intptr_t>(s.meta + hh * s.meta_head_stride));
+  const __m512i ss = _mm512_set1_epi64(s.slot_stride);
+  const __m512i ms = _mm512_set1_epi64(s.meta_slot_stride);
+  for (int j = 0; j < n; j += 8) {
+    const __mmask8 k = n - j >= 8 ? 0xFF : static_cast<__mmask8>((1u << (n - j)) - 1);
+    const __m512i b = _mm512_maskz_loadu_epi64(k, base + j);
+    const __m512i sl = _mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(k, slot + j));
+    _mm512_mask_storeu_epi64(
+        rows + j, k, _mm512_add_epi64(_mm512_add_epi64(data, b), _mm512_mullo_epi64(sl, ss)));
+    _mm512_mask_storeu_epi64(
+        metas + j, k, _mm512_add_epi64(_mm512_add_epi64(meta, b), _mm512_mullo_epi64(sl, ms)));
   }
 }
 
@@ -664,12 +683,13 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
   KV_CHECK(a.round_query, "decode_tile_avx512_vnni: keys are read with q^ only");
   const bool k4 = a.k.dtype == KvDtype::kInt4;
   const bool v4 = a.v.dtype == KvDtype::kInt4;
-  // Scratch (floats): qs [d], acc [n_vec, d], s [n_vec, kChunk], m, l, alpha,
-  // corr [n_vec], gscale, qsum [n_vec, d / 32], codes [n_vec, d / 4].
+  // Scratch (floats): acc [n_vec, d], s [n_vec, kChunk], m, l, alpha,
+  // corr [n_vec], gscale, qsum [n_vec, d / 32], lsum [n_vec, 16] (softmax
+  // lane sums), wmin [n_vec, d / 32, 16] (int4 V: lane sums of p min per
+  // group, rescaled as acc is), codes [n_vec, d / 4].
   const size_t ng = static_cast<size_t>(d) / 32;
-  float* qs =
-      thread_scratch().get(d + static_cast<size_t>(n_vec) * (d + kChunk + 4 + 2 * ng + d / 4));
-  float* acc = qs + d;
+  float* acc = thread_scratch().get(static_cast<size_t>(n_vec) *
+                                    (d + kChunk + 4 + 2 * ng + 16 + 16 * ng + d / 4));
   float* s = acc + static_cast<size_t>(n_vec) * d;
   float* m = s + static_cast<size_t>(n_vec) * kChunk;
   float* l = m + n_vec;
@@ -677,19 +697,12 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
   float* corr = alpha + n_vec;
   float* gscale = corr + n_vec;
   float* qsum = gscale + n_vec * ng;
-  auto* codes = reinterpret_cast<int8_t*>(qsum + n_vec * ng);
+  float* lsum = qsum + n_vec * ng;
+  float* wmin = lsum + static_cast<size_t>(n_vec) * 16;
+  auto* codes = reinterpret_cast<int8_t*>(wmin + n_vec * ng * 16);
   thread_local std::vector<PackedQuery> tl_pq;
   if (tl_pq.size() < static_cast<size_t>(n_vec)) tl_pq.resize(static_cast<size_t>(n_vec));
   PackedQuery* pq = tl_pq.data();
-  for (int h = 0; h < n_vec; ++h) {
-    for (int c = 0; c < d; ++c) qs[c] = a.q[static_cast<size_t>(h) * d + c] * a.scale;
-    pq[h] =
-        PackedQuery{codes + static_cast<size_t>(h) * d, gscale + h * ng, qsum + h * ng, corr + h};
-    pack_query(qs, d, k4, pq[h]);
-    std::memset(acc + static_cast<size_t>(h) * d, 0, sizeof(float) * d);
-    m[h] = kNegInf;
-    l[h] = 0.0f;
-  }
   const int n_sub = (g + kMaxSub - 1) / kMaxSub;
   const int32_t t_begin = std::max(a.key_begin, first_visible(a.pos0, a.window));
   const int32_t t_end = std::min(a.key_end, a.pos0 + 1);
@@ -713,6 +726,8 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
       v4 ? pv_fn<KvDtype::kInt4>(g / n_sub + 1) : pv_fn<KvDtype::kInt8>(g / n_sub + 1)};
   int cur = 0;
   thread_local LinePrefetch pf;  // 24 KiB: not on the stack
+  // The first chunk's lines are requested before the queries are packed,
+  // so that the packing overlaps their latency.
   if (t_begin < t_end) {
     const int n0 = std::min<int32_t>(kChunk, t_end - t_begin);
     chunk_slots(a, t_begin, n0, base[0], slot[0]);
@@ -722,6 +737,15 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
       pf.flush();
       pf.clear();
     }
+  }
+  for (int h = 0; h < n_vec; ++h) {
+    pq[h] =
+        PackedQuery{codes + static_cast<size_t>(h) * d, gscale + h * ng, qsum + h * ng, corr + h};
+    pack_query(a.q + static_cast<size_t>(h) * d, a.scale, d, k4, pq[h]);
+    std::memset(acc + static_cast<size_t>(h) * d, 0, sizeof(float) * d);
+    m[h] = kNegInf;
+    std::memset(lsum + h * 16, 0, sizeof(float) * 16);
+    std::memset(wmin + h * ng * 16, 0, sizeof(float) * 16 * ng);
   }
   for (int32_t c0 = t_begin; c0 < t_end; c0 += kChunk) {
     const int n = std::min<int32_t>(kChunk, t_end - c0);
@@ -758,7 +782,8 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
         }
         h0 += sg;
       }
-      for (int h = v0; h < v0 + g; ++h) alpha[h] = softmax_update(s + h * kChunk, n, m + h, l + h);
+      for (int h = v0; h < v0 + g; ++h)
+        alpha[h] = softmax_update(s + h * kChunk, n, m + h, lsum + h * 16);
       if (a.mass_p != nullptr) {  // H2O key mass: this chunk's p and max
         for (int h = v0; h < v0 + g; ++h) {
           std::memcpy(a.mass_p + h * a.mass_stride + c0, s + h * kChunk, sizeof(float) * n);
@@ -778,6 +803,16 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
         }
         pv_sub[big](cw, vp, voff, n, alpha + h0, acc + static_cast<size_t>(h0) * d, d, &pf,
                     per_step);
+        if (v4) {
+          for (int x = 0; x < sg; ++x) {
+            float* wm = wmin + (h0 + x) * ng * 16;
+            const __m512 al = _mm512_set1_ps(alpha[h0 + x]);
+            for (size_t gi = 0; gi < ng; ++gi) {
+              _mm512_storeu_ps(wm + 16 * gi,
+                               _mm512_fmadd_ps(_mm512_loadu_ps(wm + 16 * gi), al, cw[x].msum[gi]));
+            }
+          }
+        }
         h0 += sg;
       }
     }
@@ -785,7 +820,14 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
     cur = nxt;
   }
   for (int i = 0; i < n_vec; ++i) {
-    const float* ai = acc + static_cast<size_t>(i) * d;
+    float* ai = acc + static_cast<size_t>(i) * d;
+    l[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(lsum + i * 16));
+    if (v4) {  // sum_j p_j min_{j,g}, once per group
+      for (int c = 0; c < d; c += 32) {
+        const float mn = _mm512_reduce_add_ps(_mm512_loadu_ps(wmin + (i * ng + c / 32) * 16));
+        for (int e = c; e < c + 32; ++e) ai[e] += mn;
+      }
+    }
     if (a.part_acc != nullptr) {
       a.part_m[i] = m[i];
       a.part_l[i] = l[i];

@@ -282,6 +282,7 @@ const char* vnni_missing() {
     return "no AVX-512 F/BW/VL/DQ on this CPU";
   }
   if (!f.avx512vnni) return "no AVX-512 VNNI on this CPU";
+  if (!__builtin_cpu_supports("avx512vbmi")) return "no AVX-512 VBMI on this CPU";
   if (best_isa() < Isa::kAvx512) return "KVSTACK_ISA caps below avx512";
   if (!dispatch_is_vnni(KvDtype::kInt8, KvDtype::kInt8, 64)) {
     return "KVSTACK_ATTN_ISA caps below avx512";
