@@ -46,6 +46,7 @@
 #include "kv/kv_codec.h"
 #include "kv/kv_write.h"
 #include "kv/layout.h"
+#include "kv/retention.h"
 
 namespace kvstack {
 namespace {
@@ -371,6 +372,26 @@ void mass_args(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK(BM_DecodeMass)->Apply(mass_args)->Unit(benchmark::kMicrosecond)->UseManualTime();
+
+// BM_H2oSelect/n: the policy side of H2O, one h2o_keep_slots call (budget
+// 512, window 512) over a KV group of n resident slots with random mass: the
+// engine calls it once per layer (SmolLM2: 30) on the steps that compact.
+void BM_H2oSelect(benchmark::State& state) {
+  const auto n = static_cast<size_t>(state.range(0));
+  RetentionConfig c;
+  c.policy = RetentionPolicy::kH2o;
+  c.budget = 512;
+  c.window = 512;
+  std::vector<float> mass(n);
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> ud(0.0f, 4.0f);
+  for (float& x : mass) x = ud(rng);
+  for (auto _ : state) {
+    std::vector<int64_t> keep = h2o_keep_slots(c, mass);
+    benchmark::DoNotOptimize(keep.data());
+  }
+}
+BENCHMARK(BM_H2oSelect)->Arg(1040)->Arg(8192)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace kvstack

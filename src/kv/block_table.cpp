@@ -179,6 +179,11 @@ int64_t BlockTable::apply_retention() {
         standard = standard && g.layout().layer(i).kind == KvLayerKind::kStandard;
       }
       if (!standard) continue;
+      // h2o_keep_slots keeps min(n, budget + window) slots: skip the
+      // selection (an nth_element over every slot) on the steps where the
+      // slack rule below would not compact anyway.
+      const int64_t n_keep = std::min(g.length(), retention_.budget + retention_.window);
+      if (g.length() - n_keep < slack) continue;
       keep = h2o_keep_slots(retention_, mass_[gi]);
     } else {
       std::span<const int32_t> positions = g.positions();
