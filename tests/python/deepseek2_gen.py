@@ -92,6 +92,14 @@ BENCH = Deepseek2Spec("bench", q_lora=0, split_kv_b=True, n_embd=512, n_head=16,
                       n_expert=8, n_expert_used=2, n_expert_shared=1, n_ff_exp=256, yarn=False,
                       ctx=32768, weight_type=QK.Q8_0, seed=7)
 
+# BENCH's attention (16 heads, the same latent and head widths) on one dense
+# layer with a 512-wide FFN, so that filling a 16K context takes seconds, not
+# minutes, while attention stays most of a 16K decode step (docs/benchmarks.md,
+# "16K end to end").
+BENCH_16K = Deepseek2Spec("bench16k", q_lora=0, split_kv_b=True, n_embd=512, n_head=16,
+                          kv_lora=512, nope=128, rope=64, v_dim=128, n_layer=1, n_dense_lead=1,
+                          n_ff=512, yarn=False, ctx=32768, weight_type=QK.Q8_0, seed=8)
+
 
 def _copy_tokenizer(writer, tokenizer_gguf):
     r = gguf.GGUFReader(str(tokenizer_gguf))
@@ -245,10 +253,15 @@ def write_all(out_dir, tokenizer_gguf, variants=VARIANTS):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    bench = "--bench" in args
-    args = [a for a in args if a != "--bench"]
+    chosen = VARIANTS
+    if "--bench" in args:
+        chosen = [BENCH]
+    if "--bench16k" in args:
+        chosen = [BENCH_16K]
+    args = [a for a in args if a not in ("--bench", "--bench16k")]
     if len(args) != 2:
-        sys.exit("usage: deepseek2_gen.py [--bench] OUT_DIR TOKENIZER_GGUF\n"
-                 "  --bench: write only the benchmark model (BENCH) instead of the test variants")
-    for name, path in write_all(args[0], args[1], [BENCH] if bench else VARIANTS).items():
+        sys.exit("usage: deepseek2_gen.py [--bench|--bench16k] OUT_DIR TOKENIZER_GGUF\n"
+                 "  --bench: write only the benchmark model (BENCH) instead of the test variants\n"
+                 "  --bench16k: write only the one-layer 16K benchmark model (BENCH_16K)")
+    for name, path in write_all(args[0], args[1], chosen).items():
         print(f"{name}: {path} ({path.stat().st_size / 1e6:.1f} MB)")
