@@ -434,6 +434,11 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull_stream(Scheduler& s, const j
   stats_.last_pull_s = seconds_since(t0);
   stats_.pull_seconds += stats_.last_pull_s;
   stats_.last_layer_get_s = layer_s;
+  stats_.last_get_s = 0;
+  for (double v : layer_s) stats_.last_get_s += v;
+  stats_.last_bytes = static_cast<int64_t>(want_recs.size()) * o.block_bytes;
+  stats_.last_bandwidth =
+      stats_.last_get_s > 0 ? static_cast<double>(stats_.last_bytes) / stats_.last_get_s : 0;
   return pin;
 }
 

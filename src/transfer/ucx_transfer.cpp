@@ -417,6 +417,7 @@ Result<std::unique_ptr<PullSession>> PullSession::open_stream(UcxContext& ucx,
   s->timeout_ = timeout;
   const std::string where = host + ":" + std::to_string(port);
   s->where_ = where;
+  s->stream_ = true;
   auto c = Socket::connect(host, port, timeout);
   if (!c) return make_error(c.error().code, "KV stream from " + where + ": " + c.error().message);
   s->conn_ = std::move(*c);
@@ -609,7 +610,7 @@ Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::ato
   // Endpoints connect lazily (TCP: at the first operation): a one-byte get
   // and a flush first, so that the timed gets below measure the data path
   // and the connection set-up is reported apart (wireup_s).
-  if (!dst.empty()) {
+  if (!dst.empty() && !probed_) {
     const auto t_w = Clock::now();
     uint8_t probe = 0;
     ucp_request_param_t p{};
@@ -618,6 +619,7 @@ Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::ato
     if (ws == UCS_OK) ws = wait_request(worker, ucx_api().ucp_ep_flush_nbx(e, &p), deadline);
     if (ws != UCS_OK) return ucx_error("KV transfer: connecting to the prefill worker", ws);
     timings_.wireup_s = seconds_since(t_w);
+    probed_ = stream_;  // a stream's later reads (one per layer) need no probe
   }
   const auto t_get = Clock::now();
   std::vector<ucs_status_ptr_t> reqs;

@@ -271,6 +271,8 @@ class PullSession {
   std::chrono::milliseconds timeout_{10000};
   std::vector<std::pair<uint64_t, uint64_t>> layer_ranges_;
   std::vector<uint8_t> stream_meta_;
+  bool stream_ = false;  // opened by open_stream()
+  bool probed_ = false;  // the endpoint's connection was probed (streams: once)
   std::string where_;
   PullTimings timings_;
   bool finished_ = false;
