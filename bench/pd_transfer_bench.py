@@ -274,7 +274,9 @@ def by_layer(args):
                                  measured=(tr["last_pull_seconds"] if args.stream
                                            else t_prefill + tr["last_pull_seconds"]),
                                  whole=sum(tp) + sum(tx),
-                                 formula=mp + mx + (L - 1) * max(mp, mx), replay=done))
+                                 formula=mp + mx + (L - 1) * max(mp, mx),
+                                 formula_mean=(sum(tp) + sum(tx)) / L
+                                 + (L - 1) * max(sum(tp), sum(tx)) / L, replay=done))
                 print(f"round {r}: t_p {mp * 1e3:.2f} ms/layer, t_x {mx * 1e3:.2f} ms/layer, "
                       f"T_ready measured {rows[-1]['measured'] * 1e3:.0f} ms, formula "
                       f"{rows[-1]['formula'] * 1e3:.0f} ms", flush=True)
@@ -293,6 +295,8 @@ def by_layer(args):
                   f"whole-prefix sum t_p + sum t_x {med['whole'] * 1e3:.0f} ms "
                   f"({med['measured'] / med['whole'] * 100:.0f}%); layer-wise formula "
                   f"{med['formula'] * 1e3:.0f} ms ({med['measured'] / med['formula'] * 100:.0f}%); "
+                  f"with per-layer means {med['formula_mean'] * 1e3:.0f} ms "
+                  f"({med['measured'] / med['formula_mean'] * 100:.0f}%); "
                   f"pipeline replayed with the measured per-layer values "
                   f"{med['replay'] * 1e3:.0f} ms ({med['measured'] / med['replay'] * 100:.0f}%)")
         finally:

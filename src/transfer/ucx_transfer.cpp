@@ -689,7 +689,9 @@ Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::ato
     const ucs_status_t s = wait_request(worker, q, deadline);
     if (s != UCS_OK && first_err == UCS_OK) first_err = s;
   }
-  if (first_err == UCS_OK) {
+  // (Layer-major reads waited for every get already: a completed get's
+  // bytes are in place, so no flush round trip per layer.)
+  if (first_err == UCS_OK && layer_ranges_.empty()) {
     ucp_request_param_t p{};
     first_err = wait_request(worker, ucx_api().ucp_ep_flush_nbx(e, &p), deadline);
   }

@@ -142,3 +142,47 @@ def test_prefill_killed_mid_stream_leaves_nothing_held(hosts):
     finally:
         victim.stop(signal.SIGKILL)
         stall.stop()
+
+
+def test_decode_worker_killed_mid_stream_prefill_releases_everything(hosts):
+    prefill = Worker(hosts[2], "prefill", extra=["--kv-transfer-host", hosts[2].addr,
+                                                 "--kv-transfer-port", "8100"])
+    victim = Worker(hosts[1], "decode", port=8002, env={"KVSTACK_TEST_PULL_STALL_MS": "1500"})
+    dec = None
+    try:
+        th = threading.Thread(target=lambda: _post_quietly(victim, LONG, prefill))
+        th.start()
+        deadline = time.time() + 20
+        while prefill.stats()["transfer"]["streams"] == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        victim.stop(signal.SIGKILL)
+        th.join(30)
+        # The prefill worker's stream ends on the lost connection (or its
+        # lease's pull): no block, reference or lease left.
+        tr = prefill.assert_clean(timeout=TRANSFER_S + 5)["transfer"]
+        assert tr["streams"] == 1 and tr["streams_ok"] + tr["leases_cancelled"] >= 1
+        assert tr["leases_completed"] == 0
+        # It still streams correctly to another decode worker.
+        dec = Worker(hosts[0], "decode", port=8003)
+        both = Worker(None, "both")
+        try:
+            ref = both.post("/v1/completions", completion(LONG)).json()
+        finally:
+            both.stop()
+        r = dec.post("/v1/completions", completion(LONG, kv_transfer_params=stream_params(prefill)))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref["choices"][0]["text"]
+        prefill.assert_clean()
+        dec.assert_clean()
+    finally:
+        for w in (prefill, victim, dec):
+            if w is not None:
+                w.stop(signal.SIGKILL)
+
+
+def _post_quietly(worker, prompt, prefill):
+    try:
+        worker.post("/v1/completions", completion(prompt, kv_transfer_params=stream_params(prefill)))
+    except Exception:  # noqa: BLE001 - the worker is killed under the request
+        pass
