@@ -7,7 +7,9 @@ the reserved blocks' addresses, then LAYER_READY per layer from its forward's
 layer hook; the decode worker reads each layer once ready and verifies every
 record against the final lease before decoding. Greedy output and usage
 equal a `--role both` server's; a prefill worker killed mid-stream gives an
-error (502 kv_transfer_failed) and leaves nothing held on the decode side.
+error (502 kv_transfer_failed) and leaves nothing held on the decode side; a
+decode worker killed mid-stream leaves nothing held on the prefill side;
+two streams of one prompt at once both verify (one may re-read blocks).
 """
 import json
 import signal
@@ -186,3 +188,44 @@ def _post_quietly(worker, prompt, prefill):
         worker.post("/v1/completions", completion(prompt, kv_transfer_params=stream_params(prefill)))
     except Exception:  # noqa: BLE001 - the worker is killed under the request
         pass
+
+
+def test_concurrent_streams_of_one_prompt_both_verify(hosts):
+    """Two decode workers stream the same prompt at once: the prefill worker
+    runs two prefills of it, publishes one copy, and the other stream's
+    blocks are offered at the published copy's addresses, which that decode
+    worker reads again (stream_rereads; how often depends on timing). Both
+    answers equal one server's; every lease completes; nothing is held."""
+    prefill = Worker(hosts[0], "prefill", extra=["--kv-transfer-host", hosts[0].addr,
+                                                 "--kv-transfer-port", "8100"])
+    decs = [Worker(hosts[1], "decode", port=8004), Worker(hosts[2], "decode", port=8005)]
+    both = Worker(None, "both")
+    try:
+        for i in range(3):
+            prompt = LONG + f" variant {i}"
+            ref = both.post("/v1/completions", completion(prompt)).json()["choices"][0]["text"]
+            out = {}
+
+            def go(k):
+                out[k] = decs[k].post("/v1/completions",
+                                      completion(prompt, kv_transfer_params=stream_params(prefill)))
+
+            ts = [threading.Thread(target=go, args=(k,)) for k in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(60)
+            for k in range(2):
+                assert out[k].status_code == 200, out[k].text
+                assert out[k].json()["choices"][0]["text"] == ref, (i, k)
+        tr = prefill.assert_clean()["transfer"]
+        assert tr["streams_ok"] == tr["leases_completed"] == tr["leases_created"] == 6
+        rereads = 0
+        for d in decs:
+            dt = d.assert_clean()["transfer"]
+            assert dt["pulls_ok"] == dt["stream_pulls"] == 3
+            rereads += dt["stream_rereads"]
+        print("blocks read again:", rereads)
+    finally:
+        for w in (prefill, *decs, both):
+            w.stop()
