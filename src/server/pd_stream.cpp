@@ -84,6 +84,11 @@ void PdAgent::serve_stream(transfer::Socket& conn, const std::vector<uint8_t>& p
   if (s == nullptr || stop_.load()) return refuse(Errc::kCancelled, "the worker is stopping");
   const int64_t P = record_id_.block_size;
   const auto n_blocks = static_cast<size_t>((static_cast<int64_t>(prompt.size()) - 1) / P);
+  // LAYER_READY(l) means KV layer l - 1 is written: one KV layer per model
+  // layer, in order (not models whose layers share another layer's KV).
+  if (engine_.pool().layout().n_layers() != engine_.model().config().n_layers) {
+    return refuse(Errc::kUnsupported, "this model's KV layers are not one per model layer");
+  }
   if (prompt.empty() || n_blocks == 0) {
     return refuse(Errc::kInvalidArgument, "no full block of the prompt to transfer");
   }
@@ -349,17 +354,16 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull_stream(Scheduler& s, const j
   // Layer l's bytes of a block (as --kv-pull-by-layer), read once ready.
   const KvLayout& lay = pool.group(0).layout;
   const int L = lay.n_layers();
-  const auto deadline = t0 + config_.transfer_timeout;
-  auto left = [&] {
-    return std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
-                    std::chrono::milliseconds(1));
-  };
+  // Each wait (the next layer, a read, the final offer) is bounded by
+  // --kv-transfer-timeout on its own: the prefill itself runs meanwhile.
+  auto deadline = [&] { return Clock::now() + config_.transfer_timeout; };
+  auto left = [&] { return config_.transfer_timeout; };
   std::vector<double> layer_s;
   uint32_t ready = 0;
   uint64_t at = 0;
   for (int l = 0; l < L; ++l) {
     while (ready <= static_cast<uint32_t>(l)) {
-      auto got = session.wait_layer_ready(deadline);
+      auto got = session.wait_layer_ready(deadline());
       if (!got) return fail_with(got.error());
       ready = *got;
     }
@@ -378,7 +382,7 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull_stream(Scheduler& s, const j
     at = end;
   }
   const std::vector<uint64_t> streamed = o.addrs;
-  if (Status st = session.recv_offer(deadline); !st.ok()) return fail_with(st.error());
+  if (Status st = session.recv_offer(deadline()); !st.ok()) return fail_with(st.error());
   const transfer::Offer& fin = session.offer();
   if (fin.n_blocks != static_cast<int64_t>(n) || fin.n_tokens != o.n_tokens ||
       fin.header_bytes != block_record_header_bytes(static_cast<int32_t>(P)) ||
