@@ -18,10 +18,15 @@ push), so T_ready = t_prefill + t_pull, to compare with L (t_p + t_x); the
 layer-wise formula t_p + t_x + (L - 1) max(t_p, t_x) is printed as what
 streaming would give. --by-layer measures t_p and t_x per layer instead
 (the prefill worker's forward layer times, the decode worker's layer-major
-gets; see by_layer()) and skips ucx_perftest.
+gets; see by_layer()) and skips ucx_perftest. --by-layer --stream runs the
+layer-wise streaming flow instead (the decode request names the prefill
+worker's control endpoint; layer l is read as soon as the prefill's forward
+reports it): T_ready measured = the decode worker's stream pull (STREAM sent
+.. every record verified and published), against the same figures.
 
   .venv/bin/python bench/pd_transfer_bench.py --tokens 1536 --rounds 3 --tls tcp
   .venv/bin/python bench/pd_transfer_bench.py --by-layer --tokens 1536 --rounds 5 --tls tcp
+  .venv/bin/python bench/pd_transfer_bench.py --by-layer --stream --tokens 256 --rounds 5 --tls tcp
 """
 import argparse
 import os
@@ -106,6 +111,9 @@ def main():
                     help="decode worker with --kv-pull-by-layer: per-layer t_p (the prefill "
                          "worker's forward layer times) and t_x (layer-major gets), T_ready "
                          "against the layer-wise formula; no ucx_perftest")
+    ap.add_argument("--stream", action="store_true",
+                    help="with --by-layer: the layer-wise streaming flow (decode-initiated, "
+                         "kv_transfer_params remote_stream_host/port)")
     args = ap.parse_args()
     if args.by_layer:
         return by_layer(args)
@@ -219,8 +227,11 @@ def by_layer(args):
         one = str(max(4096, 2 * args.tokens))
         pre, pbase = start(hosts[0], "prefill", args, ["--kv-transfer-host", hosts[0].addr,
                                                        "--prefill-chunk", one,
-                                                       "--max-batch-tokens", one])
-        dec, dbase = start(hosts[1], "decode", args, ["--kv-pull-by-layer"])
+                                                       "--max-batch-tokens", one,
+                                                       "--kv-transfer-port", "8100"])
+        dec, dbase = start(hosts[1], "decode", args, [] if args.stream else ["--kv-pull-by-layer"])
+        stream = {"do_remote_prefill": True, "remote_stream_host": hosts[0].addr,
+                  "remote_stream_port": 8100}
         try:
             rows = []
             for r in range(args.rounds + 1):  # round 0 warms both workers up
@@ -228,12 +239,19 @@ def by_layer(args):
                 body = {"model": "kvstack", "prompt": prompt, "max_tokens": 1, "temperature": 0}
                 before = requests.get(pbase + "/v1/kv/stats", timeout=30).json()["transfer"]
                 t0 = time.time()
-                pr = requests.post(pbase + "/v1/completions", timeout=600, json=dict(
-                    body, kv_transfer_params={"do_remote_decode": True}, min_tokens=1)).json()
-                t_prefill = time.time() - t0
-                after = requests.get(pbase + "/v1/kv/stats", timeout=30).json()["transfer"]
-                dr = requests.post(dbase + "/v1/completions", timeout=600,
-                                   json=dict(body, kv_transfer_params=pr["kv_transfer_params"]))
+                if args.stream:  # one request: the decode worker starts the prefill
+                    dr = requests.post(dbase + "/v1/completions", timeout=600,
+                                       json=dict(body, kv_transfer_params=stream))
+                    t_prefill = time.time() - t0  # here: the whole decode request
+                    pr = dr.json()
+                    after = requests.get(pbase + "/v1/kv/stats", timeout=30).json()["transfer"]
+                else:
+                    pr = requests.post(pbase + "/v1/completions", timeout=600, json=dict(
+                        body, kv_transfer_params={"do_remote_decode": True}, min_tokens=1)).json()
+                    t_prefill = time.time() - t0
+                    after = requests.get(pbase + "/v1/kv/stats", timeout=30).json()["transfer"]
+                    dr = requests.post(dbase + "/v1/completions", timeout=600,
+                                       json=dict(body, kv_transfer_params=pr["kv_transfer_params"]))
                 assert dr.status_code == 200, dr.text
                 tr = requests.get(dbase + "/v1/kv/stats", timeout=30).json()["transfer"]
                 tp = [a - b for a, b in zip(after["prefill_layer_seconds"],
@@ -253,25 +271,34 @@ def by_layer(args):
                                  steps=after["prefill_steps"] - before["prefill_steps"],
                                  sum_tp=sum(tp), sum_tx=sum(tx), tp=mp, tx=mx,
                                  pull=tr["last_pull_seconds"], get=tr["last_get_seconds"],
-                                 measured=t_prefill + tr["last_pull_seconds"],
+                                 measured=(tr["last_pull_seconds"] if args.stream
+                                           else t_prefill + tr["last_pull_seconds"]),
                                  whole=sum(tp) + sum(tx),
-                                 formula=mp + mx + (L - 1) * max(mp, mx), replay=done))
+                                 formula=mp + mx + (L - 1) * max(mp, mx),
+                                 formula_mean=(sum(tp) + sum(tx)) / L
+                                 + (L - 1) * max(sum(tp), sum(tx)) / L, replay=done))
                 print(f"round {r}: t_p {mp * 1e3:.2f} ms/layer, t_x {mx * 1e3:.2f} ms/layer, "
                       f"T_ready measured {rows[-1]['measured'] * 1e3:.0f} ms, formula "
                       f"{rows[-1]['formula'] * 1e3:.0f} ms", flush=True)
             med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
             print(f"UCX_TLS={args.tls} hosts={'loopback' if hosts.fallback_reason else 'netns'} "
+                  f"{'stream ' if args.stream else ''}"
                   f"rounds={args.rounds} (medians), L={med['L']:.0f}, prompt tokens "
                   f"{med['tokens']:.0f}, prefill steps {med['steps']:.0f}")
             print(f"per layer: t_p {med['tp'] * 1e3:.2f} ms, t_x {med['tx'] * 1e3:.2f} ms; "
                   f"sum t_p {med['sum_tp'] * 1e3:.0f} ms (HTTP prefill {med['t_prefill'] * 1e3:.0f} "
                   f"ms), sum t_x {med['sum_tx'] * 1e3:.0f} ms (gets {med['get'] * 1e3:.0f} ms, "
                   f"whole pull {med['pull'] * 1e3:.0f} ms)")
-            print(f"T_ready measured (prefill, then the pull) {med['measured'] * 1e3:.0f} ms; "
+            how = ("the streamed pull: STREAM .. verified" if args.stream
+                   else "prefill, then the pull")
+            print(f"T_ready measured ({how}) {med['measured'] * 1e3:.0f} ms; "
                   f"whole-prefix sum t_p + sum t_x {med['whole'] * 1e3:.0f} ms "
                   f"({med['measured'] / med['whole'] * 100:.0f}%); layer-wise formula "
-                  f"{med['formula'] * 1e3:.0f} ms; pipeline replayed with the measured "
-                  f"per-layer values {med['replay'] * 1e3:.0f} ms")
+                  f"{med['formula'] * 1e3:.0f} ms ({med['measured'] / med['formula'] * 100:.0f}%); "
+                  f"with per-layer means {med['formula_mean'] * 1e3:.0f} ms "
+                  f"({med['measured'] / med['formula_mean'] * 100:.0f}%); "
+                  f"pipeline replayed with the measured per-layer values "
+                  f"{med['replay'] * 1e3:.0f} ms ({med['measured'] / med['replay'] * 100:.0f}%)")
         finally:
             for p in (pre, dec):
                 p.terminate()

@@ -85,7 +85,7 @@ Status Forward::step(std::span<const StepSeq> batch, std::vector<float>* logits)
     row += static_cast<int64_t>(s.tokens.size());
   }
 
-  if (layer_hook_) layer_hook_(0, n_tok);
+  if (layer_hook_) layer_hook_(0, batch);
   for (int l = 0; l < c.n_layers; ++l) {
     // A rejected K/V row fails the whole step: drop its reservations. Layers
     // before l wrote only uncommitted slots, except that an fp8 layer may
@@ -95,7 +95,7 @@ Status Forward::step(std::span<const StepSeq> batch, std::vector<float>* logits)
       for (BlockTable* t : tables) t->rollback();
       return st;
     }
-    if (layer_hook_) layer_hook_(l + 1, n_tok);
+    if (layer_hook_) layer_hook_(l + 1, batch);
   }
 
   // Logits for the requested rows only.

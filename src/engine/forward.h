@@ -43,6 +43,7 @@ struct StepSeq {
   BlockTable* table = nullptr;
   std::span<const int32_t> tokens;
   LogitsMode logits = LogitsMode::kLast;
+  uint64_t watch = 0;  // SeqRequest::watch_id (0: none), for the layer hook
 };
 
 class Forward {
@@ -80,11 +81,12 @@ class Forward {
   int64_t rejected_entry() const { return rejected_entry_; }
 
   // Per-layer readiness (P/D layer timing, server/pd_agent.h): when set,
-  // step() calls hook(0, n_tok) before layer 0 and hook(l + 1, n_tok) once
-  // layer l's K/V of every sequence of the step are written (n_tok: the
-  // step's tokens). Runs on the engine thread; must be cheap and must not
-  // call back into the engine. An empty function (the default) turns it off.
-  using LayerHook = std::function<void(int n_layers_done, int64_t n_tok)>;
+  // step() calls hook(0, batch) once every entry's slots are reserved and
+  // before layer 0, and hook(l + 1, batch) once layer l's K/V of every
+  // entry of the step are written. Runs on the engine thread; must be cheap
+  // and must not call back into the engine (it may take BlockRefs of the
+  // entries' blocks). An empty function (the default) turns it off.
+  using LayerHook = std::function<void(int n_layers_done, std::span<const StepSeq> batch)>;
   void set_layer_hook(LayerHook hook) { layer_hook_ = std::move(hook); }
 
  private:

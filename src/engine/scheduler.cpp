@@ -483,7 +483,8 @@ int64_t Scheduler::step() {
       batch.push_back(
           {.table = &s->kv.table(),
            .tokens = std::span<const int32_t>(s->tokens.data() + from, static_cast<size_t>(take)),
-           .logits = take == left ? LogitsMode::kLast : LogitsMode::kNone});
+           .logits = take == left ? LogitsMode::kLast : LogitsMode::kNone,
+           .watch = s->req->req.watch_id});
       owners.push_back(s.get());
       budget -= take;
     }

@@ -124,6 +124,10 @@ struct SeqRequest {
   // the deployment default (EngineConfig::kv_retention). Validated by the
   // caller (parse_request) against the engine's KV format.
   std::optional<RetentionConfig> kv_retention;
+  // Non-zero: carried into this request's forward entries (StepSeq::watch)
+  // so a layer hook can follow its prefill (P/D layer-wise streaming,
+  // server/pd_agent.h).
+  uint64_t watch_id = 0;
 };
 
 // Latency histogram with fixed upper bounds (seconds), Prometheus style.

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "kv/prefix_index.h"
+#include "server/pd_stream.h"
 
 namespace kvstack::server {
 
@@ -178,8 +179,18 @@ Result<std::unique_ptr<PdAgent>> PdAgent::create(Engine& engine, const PdConfig&
     timer->t.resize(n_layers + 1);
     timer->sum.assign(n_layers, 0.0);
     a->layer_timer_ = timer;
+    a->watches_ = std::make_shared<StreamWatches>();
+    a->server_->set_stream_handler(
+        [p = a.get()](transfer::Socket& conn, const std::vector<uint8_t>& payload) {
+          p->serve_stream(conn, payload);
+        });
     engine.forward().set_layer_hook(
-        [timer](int n_done, int64_t n_tok) { timer->on_layer(n_done, n_tok); });
+        [timer, w = a->watches_](int n_done, std::span<const StepSeq> batch) {
+          int64_t n_tok = 0;
+          for (const StepSeq& e : batch) n_tok += static_cast<int64_t>(e.tokens.size());
+          timer->on_layer(n_done, n_tok);
+          watches_on_layer(*w, n_done, batch);
+        });
   }
   return a;
 }
@@ -228,27 +239,6 @@ void PdAgent::stop() {
     release(leases_.drain_ended());  // the engine thread has returned
   }
 }
-
-// A puller held by one pull; returned to the free list on destruction.
-class PdAgent::Lane {
- public:
-  Lane(PdAgent& a, transfer::UcxPuller* p) : a_(a), p_(p) {}
-  ~Lane() {
-    {
-      std::lock_guard<std::mutex> lock(a_.mu_);
-      a_.free_pullers_.push_back(p_);
-      a_.stats_.pulls_in_flight--;
-    }
-    a_.lane_cv_.notify_all();
-  }
-  Lane(const Lane&) = delete;
-  Lane& operator=(const Lane&) = delete;
-  transfer::UcxPuller* puller() const { return p_; }
-
- private:
-  PdAgent& a_;
-  transfer::UcxPuller* p_;
-};
 
 std::unique_ptr<PdAgent::Lane> PdAgent::acquire_lane(Clock::time_point deadline) {
   const auto t0 = Clock::now();
@@ -372,6 +362,7 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
   if (config_.role != PdRole::kDecode) {
     return make_error(Errc::kInvalidArgument, "do_remote_prefill needs --role decode");
   }
+  if (params.contains("remote_stream_host")) return pull_stream(s, params, prompt, cache_salt);
   KV_TRY_STATUS(check_offer(params));
   const std::string host = params["remote_host"].get<std::string>();
   const int port = params["remote_port"].get<int>();
@@ -652,6 +643,10 @@ json pd_stats_json(const PdStats& s) {
               {"transports", s.transports},
               {"offers", s.n_offers},
               {"offers_empty", s.n_offers_empty},
+              {"streams", s.n_streams},
+              {"streams_ok", s.n_streams_ok},
+              {"stream_pulls", s.n_stream_pulls},
+              {"stream_rereads", s.n_stream_rereads},
               {"leases_open", s.leases.n_open},
               {"leases_pinned_blocks", s.leases.n_pinned_blocks},
               {"leases_created", s.leases.n_created},

@@ -41,7 +41,27 @@
 // block and are committed as converted (BlockTable::commit_final); the f16
 // residual of the newest tokens is not sent (the decode worker computes
 // those tokens, as after a local prefix hit). Limits: the whole prefix
-// moves after the prefill (no layer-wise streaming).
+// moves after the prefill, unless the decode worker streams it.
+//
+// Layer-wise streaming (decode-initiated, opt-in; pd_stream.cpp): a
+// decode request whose kv_transfer_params hold {do_remote_prefill: true,
+// remote_stream_host, remote_stream_port} (the prefill worker's transfer
+// control endpoint, --kv-transfer-host/--kv-transfer-port) needs no prior
+// prefill request: the decode worker sends STREAM(salt, prompt tokens);
+// the prefill worker submits the prefill (max_tokens 1) with a watch id
+// (SeqRequest::watch_id -> StepSeq::watch), and its layer hook, at the
+// final prefill chunk, takes references to the sequence's first
+// floor((T - 1) / P) blocks (so they cannot be reused mid-stream) and
+// counts layers done; the connection thread sends their addresses, then
+// LAYER_READY(l) as layers finish. The decode worker reserves its blocks
+// and reads layer l of every block as soon as it is ready. After the last
+// layer and the request's end, the prefill worker leases the published
+// blocks (offer()) and sends the usual OFFER (addresses, record headers
+// with checksums, length); the decode worker reads again any block whose
+// published address differs from the streamed one, verifies every record
+// and publishes as in pull(). One-group layouts of the same format only.
+// Any failure (peer gone, timeout, bad record) releases both sides' blocks,
+// references and leases and fails the request (HTTP 502).
 //
 // Thread-safety: offer() and pull() run on HTTP handler threads; they touch
 // the engine only through Scheduler::inspect. A reaper thread ends expired
@@ -100,10 +120,14 @@ struct PdStats {
   transfer::TransferServerStats server;
   int64_t n_offers = 0;        // kv_transfer_params with do_remote_prefill returned
   int64_t n_offers_empty = 0;  // prompt shorter than a block + 1: nothing to pin
+  int64_t n_streams = 0;       // layer-wise streams served (STREAM frames answered with blocks)
+  int64_t n_streams_ok = 0;    // of which ended with a lease handed over
   // decode
   int64_t n_pulls = 0;  // pulls started
   int64_t n_pulls_ok = 0;
   int64_t n_pulls_failed = 0;
+  int64_t n_stream_pulls = 0;       // of the pulls, layer-wise streams (remote_stream_host)
+  int64_t n_stream_rereads = 0;     // streamed blocks read again: published elsewhere
   int64_t max_pulls = 0;            // --kv-max-pulls (decode)
   int64_t pulls_in_flight = 0;      // pulls holding a lane now
   int64_t pulls_in_flight_max = 0;  // most at once so far (<= max_pulls)
@@ -156,6 +180,8 @@ class PulledPrefix {
   Scheduler* s_;
   std::optional<Sequence> seq_;
 };
+
+struct StreamWatches;  // pd_stream.h
 
 class PdAgent {
  public:
@@ -220,6 +246,17 @@ class PdAgent {
                                                        const std::vector<int32_t>& prompt,
                                                        const std::string& cache_salt,
                                                        Clock::time_point t0);
+
+  // Layer-wise streaming (pd_stream.cpp). Prefill: the streamed prefills
+  // the layer hook follows (shared with the hook, like layer_timer_).
+  std::shared_ptr<StreamWatches> watches_;
+  // Connection thread of a STREAM frame: runs the prefill, sends the
+  // reserved blocks' addresses, LAYER_READY per layer, then the lease.
+  void serve_stream(transfer::Socket& conn, const std::vector<uint8_t>& payload);
+  // Decode: pull() for kv_transfer_params naming remote_stream_host/port.
+  Result<std::unique_ptr<PulledPrefix>> pull_stream(Scheduler& s, const nlohmann::json& params,
+                                                    const std::vector<int32_t>& prompt,
+                                                    const std::string& cache_salt);
 
   // Prefill: per-layer times of the forward's prefill steps (shared with
   // the hook the engine's Forward holds, so it outlives the agent there).

@@ -27,6 +27,11 @@ enum class FrameType : uint32_t {
   kPull = 1,   // puller -> server: u64 transfer id
   kOffer = 2,  // server -> puller: the lease's description (transfer_server.cpp) or an error
   kDone = 3,   // puller -> server: u8 1 = verified, 0 = failed (lease ends either way)
+  // Layer-wise streaming (decode-initiated; server/pd_agent.h):
+  kStream = 4,        // puller -> server: the prefill to run (PdAgent's payload)
+  kStreamBlocks = 5,  // server -> puller: worker address, rkey, the reserved blocks' addresses
+  kLayerReady = 6,    // server -> puller: u32 layers computed so far (1..L)
+  // then kOffer (the published blocks' lease, as for kPull) and kDone.
 };
 
 // RAII file descriptor of a TCP socket.

@@ -187,7 +187,38 @@ void TransferServer::accept_loop() {
   }
 }
 
+void TransferServer::send_refusal(Socket& conn, Errc code, const std::string& message,
+                                  Clock::time_point deadline) {
+  Writer w;
+  w.put(static_cast<int32_t>(static_cast<int>(code) + 1));
+  w.put(static_cast<uint32_t>(message.size()));
+  w.bytes(message.data(), message.size());
+  (void)conn.send_frame(FrameType::kOffer, w.buf, deadline);
+}
+
 void TransferServer::serve(Socket conn) {
+  const auto deadline = Clock::now() + config_.io_timeout;
+  auto req = conn.recv_frame(deadline);
+  if (req && req->first == FrameType::kStream) {
+    if (stream_handler_) {
+      stream_handler_(conn, req->second);
+    } else {
+      send_refusal(conn, Errc::kUnsupported, "this worker does not stream prefills", deadline);
+    }
+    return;
+  }
+  auto fail = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.n_pulls_failed++;
+  };
+  if (!req || req->first != FrameType::kPull) return fail();
+  Reader r(req->second);
+  uint64_t id = 0;
+  if (!r.get(&id) || !r.done()) return fail();
+  answer_pull(conn, id);
+}
+
+void TransferServer::answer_pull(Socket& conn, uint64_t id) {
   const auto deadline = Clock::now() + config_.io_timeout;
   auto fail = [&](bool counted) {
     if (counted) {
@@ -195,18 +226,10 @@ void TransferServer::serve(Socket conn) {
       stats_.n_pulls_failed++;
     }
   };
-  auto req = conn.recv_frame(deadline);
-  if (!req || req->first != FrameType::kPull) return fail(true);
-  Reader r(req->second);
-  uint64_t id = 0;
-  if (!r.get(&id) || !r.done()) return fail(true);
   auto view = leases_.begin_pull(id);
   Writer w;
   if (!view) {
-    w.put(static_cast<int32_t>(static_cast<int>(view.error().code) + 1));
-    w.put(static_cast<uint32_t>(view.error().message.size()));
-    w.bytes(view.error().message.data(), view.error().message.size());
-    (void)conn.send_frame(FrameType::kOffer, w.buf, deadline);
+    send_refusal(conn, view.error().code, view.error().message, deadline);
     return fail(true);
   }
   const LeaseView& v = *view;
@@ -337,42 +360,133 @@ Result<std::unique_ptr<PullSession>> PullSession::open(UcxContext& ucx, const st
   if (f->first != FrameType::kOffer) {
     return make_error(Errc::kCorruptFile, "KV transfer from " + where + ": unexpected frame");
   }
-  Reader r(f->second);
+  s->where_ = where;
+  KV_TRY_STATUS(s->parse_offer(f->second, where));
+  s->timings_.connect_s = seconds_since(t0);
+  return s;
+}
+
+Status PullSession::parse_offer(const std::vector<uint8_t>& payload, const std::string& where) {
+  Reader r(payload);
   int32_t status = -1;
   auto bad = [&] {
     return make_error(Errc::kCorruptFile, "KV transfer from " + where + ": malformed offer");
   };
-  if (!r.get(&status)) return bad();
+  if (!r.get(&status)) return Status(bad());
   if (status != 0) {
     uint32_t n = 0;
     std::vector<uint8_t> msg;
-    if (!r.get(&n) || !r.bytes(n, &msg)) return bad();
+    if (!r.get(&n) || !r.bytes(n, &msg)) return Status(bad());
     const Errc code = status - 1 >= 0 && status - 1 <= static_cast<int>(Errc::kInternal)
                           ? static_cast<Errc>(status - 1)
                           : Errc::kInternal;
-    return make_error(code,
-                      "KV transfer from " + where + ": " + std::string(msg.begin(), msg.end()));
+    return Status(
+        make_error(code, "KV transfer from " + where + ": " + std::string(msg.begin(), msg.end())));
   }
-  Offer& o = s->offer_;
+  Offer& o = offer_;
   uint32_t n_addr = 0;
   uint32_t n_rkey = 0;
   if (!r.get(&o.transfer_id) || !r.get(&o.n_blocks) || !r.get(&o.header_bytes) ||
       !r.get(&o.block_bytes) || !r.get(&o.n_tokens) || !r.get(&n_addr) ||
-      !r.bytes(n_addr, &s->worker_addr_) || !r.get(&n_rkey) || !r.bytes(n_rkey, &s->rkey_buf_)) {
-    return bad();
+      !r.bytes(n_addr, &worker_addr_) || !r.get(&n_rkey) || !r.bytes(n_rkey, &rkey_buf_)) {
+    return Status(bad());
   }
   if (o.n_blocks < 0 || o.n_blocks > (1 << 24) || o.header_bytes <= 0 || o.block_bytes <= 0) {
+    return Status(bad());
+  }
+  o.addrs.resize(static_cast<size_t>(o.n_blocks));
+  for (uint64_t& a : o.addrs) {
+    if (!r.get(&a)) return Status(bad());
+  }
+  if (!r.bytes(static_cast<size_t>(o.n_blocks * o.header_bytes), &o.headers) || !r.done()) {
+    return Status(bad());
+  }
+  return {};
+}
+
+Result<std::unique_ptr<PullSession>> PullSession::open_stream(UcxContext& ucx,
+                                                              const std::string& host, int port,
+                                                              const std::vector<uint8_t>& request,
+                                                              std::chrono::milliseconds timeout,
+                                                              UcxPuller* puller) {
+  const auto t0 = Clock::now();
+  const auto deadline = t0 + timeout;
+  auto s = std::unique_ptr<PullSession>(new PullSession());
+  s->ucx_ = &ucx;
+  s->puller_ = puller;
+  s->timeout_ = timeout;
+  const std::string where = host + ":" + std::to_string(port);
+  s->where_ = where;
+  s->stream_ = true;
+  auto c = Socket::connect(host, port, timeout);
+  if (!c) return make_error(c.error().code, "KV stream from " + where + ": " + c.error().message);
+  s->conn_ = std::move(*c);
+  if (auto st = s->conn_.send_frame(FrameType::kStream, request, deadline); !st.ok()) {
+    return make_error(Errc::kIo, "KV stream from " + where + ": " + st.error().message);
+  }
+  auto f = s->conn_.recv_frame(deadline);
+  if (!f) return make_error(f.error().code, "KV stream from " + where + ": " + f.error().message);
+  if (f->first == FrameType::kOffer) {  // a refusal (a lease is never offered first)
+    KV_TRY_STATUS(s->parse_offer(f->second, where));
+    return make_error(Errc::kCorruptFile, "KV stream from " + where + ": offer before the blocks");
+  }
+  auto bad = [&] {
+    return make_error(Errc::kCorruptFile, "KV stream from " + where + ": malformed stream blocks");
+  };
+  if (f->first != FrameType::kStreamBlocks) return bad();
+  Reader r(f->second);
+  Offer& o = s->offer_;
+  uint32_t n_addr = 0;
+  uint32_t n_rkey = 0;
+  uint32_t n_meta = 0;
+  if (!r.get(&n_addr) || !r.bytes(n_addr, &s->worker_addr_) || !r.get(&n_rkey) ||
+      !r.bytes(n_rkey, &s->rkey_buf_) || !r.get(&o.n_blocks) || !r.get(&o.block_bytes) ||
+      !r.get(&o.n_tokens) || !r.get(&n_meta) || !r.bytes(n_meta, &s->stream_meta_)) {
     return bad();
   }
+  if (o.n_blocks <= 0 || o.n_blocks > (1 << 24) || o.block_bytes <= 0) return bad();
   o.addrs.resize(static_cast<size_t>(o.n_blocks));
   for (uint64_t& a : o.addrs) {
     if (!r.get(&a)) return bad();
   }
-  if (!r.bytes(static_cast<size_t>(o.n_blocks * o.header_bytes), &o.headers) || !r.done()) {
-    return bad();
-  }
+  if (!r.done()) return bad();
   s->timings_.connect_s = seconds_since(t0);
   return s;
+}
+
+Result<uint32_t> PullSession::wait_layer_ready(Clock::time_point deadline) {
+  auto f = conn_.recv_frame(deadline);
+  if (!f) return make_error(f.error().code, "KV stream from " + where_ + ": " + f.error().message);
+  if (f->first == FrameType::kOffer) {
+    KV_TRY_STATUS(parse_offer(f->second, where_));
+    return make_error(Errc::kCorruptFile, "KV stream from " + where_ + ": offer before the layers");
+  }
+  Reader r(f->second);
+  uint32_t n = 0;
+  if (f->first != FrameType::kLayerReady || !r.get(&n) || !r.done()) {
+    return make_error(Errc::kCorruptFile, "KV stream from " + where_ + ": malformed layer frame");
+  }
+  return n;
+}
+
+Status PullSession::read_range(std::span<const size_t> records, std::span<uint8_t* const> dst,
+                               uint64_t off, uint64_t len, std::chrono::milliseconds timeout) {
+  if (off + len > static_cast<uint64_t>(offer_.block_bytes) || len == 0) {
+    return make_error(Errc::kInternal, "PullSession::read_range: range outside the block");
+  }
+  layer_ranges_ = {{off, len}};
+  Status st = read_records(records, dst, timeout);
+  layer_ranges_.clear();
+  return st;
+}
+
+Status PullSession::recv_offer(Clock::time_point deadline) {
+  auto f = conn_.recv_frame(deadline);
+  if (!f) return make_error(f.error().code, "KV stream from " + where_ + ": " + f.error().message);
+  if (f->first != FrameType::kOffer) {
+    return make_error(Errc::kCorruptFile, "KV stream from " + where_ + ": expected the offer");
+  }
+  return parse_offer(f->second, where_);
 }
 
 namespace {
@@ -496,7 +610,7 @@ Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::ato
   // Endpoints connect lazily (TCP: at the first operation): a one-byte get
   // and a flush first, so that the timed gets below measure the data path
   // and the connection set-up is reported apart (wireup_s).
-  if (!dst.empty()) {
+  if (!dst.empty() && !probed_) {
     const auto t_w = Clock::now();
     uint8_t probe = 0;
     ucp_request_param_t p{};
@@ -505,6 +619,7 @@ Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::ato
     if (ws == UCS_OK) ws = wait_request(worker, ucx_api().ucp_ep_flush_nbx(e, &p), deadline);
     if (ws != UCS_OK) return ucx_error("KV transfer: connecting to the prefill worker", ws);
     timings_.wireup_s = seconds_since(t_w);
+    probed_ = stream_;  // a stream's later reads (one per layer) need no probe
   }
   const auto t_get = Clock::now();
   std::vector<ucs_status_ptr_t> reqs;
@@ -574,7 +689,9 @@ Status PullSession::read_data(void* worker_h, void* ep_h, void* rkey_h, std::ato
     const ucs_status_t s = wait_request(worker, q, deadline);
     if (s != UCS_OK && first_err == UCS_OK) first_err = s;
   }
-  if (first_err == UCS_OK) {
+  // (Layer-major reads waited for every get already: a completed get's
+  // bytes are in place, so no flush round trip per layer.)
+  if (first_err == UCS_OK && layer_ranges_.empty()) {
     ucp_request_param_t p{};
     first_err = wait_request(worker, ucx_api().ucp_ep_flush_nbx(e, &p), deadline);
   }

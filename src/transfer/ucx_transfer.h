@@ -31,6 +31,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -90,6 +91,23 @@ class TransferServer {
   int port() const { return port_; }
   const std::string& host() const { return config_.host; }
   TransferServerStats stats() const;
+  // What a puller needs to read this worker's pool: the UCX worker address
+  // and the pool's packed remote key.
+  const std::vector<uint8_t>& worker_address() const { return worker_addr_; }
+  const std::vector<uint8_t>& rkey() const { return rkey_; }
+
+  // Layer-wise streaming: a connection whose first frame is STREAM is
+  // handed to `h` (its payload; on the connection's thread), which owns the
+  // conversation and must return within its own bounded timeouts. Set
+  // before any puller connects; unset: STREAM is refused.
+  using StreamHandler = std::function<void(Socket& conn, const std::vector<uint8_t>& payload)>;
+  void set_stream_handler(StreamHandler h) { stream_handler_ = std::move(h); }
+  // Answers a pull of lease `id` on `conn` (OFFER, then waits for DONE and
+  // ends the lease), as for a PULL frame; within io_timeout.
+  void answer_pull(Socket& conn, uint64_t id);
+  // Sends an error answer (an OFFER frame with a non-zero status).
+  static void send_refusal(Socket& conn, Errc code, const std::string& message,
+                           Clock::time_point deadline);
 
  private:
   TransferServer(UcxContext& ucx, LeaseTable& leases, TransferServerConfig config)
@@ -114,6 +132,7 @@ class TransferServer {
   mutable std::mutex mu_;        // stats_
   std::atomic<int> n_conns_{0};  // detached connection threads running
   TransferServerStats stats_;
+  StreamHandler stream_handler_;
 };
 
 // What a puller learned from the offer. Units: bytes.
@@ -206,6 +225,26 @@ class PullSession {
   // Empty (the default): whole blocks, contiguous runs coalesced.
   // kInvalidArgument unless the ranges tile the block.
   Status set_layer_ranges(std::vector<std::pair<uint64_t, uint64_t>> ranges);
+  // Layer-wise streaming (control_channel.h kStream): connects, sends
+  // STREAM(`request`) and waits for STREAM_BLOCKS, whose addresses become
+  // the offer's (no headers yet); its agent-defined `meta` bytes are
+  // stream_meta(). Errors as open().
+  static Result<std::unique_ptr<PullSession>> open_stream(UcxContext& ucx, const std::string& host,
+                                                          int port,
+                                                          const std::vector<uint8_t>& request,
+                                                          std::chrono::milliseconds timeout,
+                                                          UcxPuller* puller = nullptr);
+  const std::vector<uint8_t>& stream_meta() const { return stream_meta_; }
+  // Waits for the next LAYER_READY frame: the number of layers computed.
+  // kIo when the server went away or `deadline` passed; the server's error.
+  Result<uint32_t> wait_layer_ready(std::chrono::steady_clock::time_point deadline);
+  // Reads bytes [off, off + len) of each record into dst[i] + off (gets
+  // completed before it returns); timed into timings().layer_get_s.
+  Status read_range(std::span<const size_t> records, std::span<uint8_t* const> dst, uint64_t off,
+                    uint64_t len, std::chrono::milliseconds timeout);
+  // Waits for the final OFFER (the published blocks' lease: addresses and
+  // record headers) that replaces the streamed offer.
+  Status recv_offer(std::chrono::steady_clock::time_point deadline);
   // Tells the server the pull ended (ok: verified); the lease ends.
   Status finish(bool ok);
   const PullTimings& timings() const { return timings_; }
@@ -213,6 +252,9 @@ class PullSession {
  private:
   PullSession() = default;
   void close_ucx();
+  // Parses an OFFER frame's payload into offer_ (and the worker address
+  // and rkey); errors as open(), naming `where`.
+  Status parse_offer(const std::vector<uint8_t>& payload, const std::string& where);
   // The gets of read() on a connected endpoint (handles are ucp_*_h).
   Status read_data(void* worker, void* ep, void* rkey, std::atomic<int>* ep_error,
                    std::span<const size_t> records, std::span<uint8_t* const> dst,
@@ -228,6 +270,10 @@ class PullSession {
   void* rkey_ = nullptr;    // ucp_rkey_h
   std::chrono::milliseconds timeout_{10000};
   std::vector<std::pair<uint64_t, uint64_t>> layer_ranges_;
+  std::vector<uint8_t> stream_meta_;
+  bool stream_ = false;  // opened by open_stream()
+  bool probed_ = false;  // the endpoint's connection was probed (streams: once)
+  std::string where_;
   PullTimings timings_;
   bool finished_ = false;
 
