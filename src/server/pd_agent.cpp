@@ -62,6 +62,40 @@ bool parse_hash(const std::string& s, Hash128* out) {
 
 }  // namespace
 
+PrefixReservation reserve_prefix(Engine& e, const std::string& cache_salt,
+                                 const std::vector<int32_t>& prompt, size_t n, int64_t P) {
+  PrefixIndex* idx = e.kv().index();
+  const NamespaceId ns = e.kv().namespace_for(cache_salt);
+  PrefixReservation r{e.kv().new_sequence(ns), 0, {}, ns};
+  const size_t local = n > 0 ? idx->chain(ns, prompt, static_cast<int64_t>(n) * P).size() : 0;
+  if (local > 0) {
+    // Not a client's query: the request's own lookup counts the hit.
+    const int64_t a = r.seq.adopt_cached_prefix(
+        std::span<const int32_t>(prompt.data(), local * static_cast<size_t>(P) + 1),
+        /*count_stats=*/false);
+    if (a % P != 0) {
+      r.seq.release();
+    } else {
+      r.adopted = static_cast<size_t>(a / P);
+    }
+  }
+  if (r.adopted < n) r.reserved = r.seq.table().reserve(static_cast<int64_t>(n - r.adopted) * P);
+  return r;
+}
+
+std::vector<Hash128> expected_block_hashes(const PrefixIndex& idx, NamespaceId ns,
+                                           const std::vector<int32_t>& prompt, size_t n,
+                                           int64_t P) {
+  std::vector<Hash128> expect(n);
+  Hash128 parent;
+  const auto p = static_cast<size_t>(P);
+  for (size_t i = 0; i < n; ++i) {
+    expect[i] = idx.chain_hash(parent, ns, std::span<const int32_t>(prompt).subspan(i * p, p));
+    parent = expect[i];
+  }
+  return expect;
+}
+
 PulledPrefix::~PulledPrefix() {
   if (!seq_) return;
   // The engine thread owns the pool; once it has returned, nobody else
@@ -481,34 +515,18 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
   // for the rest, compute the hashes the records must carry.
   std::unique_ptr<PulledPrefix> pin;
   std::vector<uint8_t*> dst(recs.size(), nullptr);
-  std::vector<Hash128> expect(n);
+  std::vector<Hash128> expect;
   Hash128 ns_digest;
   size_t k = 0;
   Status reserved;
   const Status ran = s.inspect([&](Engine& e) {
-    PrefixIndex* idx = e.kv().index();
-    const NamespaceId ns = e.kv().namespace_for(cache_salt);
-    Sequence seq = e.kv().new_sequence(ns);
-    const size_t local = idx->chain(ns, prompt, o.n_tokens).size();
-    if (local > 0) {
-      // Not a client's query: the request's own lookup counts the hit.
-      const int64_t a = seq.adopt_cached_prefix(
-          std::span<const int32_t>(prompt.data(), local * static_cast<size_t>(P) + 1),
-          /*count_stats=*/false);
-      if (a % P != 0) {
-        seq.release();
-      } else {
-        k = static_cast<size_t>(a / P);
-      }
-    }
-    ns_digest = idx->namespace_digest(ns);
-    Hash128 parent;
-    for (size_t i = 0; i < n; ++i) {
-      expect[i] = idx->chain_hash(parent, ns, std::span<const int32_t>(prompt).subspan(i * P, P));
-      parent = expect[i];
-    }
+    PrefixReservation res = reserve_prefix(e, cache_salt, prompt, n, P);
+    Sequence& seq = res.seq;
+    k = res.adopted;
+    reserved = res.reserved;
+    ns_digest = e.kv().index()->namespace_digest(res.ns);
+    expect = expected_block_hashes(*e.kv().index(), res.ns, prompt, n, P);
     if (k < n) {
-      reserved = seq.table().reserve(static_cast<int64_t>(n - k) * P);
       if (reserved.ok()) {
         for (size_t r = 0; r < recs.size(); ++r) {
           const auto [g, i] = recs[r];

@@ -181,6 +181,24 @@ class PulledPrefix {
   std::optional<Sequence> seq_;
 };
 
+// Engine thread: a new sequence in `cache_salt`'s namespace for the first
+// n blocks (P tokens each) of `prompt` as the decode side receives them.
+// What this worker caches already is adopted (`adopted` whole blocks; 0
+// when the cached match does not end on a block boundary), blocks for the
+// rest are reserved (`reserved` says whether that worked).
+struct PrefixReservation {
+  Sequence seq;
+  size_t adopted = 0;
+  Status reserved;
+  NamespaceId ns = kNoNamespace;
+};
+PrefixReservation reserve_prefix(Engine& e, const std::string& cache_salt,
+                                 const std::vector<int32_t>& prompt, size_t n, int64_t P);
+// The chained hashes the first n block records of `prompt` must carry in
+// namespace ns (this worker's block size P).
+std::vector<Hash128> expected_block_hashes(const PrefixIndex& idx, NamespaceId ns,
+                                           const std::vector<int32_t>& prompt, size_t n, int64_t P);
+
 struct StreamWatches;  // pd_stream.h
 
 class PdAgent {

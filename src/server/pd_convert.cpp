@@ -79,22 +79,11 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull_converted(
   size_t k = 0;
   Status reserved;
   const Status ran = s.inspect([&](Engine& e) {
-    PrefixIndex* idx = e.kv().index();
-    const NamespaceId ns = e.kv().namespace_for(cache_salt);
-    Sequence seq = e.kv().new_sequence(ns);
-    const size_t local = n > 0 ? idx->chain(ns, prompt, static_cast<int64_t>(n) * Pc).size() : 0;
-    if (local > 0) {
-      const int64_t a = seq.adopt_cached_prefix(
-          std::span<const int32_t>(prompt.data(), local * static_cast<size_t>(Pc) + 1),
-          /*count_stats=*/false);
-      if (a % Pc != 0) {
-        seq.release();
-      } else {
-        k = static_cast<size_t>(a / Pc);
-      }
-    }
+    PrefixReservation res = reserve_prefix(e, cache_salt, prompt, n, Pc);
+    Sequence& seq = res.seq;
+    k = res.adopted;
+    reserved = res.reserved;
     if (k < n) {
-      reserved = seq.table().reserve(static_cast<int64_t>(n - k) * Pc);
       if (reserved.ok()) {
         const auto ids = seq.table().group(0).ids();
         dst_table.assign(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(n));

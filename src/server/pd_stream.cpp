@@ -305,33 +305,18 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull_stream(Scheduler& s, const j
   // Engine thread: adopt what this worker caches, reserve the rest.
   std::unique_ptr<PulledPrefix> pin;
   std::vector<uint8_t*> dst(n, nullptr);
-  std::vector<Hash128> expect(n);
+  std::vector<Hash128> expect;
   Hash128 ns_digest;
   size_t k = 0;
   Status reserved;
   const Status ran = s.inspect([&](Engine& e) {
-    PrefixIndex* idx = e.kv().index();
-    const NamespaceId ns = e.kv().namespace_for(cache_salt);
-    Sequence seq = e.kv().new_sequence(ns);
-    const size_t local = idx->chain(ns, prompt, o.n_tokens).size();
-    if (local > 0) {
-      const int64_t a = seq.adopt_cached_prefix(
-          std::span<const int32_t>(prompt.data(), local * static_cast<size_t>(P) + 1),
-          /*count_stats=*/false);
-      if (a % P != 0) {
-        seq.release();
-      } else {
-        k = static_cast<size_t>(a / P);
-      }
-    }
-    ns_digest = idx->namespace_digest(ns);
-    Hash128 parent;
-    for (size_t i = 0; i < n; ++i) {
-      expect[i] = idx->chain_hash(parent, ns, std::span<const int32_t>(prompt).subspan(i * P, P));
-      parent = expect[i];
-    }
+    PrefixReservation res = reserve_prefix(e, cache_salt, prompt, n, P);
+    Sequence& seq = res.seq;
+    k = res.adopted;
+    reserved = res.reserved;
+    ns_digest = e.kv().index()->namespace_digest(res.ns);
+    expect = expected_block_hashes(*e.kv().index(), res.ns, prompt, n, P);
     if (k < n) {
-      reserved = seq.table().reserve(static_cast<int64_t>(n - k) * P);
       for (size_t i = k; i < n && reserved.ok(); ++i) {
         dst[i] = e.pool().block_data(BlockId{seq.table().ids()[i]});
       }

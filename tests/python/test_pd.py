@@ -172,6 +172,19 @@ def completion(prompt, max_tokens=12, **kw):
     return {"model": "kvstack", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
 
 
+def read_sse_completion(r):
+    """The text and the last usage object of a streamed /v1/completions response."""
+    text, usage = "", None
+    for line in r.iter_lines():
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        ev = json.loads(line[6:])
+        for c in ev.get("choices", []):
+            text += c.get("text", "")
+        usage = ev.get("usage") or usage
+    return text, usage
+
+
 def prefill_request(worker, prompt, max_tokens=12):
     """What vllm-router sends a prefill worker (its defaulted fields included)."""
     body = completion(prompt, 1, stream=False, echo=False, no_stop_trim=False, ignore_eos=False,
@@ -219,14 +232,7 @@ def test_pd_output_usage_and_streaming_match_a_single_server(hosts, cluster):
                                                   stream_options={"include_usage": True}),
                     stream=True)
     assert r.status_code == 200
-    text, usage = "", None
-    for line in r.iter_lines():
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        ev = json.loads(line[6:])
-        for c in ev.get("choices", []):
-            text += c.get("text", "")
-        usage = ev.get("usage") or usage
+    text, usage = read_sse_completion(r)
     ref = both.post("/v1/completions", completion(PROMPTS[0])).json()
     assert text == ref["choices"][0]["text"]
     assert usage["completion_tokens"] == ref["usage"]["completion_tokens"]

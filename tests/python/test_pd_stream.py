@@ -11,7 +11,6 @@ error (502 kv_transfer_failed) and leaves nothing held on the decode side; a
 decode worker killed mid-stream leaves nothing held on the prefill side;
 two streams of one prompt at once both verify (one may re-read blocks).
 """
-import json
 import signal
 import sys
 import threading
@@ -20,7 +19,7 @@ import time
 import pytest
 
 from conftest import SOURCE_DIR
-from test_pd import P, PROMPTS, ROUTER, TRANSFER_S, Worker, completion
+from test_pd import P, PROMPTS, ROUTER, TRANSFER_S, Worker, completion, read_sse_completion
 
 sys.path.insert(0, str(SOURCE_DIR / "bench"))
 from netns import Hosts  # noqa: E402
@@ -78,14 +77,7 @@ def test_streamed_prefill_matches_a_single_server(hosts):
                                    kv_transfer_params=stream_params(prefill) | {}),
                         stream=True)
         assert r.status_code == 200
-        text, usage = "", None
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            for c in ev.get("choices", []):
-                text += c.get("text", "")
-            usage = ev.get("usage") or usage
+        text, usage = read_sse_completion(r)
         ref = both.post("/v1/completions", completion(PROMPTS[3])).json()
         assert text == ref["choices"][0]["text"]
         assert usage["completion_tokens"] == ref["usage"]["completion_tokens"]
