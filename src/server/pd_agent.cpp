@@ -622,9 +622,16 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
   (void)session.finish(true);
   const transfer::PullTimings& t = session.timings();
   std::lock_guard<std::mutex> lock(mu_);
+  count_pull_ok(t, t0, static_cast<int64_t>(want_recs.size()), static_cast<int64_t>(k));
+  stats_.last_layer_get_s = t.layer_get_s;
+  return pin;
+}
+
+void PdAgent::count_pull_ok(const transfer::PullTimings& t, Clock::time_point t0, int64_t n_pulled,
+                            int64_t n_local) {
   stats_.n_pulls_ok++;
-  stats_.n_blocks_pulled += static_cast<int64_t>(want_recs.size());
-  stats_.n_blocks_local += static_cast<int64_t>(k);
+  stats_.n_blocks_pulled += n_pulled;
+  stats_.n_blocks_local += n_local;
   stats_.n_bytes_pulled += t.n_bytes;
   stats_.last_pull_s = seconds_since(t0);
   stats_.last_read_s = t.read_s;
@@ -635,8 +642,6 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull(Scheduler& s, const json& pa
   stats_.last_n_gets = t.n_gets;
   stats_.last_bytes = t.n_bytes;
   stats_.last_bandwidth = t.get_s > 0 ? static_cast<double>(t.n_bytes) / t.get_s : 0;
-  stats_.last_layer_get_s = t.layer_get_s;
-  return pin;
 }
 
 PdStats PdAgent::stats() const {

@@ -259,6 +259,10 @@ class PdAgent {
   // pull() for an offer in another layout: reads the producer's records
   // into a staging buffer, checks them under the producer's identity,
   // rewrites the tokens into this worker's own blocks and publishes them.
+  // Counts a verified pull of n_pulled blocks (n_local found cached here)
+  // that started at t0, with the session's timings. REQUIRES: mu_ held.
+  void count_pull_ok(const transfer::PullTimings& t, Clock::time_point t0, int64_t n_pulled,
+                     int64_t n_local);
   Result<std::unique_ptr<PulledPrefix>> pull_converted(Scheduler& s, transfer::PullSession& session,
                                                        const Conversion& conv,
                                                        const std::vector<int32_t>& prompt,

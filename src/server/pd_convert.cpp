@@ -164,21 +164,9 @@ Result<std::unique_ptr<PulledPrefix>> PdAgent::pull_converted(
   (void)session.finish(true);
   const transfer::PullTimings& t = session.timings();
   std::lock_guard<std::mutex> lock(mu_);
-  stats_.n_pulls_ok++;
+  count_pull_ok(t, t0, static_cast<int64_t>(n - k), static_cast<int64_t>(k));
   stats_.n_layout_conversions++;
   stats_.n_blocks_converted += static_cast<int64_t>(n_read);
-  stats_.n_blocks_pulled += static_cast<int64_t>(n - k);
-  stats_.n_blocks_local += static_cast<int64_t>(k);
-  stats_.n_bytes_pulled += t.n_bytes;
-  stats_.last_pull_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  stats_.last_read_s = t.read_s;
-  stats_.pull_seconds += stats_.last_pull_s;
-  stats_.read_seconds += t.read_s;
-  stats_.last_get_s = t.get_s;
-  stats_.last_wireup_s = t.wireup_s;
-  stats_.last_n_gets = t.n_gets;
-  stats_.last_bytes = t.n_bytes;
-  stats_.last_bandwidth = t.get_s > 0 ? static_cast<double>(t.n_bytes) / t.get_s : 0;
   return pin;
 }
 
