@@ -12,8 +12,10 @@ namespace kvstack {
 namespace {
 
 using mla_detail::kMlaTile;
+using mla_detail::meta_at;
 using mla_detail::mla_pad;
 using mla_detail::MlaTileFns;
+using mla_detail::row_at;
 
 // A decode row is split along its keys into pieces of at least this many
 // keys when there are too few rows to keep every thread busy (split-K).
@@ -36,19 +38,6 @@ Status validate(const PagedKvLayerView& view, const MlaAttnParams& p) {
     return make_error(Errc::kInvalidArgument, "mla_attention: int8 latent view without scales");
   }
   return {};
-}
-
-// Row j's stored bytes and (int8) scale.
-inline const uint8_t* row_at(const PagedKvLayerView& v, const AttnSeq& s, int32_t j) {
-  const int32_t blk = s.block_table[j / v.block_size];
-  return v.k + static_cast<int64_t>(blk) * v.block_stride +
-         static_cast<int64_t>(j % v.block_size) * v.slot_stride;
-}
-inline const uint8_t* meta_at(const PagedKvLayerView& v, const AttnSeq& s, int32_t j) {
-  if (v.k_meta == nullptr) return nullptr;
-  const int32_t blk = s.block_table[j / v.block_size];
-  return v.k_meta + static_cast<int64_t>(blk) * v.block_stride +
-         static_cast<int64_t>(j % v.block_size) * v.k_meta_slot_stride;
 }
 
 // Prefill: up to this many consecutive query rows of a sequence share each

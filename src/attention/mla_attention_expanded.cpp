@@ -22,21 +22,12 @@
 namespace kvstack {
 namespace {
 
+using mla_detail::meta_at;
+using mla_detail::row_at;
+
 constexpr int32_t kExpandPiece = 240;  // tokens up-projected per GEMM (a multiple of 6 rows)
 constexpr int kTmpBlock = 64;          // tokens per block of the temporary layer
 constexpr float kF16Max = 65504.0f;    // largest finite f16
-
-inline const uint8_t* row_at(const PagedKvLayerView& v, const AttnSeq& s, int32_t j) {
-  const int32_t blk = s.block_table[j / v.block_size];
-  return v.k + static_cast<int64_t>(blk) * v.block_stride +
-         static_cast<int64_t>(j % v.block_size) * v.slot_stride;
-}
-inline const uint8_t* meta_at(const PagedKvLayerView& v, const AttnSeq& s, int32_t j) {
-  if (v.k_meta == nullptr) return nullptr;
-  const int32_t blk = s.block_table[j / v.block_size];
-  return v.k_meta + static_cast<int64_t>(blk) * v.block_stride +
-         static_cast<int64_t>(j % v.block_size) * v.k_meta_slot_stride;
-}
 
 struct ExpandScratch {
   std::vector<uint8_t> k, v;   // temporary layer, [blocks][H][kTmpBlock][hd]

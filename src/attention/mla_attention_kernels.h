@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "attention/paged_attention.h"
 #include "core/cpu_features.h"
 #include "kv/kv_view.h"
 
@@ -56,5 +57,19 @@ inline constexpr int kMlaGemmCols = 64;  // columns per gemm block (4 AVX-512 ve
 // The tile functions of exactly `isa` (kAvx2 or kAvx512); null for kScalar
 // and when the CPU lacks the ISA.
 const MlaTileFns* mla_tile_fns(Isa isa);
+
+// Row j (logical token) of a sequence in a latent layer: its stored bytes,
+// and its int8 scale (null for a float latent).
+inline const uint8_t* row_at(const PagedKvLayerView& v, const AttnSeq& s, int32_t j) {
+  const int32_t blk = s.block_table[j / v.block_size];
+  return v.k + static_cast<int64_t>(blk) * v.block_stride +
+         static_cast<int64_t>(j % v.block_size) * v.slot_stride;
+}
+inline const uint8_t* meta_at(const PagedKvLayerView& v, const AttnSeq& s, int32_t j) {
+  if (v.k_meta == nullptr) return nullptr;
+  const int32_t blk = s.block_table[j / v.block_size];
+  return v.k_meta + static_cast<int64_t>(blk) * v.block_stride +
+         static_cast<int64_t>(j % v.block_size) * v.k_meta_slot_stride;
+}
 
 }  // namespace kvstack::mla_detail
