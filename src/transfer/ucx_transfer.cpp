@@ -336,32 +336,47 @@ size_t UcxPuller::n_peers() const {
 
 // ---- PullSession ----
 
+Result<std::unique_ptr<PullSession>> PullSession::start(UcxContext& ucx, const std::string& host,
+                                                        int port, std::chrono::milliseconds timeout,
+                                                        UcxPuller* puller, const char* what,
+                                                        FrameType kind,
+                                                        const std::vector<uint8_t>& payload,
+                                                        Frame* reply) {
+  const auto deadline = Clock::now() + timeout;
+  auto s = std::unique_ptr<PullSession>(new PullSession());
+  s->ucx_ = &ucx;
+  s->puller_ = puller;
+  s->timeout_ = timeout;
+  s->where_ = host + ":" + std::to_string(port);
+  const std::string prefix = std::string(what) + " from " + s->where_ + ": ";
+  auto c = Socket::connect(host, port, timeout);
+  if (!c) return make_error(c.error().code, prefix + c.error().message);
+  s->conn_ = std::move(*c);
+  if (auto st = s->conn_.send_frame(kind, payload, deadline); !st.ok()) {
+    return make_error(Errc::kIo, prefix + st.error().message);
+  }
+  auto f = s->conn_.recv_frame(deadline);
+  if (!f) return make_error(f.error().code, prefix + f.error().message);
+  *reply = std::move(*f);
+  return s;
+}
+
 Result<std::unique_ptr<PullSession>> PullSession::open(UcxContext& ucx, const std::string& host,
                                                        int port, uint64_t transfer_id,
                                                        std::chrono::milliseconds timeout,
                                                        UcxPuller* puller) {
   const auto t0 = Clock::now();
-  const auto deadline = t0 + timeout;
-  auto s = std::unique_ptr<PullSession>(new PullSession());
-  s->ucx_ = &ucx;
-  s->puller_ = puller;
-  s->timeout_ = timeout;
-  const std::string where = host + ":" + std::to_string(port);
-  auto c = Socket::connect(host, port, timeout);
-  if (!c) return make_error(c.error().code, "KV transfer from " + where + ": " + c.error().message);
-  s->conn_ = std::move(*c);
   Writer w;
   w.put(transfer_id);
-  if (auto st = s->conn_.send_frame(FrameType::kPull, w.buf, deadline); !st.ok()) {
-    return make_error(Errc::kIo, "KV transfer from " + where + ": " + st.error().message);
+  Frame f;
+  auto started =
+      start(ucx, host, port, timeout, puller, "KV transfer", FrameType::kPull, w.buf, &f);
+  if (!started) return started.error();
+  std::unique_ptr<PullSession> s = std::move(*started);
+  if (f.first != FrameType::kOffer) {
+    return make_error(Errc::kCorruptFile, "KV transfer from " + s->where_ + ": unexpected frame");
   }
-  auto f = s->conn_.recv_frame(deadline);
-  if (!f) return make_error(f.error().code, "KV transfer from " + where + ": " + f.error().message);
-  if (f->first != FrameType::kOffer) {
-    return make_error(Errc::kCorruptFile, "KV transfer from " + where + ": unexpected frame");
-  }
-  s->where_ = where;
-  KV_TRY_STATUS(s->parse_offer(f->second, where));
+  KV_TRY_STATUS(s->parse_offer(f.second, s->where_));
   s->timings_.connect_s = seconds_since(t0);
   return s;
 }
@@ -410,31 +425,22 @@ Result<std::unique_ptr<PullSession>> PullSession::open_stream(UcxContext& ucx,
                                                               std::chrono::milliseconds timeout,
                                                               UcxPuller* puller) {
   const auto t0 = Clock::now();
-  const auto deadline = t0 + timeout;
-  auto s = std::unique_ptr<PullSession>(new PullSession());
-  s->ucx_ = &ucx;
-  s->puller_ = puller;
-  s->timeout_ = timeout;
-  const std::string where = host + ":" + std::to_string(port);
-  s->where_ = where;
+  Frame frame;
+  auto started =
+      start(ucx, host, port, timeout, puller, "KV stream", FrameType::kStream, request, &frame);
+  if (!started) return started.error();
+  std::unique_ptr<PullSession> s = std::move(*started);
   s->stream_ = true;
-  auto c = Socket::connect(host, port, timeout);
-  if (!c) return make_error(c.error().code, "KV stream from " + where + ": " + c.error().message);
-  s->conn_ = std::move(*c);
-  if (auto st = s->conn_.send_frame(FrameType::kStream, request, deadline); !st.ok()) {
-    return make_error(Errc::kIo, "KV stream from " + where + ": " + st.error().message);
-  }
-  auto f = s->conn_.recv_frame(deadline);
-  if (!f) return make_error(f.error().code, "KV stream from " + where + ": " + f.error().message);
-  if (f->first == FrameType::kOffer) {  // a refusal (a lease is never offered first)
-    KV_TRY_STATUS(s->parse_offer(f->second, where));
+  const std::string& where = s->where_;
+  if (frame.first == FrameType::kOffer) {  // a refusal (a lease is never offered first)
+    KV_TRY_STATUS(s->parse_offer(frame.second, where));
     return make_error(Errc::kCorruptFile, "KV stream from " + where + ": offer before the blocks");
   }
   auto bad = [&] {
     return make_error(Errc::kCorruptFile, "KV stream from " + where + ": malformed stream blocks");
   };
-  if (f->first != FrameType::kStreamBlocks) return bad();
-  Reader r(f->second);
+  if (frame.first != FrameType::kStreamBlocks) return bad();
+  Reader r(frame.second);
   Offer& o = s->offer_;
   uint32_t n_addr = 0;
   uint32_t n_rkey = 0;

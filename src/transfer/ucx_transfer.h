@@ -250,7 +250,18 @@ class PullSession {
   const PullTimings& timings() const { return timings_; }
 
  private:
+  using Frame = std::pair<FrameType, std::vector<uint8_t>>;
   PullSession() = default;
+  // The opening open() and open_stream() share: a session bound to `ucx`
+  // and `puller` that connected to host:port, sent `kind` with `payload`
+  // and received the first reply frame (*reply). Errors name `what`
+  // ("KV transfer", "KV stream") and the peer.
+  static Result<std::unique_ptr<PullSession>> start(UcxContext& ucx, const std::string& host,
+                                                    int port, std::chrono::milliseconds timeout,
+                                                    UcxPuller* puller, const char* what,
+                                                    FrameType kind,
+                                                    const std::vector<uint8_t>& payload,
+                                                    Frame* reply);
   void close_ucx();
   // Parses an OFFER frame's payload into offer_ (and the worker address
   // and rkey); errors as open(), naming `where`.
