@@ -155,7 +155,16 @@ Status Scheduler::validate_request(const SeqRequest& r) const {
                                                   std::to_string(n_ctx_) + " tokens");
   }
   const int64_t n_written = n_prompt + r.max_tokens - 1;
-  const int64_t need = request_blocks(n_prompt, n_written, r.n);
+  int64_t need = request_blocks(n_prompt, n_written, r.n);
+  // A single choice under a compacting policy needs only what the policy
+  // keeps (admission reserves the same, reserve_blocks): e.g. StreamingLLM
+  // may generate past the pool's size.
+  const RetentionConfig& retention =
+      r.kv_retention ? *r.kv_retention : engine_.config().kv_retention;
+  if (r.n == 1 && retention.active()) {
+    need = std::min(need, BlockTable::fresh_reserve_blocks(engine_.pool(), retention, n_prompt,
+                                                           n_written, reserve_chunk()));
+  }
   if (need > engine_.pool().n_blocks()) {
     return make_error(Errc::kInvalidArgument,
                       "max_tokens: prompt (" + std::to_string(n_prompt) + ") + max_tokens (" +
@@ -331,12 +340,16 @@ int64_t Scheduler::request_blocks(int64_t n_prompt, int64_t n_tokens, int64_t n_
          (n_choices - 1) * choice_blocks(n_prompt, n_tokens);
 }
 
+int64_t Scheduler::reserve_chunk() const {
+  // The longest entry a step gives a sequence: L (3 tokens when L = 2, see
+  // step()), never more than the engine's chunk.
+  return std::min<int64_t>(engine_.config().prefill_chunk,
+                           std::max<int64_t>(3, prefill_chunk_tokens()));
+}
+
 int64_t Scheduler::reserve_blocks(const Choice& s) const {
   const KvGroups& groups = engine_.pool().groups();
-  // The longest entry a step gives this sequence: L (3 tokens when L = 2,
-  // see step()), never more than the engine's chunk.
-  const int64_t chunk = std::min<int64_t>(engine_.config().prefill_chunk,
-                                          std::max<int64_t>(3, prefill_chunk_tokens()));
+  const int64_t chunk = reserve_chunk();
   const int64_t target_tokens_now = target_tokens(s);
   const auto n_prompt = static_cast<int64_t>(s.req->req.prompt.size());
   const BlockTable& table = s.kv.table();

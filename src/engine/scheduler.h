@@ -258,6 +258,8 @@ class Scheduler {
   int64_t choice_blocks(int64_t n_prompt, int64_t n_tokens) const;
   int64_t request_blocks(int64_t n_prompt, int64_t n_tokens, int64_t n_choices) const;
   int64_t reserve_blocks(const Choice& s) const;
+  // The longest entry a step gives one sequence (reserve_blocks' chunk).
+  int64_t reserve_chunk() const;
   int64_t target_tokens(const Choice& s) const;
   // Prefill chunk length L for prefill_chunk_end() (see the header comment).
   int64_t prefill_chunk_tokens() const;

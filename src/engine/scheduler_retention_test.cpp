@@ -166,5 +166,58 @@ TEST(SchedulerRetention, SharedPrefixAndForksNeverRunOut) {
   }
 }
 
+// A request longer than the whole pool (prompt + max_tokens > the pool's
+// tokens per group) is refused under the exact cache, named with its block
+// count, but admitted under a policy that keeps less: StreamingLLM and H2O
+// generate past the pool's size, never preempted, every block back at the
+// end.
+TEST(SchedulerRetention, PolicyRequestLongerThanThePoolRuns) {
+  auto e = make_engine();
+  if (!e) GTEST_SKIP() << "default model not found (set KVSTACK_MODEL)";
+  const int64_t pool_tokens = e->pool().n_blocks() / e->pool().n_groups() * kBlock;
+  const int64_t gen = pool_tokens + 64 - kPrompt;  // the sequence ends 64 tokens past the pool
+  SchedulerConfig sc;
+  sc.reserve_output_tokens = -1;
+  auto s = Scheduler::create(*e, sc);
+  ASSERT_TRUE(s.ok());
+  auto request = [&](const RetentionConfig& rc) {
+    SeqRequest r;
+    r.prompt = random_prompt(5, e->tokenizer().n_vocab());
+    r.max_tokens = gen;
+    r.sampling.temperature = 0;
+    r.ignore_eos = true;
+    r.kv_retention = rc;
+    return r;
+  };
+  auto refused = (*s)->submit(request(RetentionConfig{}));
+  ASSERT_FALSE(refused.ok()) << "the exact cache cannot hold " << kPrompt + gen << " tokens";
+  EXPECT_EQ(refused.error().code, Errc::kInvalidArgument);
+  EXPECT_NE(refused.error().message.find("KV blocks but the pool has"), std::string::npos)
+      << refused.error().message;
+  for (const Case& c : {kCases[0], kCases[3]}) {
+    SCOPED_TRACE(c.name);
+    auto h = (*s)->submit(request(c.rc));
+    ASSERT_TRUE(h.ok()) << h.error().message;
+    std::vector<SeqEvent> events;
+    for (int it = 0; it < 20000 && !(*h)->done(); ++it) {
+      (*s)->step();
+      e->pool().check_invariants();
+      (*h)->wait(&events, std::chrono::milliseconds(0));
+    }
+    (*h)->wait(&events, std::chrono::milliseconds(0));
+    ASSERT_TRUE((*h)->done());
+    int64_t n_tokens = 0;
+    for (const SeqEvent& ev : events) {
+      ASSERT_NE(ev.kind, SeqEvent::Kind::kError) << ev.error.error().message;
+      if (ev.kind == SeqEvent::Kind::kToken) n_tokens++;
+    }
+    EXPECT_EQ(n_tokens, gen);
+    EXPECT_EQ((*s)->metrics().n_preemptions, 0);
+  }
+  s->reset();
+  e->pool().check_invariants();
+  EXPECT_EQ(e->pool().stats().n_blocks_used, 0) << "blocks leaked";
+}
+
 }  // namespace
 }  // namespace kvstack

@@ -165,6 +165,11 @@ class BlockTable {
   // elsewhere (a table about to be forked).
   int64_t retention_reserve_blocks(int64_t n_prompt, int64_t n_target, int64_t chunk,
                                    bool all_shared = false) const;
+  // retention_reserve_blocks of a new, empty table of `pool` under
+  // `config`, without making one (safe on any thread: reads only the pool's
+  // fixed geometry). Admission checks with it that a request can ever fit.
+  static int64_t fresh_reserve_blocks(const BlockPool& pool, const RetentionConfig& config,
+                                      int64_t n_prompt, int64_t n_target, int64_t chunk);
   // The most blocks group g holds from now on, by the same rules.
   int64_t retention_group_peak(int g, int64_t n_prompt, int64_t n_target, int64_t chunk) const;
   // True when retention compacts group g (a full-attention group of

@@ -37,19 +37,31 @@ int64_t ceil_blocks(int64_t tokens, int64_t p) {
   return (std::max<int64_t>(0, tokens) + p - 1) / p;
 }
 
-}  // namespace
-
-bool BlockTable::retention_compacts(int g) const {
-  const RetentionPolicy p = retention_.policy;
+// Whether `config` compacts group g of `pool` (a full-attention group; the
+// selection policies also need standard layers only).
+bool policy_compacts(const BlockPool& pool, const RetentionConfig& config, int g) {
+  const RetentionPolicy p = config.policy;
   if (p == RetentionPolicy::kNone || p == RetentionPolicy::kTopK) return false;
-  if (pool_->group(g).window > 0) return false;
+  if (pool.group(g).window > 0) return false;
   if (p == RetentionPolicy::kStreamingLlm) return true;
   // snapkv, pyramidkv, h2o select from attention: standard layers only.
-  const KvLayout& layout = groups_[static_cast<size_t>(g)].layout();
+  const KvLayout& layout = pool.group(g).layout;
   for (int i = 0; i < layout.n_layers(); ++i) {
     if (layout.layer(i).kind != KvLayerKind::kStandard) return false;
   }
   return true;
+}
+
+// What H2O keeps from its first one-token step on (see the top).
+int64_t h2o_kept_blocks(const RetentionConfig& config, int64_t p) {
+  const int64_t slack = config.slack > 0 ? config.slack : p;
+  return ceil_blocks(config.budget + config.window + slack, p);
+}
+
+}  // namespace
+
+bool BlockTable::retention_compacts(int g) const {
+  return policy_compacts(*pool_, retention_, g);
 }
 
 int64_t BlockTable::retention_group_peak(int g, int64_t n_prompt, int64_t n_target,
@@ -65,11 +77,8 @@ int64_t BlockTable::retention_group_peak(int g, int64_t n_prompt, int64_t n_targ
   switch (retention_.policy) {
     case RetentionPolicy::kStreamingLlm:
       return retention_peak_blocks(retention_, exact, p, chunk);
-    case RetentionPolicy::kH2o: {
-      const int64_t slack = retention_.slack > 0 ? retention_.slack : p;
-      const int64_t kept = ceil_blocks(retention_.budget + retention_.window + slack, p);
-      return std::min(exact, std::max(prompt, kept));
-    }
+    case RetentionPolicy::kH2o:
+      return std::min(exact, std::max(prompt, h2o_kept_blocks(retention_, p)));
     case RetentionPolicy::kSnapKv:
     case RetentionPolicy::kPyramidKv: {
       if (length > n_prompt) {  // selected (or kept whole): the count is known
@@ -116,6 +125,33 @@ int64_t BlockTable::retention_reserve_blocks(int64_t n_prompt, int64_t n_target,
     shared = shared || all_shared || !gt.compacted() || gt.any_shared();
   }
   return n + (shared ? 1 : 0);
+}
+
+int64_t BlockTable::fresh_reserve_blocks(const BlockPool& pool, const RetentionConfig& config,
+                                         int64_t n_prompt, int64_t n_target, int64_t chunk) {
+  const KvGroups& groups = pool.groups();
+  const int64_t p = pool.block_size();
+  int64_t n = 0;
+  bool compacts = false;
+  for (int g = 0; g < groups.n_groups(); ++g) {
+    const int64_t exact = groups.peak_blocks(g, n_target, chunk);
+    if (!policy_compacts(pool, config, g)) {
+      n += exact;
+      continue;
+    }
+    compacts = true;
+    // retention_group_peak of an empty table: the selection policies know
+    // no query heads yet, so they count the exact peak.
+    if (config.policy == RetentionPolicy::kStreamingLlm) {
+      n += retention_peak_blocks(config, exact, p, chunk);
+    } else if (config.policy == RetentionPolicy::kH2o) {
+      n += std::min(exact,
+                    std::max(groups.peak_blocks(g, n_prompt, chunk), h2o_kept_blocks(config, p)));
+    } else {
+      n += exact;
+    }
+  }
+  return n + (compacts ? 1 : 0);  // the block in flight before the first compaction
 }
 
 }  // namespace kvstack
