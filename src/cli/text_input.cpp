@@ -28,7 +28,17 @@ int64_t pool_room_tokens(Engine& engine, const BlockTable& table) {
 Status check_pool_fits(Engine& engine, const BlockTable& table, int64_t n_prompt,
                        int64_t max_tokens) {
   const int64_t n_new = n_prompt + std::max<int64_t>(max_tokens - 1, 0);
-  const int64_t need = table.blocks_needed(n_new);
+  int64_t need = table.blocks_needed(n_new);
+  // Under a compacting --kv-retention the table never holds more than its
+  // policy keeps (BlockTable::retention_reserve_blocks): StreamingLLM and
+  // H2O generate past the pool's size.
+  if (table.retention().active()) {
+    // The longest step: a prefill chunk of the prompt, at least one token.
+    const int64_t chunk =
+        std::clamp<int64_t>(n_prompt, 1, std::max<int64_t>(1, engine.config().prefill_chunk));
+    need = std::min(need, table.retention_reserve_blocks(table.length() + n_prompt,
+                                                         table.length() + n_new, chunk));
+  }
   const int64_t have = engine.pool().n_available();
   if (need <= have) return {};
   const int64_t p = engine.layout().block_size();

@@ -543,28 +543,40 @@ Status GroupTable::compact(std::span<const int64_t> keep, RetentionStats* stats)
   const int64_t first_written = first_moved / block_size_;
   // Copy-on-write takes one block per destination another table holds; a
   // published block only this table holds returns to the pool (cached) as
-  // its copy is made, so those need one block in flight, not one each.
+  // its copy is made. The copies run newest first, so each such original
+  // is a leaf of the prefix tree (its published descendants are this
+  // table's later originals, already cached) and evictable at once: one
+  // block in flight, not one each. Unless a published block past the
+  // survivors is still held (released only in step 3, after the moves): it
+  // keeps every earlier original unevictable until then, so each needs its
+  // own block.
   int64_t n_cow = 0;
-  bool published_only = false;
+  int64_t n_published_only = 0;
   for (int64_t j = first_written; j < new_blocks; ++j) {
     if (!block_shared(j)) continue;
     if (pool_->ref_count(BlockId{ids_[j]}) > 1) {
       ++n_cow;
     } else {
-      published_only = true;
+      ++n_published_only;
     }
   }
-  if (n_cow + (published_only ? 1 : 0) > pool_->n_available()) {
+  bool tail_published = false;
+  for (int64_t j = new_blocks; j < n_blocks() && !tail_published; ++j) {
+    tail_published = pool_->index_ != nullptr && pool_->index_->is_published(ids_[j]);
+  }
+  const int64_t n_in_flight =
+      n_cow + (tail_published ? n_published_only : std::min<int64_t>(n_published_only, 1));
+  if (n_in_flight > pool_->n_available()) {
     ++pool_->n_out_of_blocks_;
     return make_error(Errc::kOutOfBlocks, "KV pool exhausted: compaction needs " +
-                                              std::to_string(n_cow + (published_only ? 1 : 0)) +
+                                              std::to_string(n_in_flight) +
                                               " copy-on-write blocks, " +
                                               std::to_string(pool_->n_available()) + " available");
   }
   RetentionStats delta;
   // 1. Private destination blocks. Block j's old contents feed only
   // destinations in blocks <= j, so the copy serves every later read of it.
-  for (int64_t j = first_written; j < new_blocks; ++j) {
+  for (int64_t j = new_blocks - 1; j >= first_written; --j) {
     if (!block_shared(j)) continue;
     std::vector<int32_t> fresh;
     pool_->take_free(1, fresh, group_);

@@ -134,7 +134,9 @@ class GroupTable {
   // private block first (copy-on-write), so nobody else's K/V change. Net
   // blocks taken from the pool: one per destination block another table
   // holds (a published block only this table holds becomes cached as its
-  // copy is taken: one block in flight). All or nothing: kOutOfBlocks
+  // copy is taken, newest first: one block in flight; one each while a
+  // published block past the survivors is still held, as it keeps the
+  // released originals unevictable until the end). All or nothing: kOutOfBlocks
   // (nothing changed) when the pool has fewer than those plus one in flight;
   // kUnsupported for a window group, KIVI or per-block-metadata (fp8)
   // layers. Adds what it did to *stats (may be null) and the pool's totals.

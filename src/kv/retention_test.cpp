@@ -22,6 +22,7 @@
 #include "kv/block_pool.h"
 #include "kv/block_table.h"
 #include "kv/kv_write.h"
+#include "kv/prefix_index.h"
 #include "kv/retention.h"
 
 namespace kvstack {
@@ -441,6 +442,71 @@ TEST(Compaction, SharedBlocksAreCopiedNotWrittenAndFailureChangesNothing) {
   a.release();
   b.release();
   EXPECT_EQ(pool->n_free(), pool->n_blocks());
+}
+
+// A table whose every full block is published (a prompt before its first
+// compaction) compacted on a full pool: each copy-on-write copy takes the
+// block an earlier copy just released, which must be evictable at once
+// (the copies run newest first, so every released original is a leaf of
+// the prefix tree). Ascending copies left the released originals above a
+// still-held published block and aborted in take_free. With a published
+// block past the survivors still held, each copy needs its own block: on a
+// full pool that is a clean kOutOfBlocks, nothing changed.
+TEST(Compaction, PublishedBlocksAreCopiedOnAFullPool) {
+  const int p = 4;
+  for (const bool tail_published : {false, true}) {
+    SCOPED_TRACE(tail_published ? "published tail" : "partial tail");
+    auto pool = make_pool(KvDtype::kF16, p, 20 * p);
+    PrefixIndex index(*pool);
+    BlockTable t(*pool);
+    // 9 blocks: all full and published, or the ninth partly filled.
+    const int64_t n = tail_published ? 9 * p : 8 * p + 3;
+    append(t, n);
+    std::vector<int32_t> tokens(static_cast<size_t>(n));
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(100 + i);
+    const NamespaceId ns = index.intern_namespace(Hash128{7, 7});
+    index.acquire_namespace(ns);  // as a live Sequence does
+    ASSERT_EQ(index.publish(ns, t, tokens, 0), n / p);
+    // Leave one block free, nothing cached.
+    BlockTable filler(*pool);
+    ASSERT_TRUE(filler.reserve((pool->n_free() - 1) * p).ok());
+    ASSERT_EQ(pool->n_available(), 1);
+    // Drop slots 1..(3 or 5): the survivors fill blocks 0..7, all published
+    // (each copied), and block 8 is released after the moves.
+    std::vector<int64_t> keep = {0};
+    for (int64_t s = tail_published ? 6 : 4; s < n; ++s) keep.push_back(s);
+    ASSERT_EQ((static_cast<int64_t>(keep.size()) + p - 1) / p, 8);
+    std::vector<std::vector<float>> rows;
+    for (int64_t s : keep) rows.push_back(stored(t, 0, s));
+    RetentionStats st;
+    const Status c = t.group(0).compact(keep, &st);
+    pool->check_invariants();
+    index.check_invariants();
+    if (tail_published) {
+      // Block 8 stays published and held until the moves are done, so
+      // blocks 0..7's originals cannot be evicted before: 8 blocks needed.
+      ASSERT_FALSE(c.ok());
+      EXPECT_EQ(c.error().code, Errc::kOutOfBlocks);
+      EXPECT_EQ(t.group(0).length(), n);
+      EXPECT_FALSE(t.compacted());
+      filler.release();
+      ASSERT_TRUE(t.group(0).compact(keep, &st).ok()) << "after the pool has room";
+      pool->check_invariants();
+      index.check_invariants();
+    } else {
+      ASSERT_TRUE(c.ok()) << c.error().message;
+    }
+    EXPECT_EQ(t.group(0).length(), static_cast<int64_t>(keep.size()));
+    for (size_t i = 0; i < keep.size(); ++i) {
+      EXPECT_EQ(stored(t, 0, keep[i]), rows[i]) << "survivor at position " << keep[i];
+    }
+    for (int32_t b : t.group(0).ids()) EXPECT_FALSE(index.is_published(b)) << "block " << b;
+    t.release();
+    filler.release();
+    index.release_namespace(ns);
+    pool->check_invariants();
+    EXPECT_EQ(pool->n_available(), pool->n_blocks());
+  }
 }
 
 // A long StreamingLLM run through reserve/commit: resident slots and used

@@ -133,6 +133,23 @@ def test_topk_reads_fewer_blocks_and_covering_k_is_exact(runs):
     assert wr["topk_blocks_read"] == wr["topk_blocks_total"] > 0
 
 
+def test_streaming_generates_past_a_pool_the_exact_run_does_not_fit():
+    """A 256-token pool: `-n 600` does not fit the exact cache (a clear CLI
+    error before anything runs), but StreamingLLM keeps sinks + window +
+    slack and generates all 600 tokens, the prefix cache on (its published
+    prompt blocks are copied as the first compaction moves them)."""
+    need_model()
+    cmd = [BIN, "run", "-m", MODEL, "-p", PROMPT, "-n", "600", "--temp", "0", "--ignore-eos",
+           "--threads", str(THREADS), "--json", "--kv-cache-tokens", "256"]
+    exact = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert exact.returncode != 0 and "the KV pool has room for 256 tokens" in exact.stderr, \
+        exact.stderr
+    sllm = subprocess.run(cmd + ["--kv-retention", "streamingllm:sinks=4,window=124"],
+                          capture_output=True, text=True, timeout=300)
+    assert sllm.returncode == 0, sllm.stderr
+    assert json.loads(sllm.stdout.strip().splitlines()[-1])["completion_tokens"] == 600
+
+
 @pytest.mark.parametrize("spec,msg", [
     ("topk:k=0", "k=0 must be in [1,"),
     ("topk", "topk takes k=N"),
