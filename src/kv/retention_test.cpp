@@ -477,6 +477,7 @@ TEST(Compaction, PublishedBlocksAreCopiedOnAFullPool) {
     for (int64_t s = tail_published ? 6 : 4; s < n; ++s) keep.push_back(s);
     ASSERT_EQ((static_cast<int64_t>(keep.size()) + p - 1) / p, 8);
     std::vector<std::vector<float>> rows;
+    rows.reserve(keep.size());
     for (int64_t s : keep) rows.push_back(stored(t, 0, s));
     RetentionStats st;
     const Status c = t.group(0).compact(keep, &st);
