@@ -159,7 +159,9 @@ class BlockTable {
   // least the whole prompt for a policy that selects at the first one-token
   // step, and subtracts only blocks no other table holds (compaction copies
   // shared ones), plus one block in flight while a compaction may still copy
-  // a shared or published block (until the first compaction). Other
+  // a shared or published block (until the first compaction), and until a
+  // group's first compaction, with a prefix index, one block per kept
+  // block for that compaction's copies of published blocks. Other
   // groups and policies: the exact peak (KvGroups::peak_blocks) minus the
   // resident blocks. all_shared: count every resident block as held
   // elsewhere (a table about to be forked).

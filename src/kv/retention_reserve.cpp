@@ -22,7 +22,10 @@
 //                 K = min(N, layers x heads x budget + window) and then every
 //                 decoded token stays: ceil((K + T - N) / P). Once selected
 //                 (L > N) the kept count is known: ceil((R + T - L) / P).
-// Each is capped by the exact peak. Groups the policy does not compact
+// Until a group's first compaction, with a prefix index, each adds
+// ceil(kept / P) + 1 blocks: that compaction copies the published blocks it
+// writes while the published ones past the survivors are still held
+// (GroupTable::compact). Each is capped by the exact peak. Groups the policy does not compact
 // (windows, MLA under selection policies) and the non-compacting policies
 // (none, topk) keep the exact figure.
 #include <algorithm>
@@ -64,44 +67,78 @@ bool BlockTable::retention_compacts(int g) const {
   return policy_compacts(*pool_, retention_, g);
 }
 
-int64_t BlockTable::retention_group_peak(int g, int64_t n_prompt, int64_t n_target,
-                                         int64_t chunk) const {
-  const KvGroups& groups = pool_->groups();
+namespace {
+
+// What retention_group_peak reads of a table: its logical length, group g's
+// resident slots, whether g was compacted, and the observed query heads (0
+// before any row was observed). An empty table is all zero.
+struct PeakState {
+  int64_t length = 0;
+  int64_t resident = 0;
+  bool compacted = false;
+  int n_q_heads = 0;
+};
+
+int64_t group_peak(const BlockPool& pool, const RetentionConfig& rc, int g, const PeakState& st,
+                   int64_t n_prompt, int64_t n_target, int64_t chunk) {
+  const KvGroups& groups = pool.groups();
   const int64_t exact = groups.peak_blocks(g, n_target, chunk);
-  if (!retention_compacts(g)) return exact;
-  const int64_t p = pool_->block_size();
-  const int64_t length = this->length();
-  const GroupTable& gt = groups_[static_cast<size_t>(g)];
+  if (!policy_compacts(pool, rc, g)) return exact;
+  const int64_t p = pool.block_size();
   // The whole prompt while it is being written (selection policies).
-  const int64_t prompt = length <= n_prompt ? groups.peak_blocks(g, n_prompt, chunk) : 0;
-  switch (retention_.policy) {
+  const int64_t prompt = st.length <= n_prompt ? groups.peak_blocks(g, n_prompt, chunk) : 0;
+  // Until its first compaction a group's full blocks may be published (the
+  // prefix cache publishes them as they fill); that compaction copies each
+  // published destination while the published blocks past the survivors
+  // are still held (GroupTable::compact): one block per kept block on top
+  // of what the group holds.
+  const bool copies = pool.index() != nullptr && !st.compacted;
+  auto with_copies = [&](int64_t held, int64_t kept_tokens) {
+    return held + (copies ? ceil_blocks(kept_tokens, p) + 1 : 0);
+  };
+  switch (rc.policy) {
     case RetentionPolicy::kStreamingLlm:
-      return retention_peak_blocks(retention_, exact, p, chunk);
-    case RetentionPolicy::kH2o:
-      return std::min(exact, std::max(prompt, h2o_kept_blocks(retention_, p)));
+      return std::min(
+          exact, with_copies(retention_peak_blocks(rc, exact, p, chunk), rc.sinks + rc.window));
+    case RetentionPolicy::kH2o: {
+      const int64_t kept = h2o_kept_blocks(rc, p);
+      return std::min(exact, std::max(prompt > 0 ? with_copies(prompt, kept * p) : 0, kept));
+    }
     case RetentionPolicy::kSnapKv:
     case RetentionPolicy::kPyramidKv: {
-      if (length > n_prompt) {  // selected (or kept whole): the count is known
-        return std::min(exact, ceil_blocks(gt.length() + n_target - length, p));
+      if (st.length > n_prompt) {  // selected (or kept whole): the count is known
+        return std::min(exact, ceil_blocks(st.resident + n_target - st.length, p));
       }
       int64_t kept = n_prompt;
-      if (obs_shape_.n_q_heads > 0) {  // the query heads are known once rows were observed
-        const int64_t budget = retention_layer_budget(retention_, pool_->group(g).layers.front(),
-                                                      pool_->groups().n_layers());
+      if (st.n_q_heads > 0) {  // the query heads are known once rows were observed
+        const int64_t budget =
+            retention_layer_budget(rc, pool.group(g).layers.front(), groups.n_layers());
+        const KvLayout& layout = pool.group(g).layout;
         int64_t heads = 0;
-        for (int i = 0; i < gt.layout().n_layers(); ++i) {
-          heads += retention_.gqa == GqaRule::kUnion ? obs_shape_.n_q_heads
-                                                     : gt.layout().layer(i).n_kv_heads;
+        for (int i = 0; i < layout.n_layers(); ++i) {
+          heads += rc.gqa == GqaRule::kUnion ? st.n_q_heads : layout.layer(i).n_kv_heads;
         }
-        kept = std::min(n_prompt, heads * budget + retention_.window);
+        kept = std::min(n_prompt, heads * budget + rc.window);
       }
-      return std::min(
-          exact,
-          std::max(prompt, ceil_blocks(kept + std::max<int64_t>(0, n_target - n_prompt), p)));
+      return std::min(exact,
+                      std::max(with_copies(prompt, kept),
+                               ceil_blocks(kept + std::max<int64_t>(0, n_target - n_prompt), p)));
     }
     default:
       return exact;
   }
+}
+
+}  // namespace
+
+int64_t BlockTable::retention_group_peak(int g, int64_t n_prompt, int64_t n_target,
+                                         int64_t chunk) const {
+  const GroupTable& gt = groups_[static_cast<size_t>(g)];
+  const PeakState st{.length = length(),
+                     .resident = gt.length(),
+                     .compacted = gt.compacted(),
+                     .n_q_heads = obs_shape_.n_q_heads};
+  return group_peak(*pool_, retention_, g, st, n_prompt, n_target, chunk);
 }
 
 int64_t BlockTable::retention_reserve_blocks(int64_t n_prompt, int64_t n_target, int64_t chunk,
@@ -129,29 +166,15 @@ int64_t BlockTable::retention_reserve_blocks(int64_t n_prompt, int64_t n_target,
 
 int64_t BlockTable::fresh_reserve_blocks(const BlockPool& pool, const RetentionConfig& config,
                                          int64_t n_prompt, int64_t n_target, int64_t chunk) {
-  const KvGroups& groups = pool.groups();
-  const int64_t p = pool.block_size();
+  // retention_reserve_blocks of an empty table: nothing resident or shared,
+  // one block in flight when a group compacts.
   int64_t n = 0;
   bool compacts = false;
-  for (int g = 0; g < groups.n_groups(); ++g) {
-    const int64_t exact = groups.peak_blocks(g, n_target, chunk);
-    if (!policy_compacts(pool, config, g)) {
-      n += exact;
-      continue;
-    }
-    compacts = true;
-    // retention_group_peak of an empty table: the selection policies know
-    // no query heads yet, so they count the exact peak.
-    if (config.policy == RetentionPolicy::kStreamingLlm) {
-      n += retention_peak_blocks(config, exact, p, chunk);
-    } else if (config.policy == RetentionPolicy::kH2o) {
-      n += std::min(exact,
-                    std::max(groups.peak_blocks(g, n_prompt, chunk), h2o_kept_blocks(config, p)));
-    } else {
-      n += exact;
-    }
+  for (int g = 0; g < pool.n_groups(); ++g) {
+    n += group_peak(pool, config, g, PeakState{}, n_prompt, n_target, chunk);
+    compacts = compacts || policy_compacts(pool, config, g);
   }
-  return n + (compacts ? 1 : 0);  // the block in flight before the first compaction
+  return n + (compacts ? 1 : 0);
 }
 
 }  // namespace kvstack

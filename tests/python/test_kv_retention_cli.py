@@ -144,7 +144,7 @@ def test_streaming_generates_past_a_pool_the_exact_run_does_not_fit():
     exact = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert exact.returncode != 0 and "the KV pool has room for 256 tokens" in exact.stderr, \
         exact.stderr
-    sllm = subprocess.run(cmd + ["--kv-retention", "streamingllm:sinks=4,window=124"],
+    sllm = subprocess.run(cmd + ["--kv-retention", "streamingllm:sinks=4,window=60"],
                           capture_output=True, text=True, timeout=300)
     assert sllm.returncode == 0, sllm.stderr
     assert json.loads(sllm.stdout.strip().splitlines()[-1])["completion_tokens"] == 600
