@@ -15,6 +15,7 @@
 #include "cli/progress.h"
 #include "core/proc_stats.h"
 #include "core/units.h"
+#include "ops/elementwise.h"
 
 namespace kvstack::cli {
 namespace {
@@ -25,8 +26,9 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// The greedy token (ops argmax: SIMD, the first largest like max_element).
 int32_t argmax(const float* row, int64_t n) {
-  return static_cast<int32_t>(std::max_element(row, row + n) - row);
+  return static_cast<int32_t>(kvstack::argmax(row, n));
 }
 
 struct BatchBenchShape {

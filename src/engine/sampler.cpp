@@ -7,6 +7,8 @@
 #include <limits>
 #include <random>
 
+#include "ops/elementwise.h"
+
 namespace kvstack {
 
 namespace {
@@ -147,10 +149,8 @@ int32_t Sampler::prepare(const float* logits, int n_vocab) {
   }
   apply_penalties(logits, n_vocab, work_.data());
   const float* w = work_.data();
-  int32_t best = 0;
-  for (int32_t i = 1; i < n_vocab; ++i) {
-    if (w[i] > w[best]) best = i;
-  }
+  // The first largest (lowest id on ties); no NaN here (checked above).
+  const auto best = static_cast<int32_t>(argmax(w, n_vocab));
   KV_CHECK(w[best] > kNegInf, "Sampler::sample: every logit is -inf");
   return best;
 }

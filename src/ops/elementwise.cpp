@@ -202,6 +202,70 @@ KV_AVX2 void swiglu_avx2(const float* gate, const float* up, float* out, int64_t
 
 }  // namespace
 
+namespace {
+
+#if defined(__x86_64__)
+// 8 lanes each keep their first largest value and its index (strict >), two
+// vectors per step so the compare/blend chains overlap; then the largest
+// lane value, and among the lanes holding it the smallest index, which is
+// the first occurrence overall. The tail is scanned after (larger indices,
+// so again strict >).
+KV_AVX2 int64_t argmax_avx2(const float* x, int64_t n) {
+  if (n < 16 || n > INT32_MAX) return std::max_element(x, x + n) - x;
+  __m256 best0 = _mm256_loadu_ps(x), best1 = _mm256_loadu_ps(x + 8);
+  __m256i idx0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i idx1 = _mm256_add_epi32(idx0, _mm256_set1_epi32(8));
+  __m256i cur0 = _mm256_add_epi32(idx0, _mm256_set1_epi32(16)),
+          cur1 = _mm256_add_epi32(idx1, _mm256_set1_epi32(16));
+  const __m256i step = _mm256_set1_epi32(16);
+  int64_t i = 16;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    const __m256 g0 = _mm256_cmp_ps(v0, best0, _CMP_GT_OQ),
+                 g1 = _mm256_cmp_ps(v1, best1, _CMP_GT_OQ);
+    best0 = _mm256_blendv_ps(best0, v0, g0);
+    best1 = _mm256_blendv_ps(best1, v1, g1);
+    idx0 = _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(idx0), _mm256_castsi256_ps(cur0), g0));
+    idx1 = _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(idx1), _mm256_castsi256_ps(cur1), g1));
+    cur0 = _mm256_add_epi32(cur0, step);
+    cur1 = _mm256_add_epi32(cur1, step);
+  }
+  alignas(32) float bv[16];
+  alignas(32) int32_t bi[16];
+  _mm256_store_ps(bv, best0);
+  _mm256_store_ps(bv + 8, best1);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(bi), idx0);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(bi + 8), idx1);
+  int64_t best = bi[0];
+  float m = bv[0];
+  for (int l = 1; l < 16; ++l) {
+    if (bv[l] > m || (bv[l] == m && bi[l] < best)) {
+      m = bv[l];
+      best = bi[l];
+    }
+  }
+  for (; i < n; ++i) {
+    if (x[i] > m) {
+      m = x[i];
+      best = i;
+    }
+  }
+  return best;
+}
+#endif
+
+}  // namespace
+
+int64_t argmax(const float* x, int64_t n) {
+  KV_CHECK(n >= 1, "argmax: empty row");
+#if defined(__x86_64__)
+  if (best_isa() >= Isa::kAvx2) return argmax_avx2(x, n);
+#endif
+  return std::max_element(x, x + n) - x;
+}
+
 void swiglu(const float* gate, const float* up, float* out, int64_t n) {
 #if defined(__x86_64__)
   if (best_isa() >= Isa::kAvx2) return swiglu_avx2(gate, up, out, n);

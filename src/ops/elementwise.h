@@ -60,4 +60,10 @@ void mul(const float* a, const float* b, float* out, int64_t n);
 // x[i] *= s.
 void scale(float* x, float s, int64_t n);
 
+// Index of the first largest x[i] (std::max_element's answer), e.g. the
+// greedy token over a logits row (262,144 floats for Gemma 3, where the
+// scalar loop cost ~3% of a decode step). Exact: comparisons only.
+// REQUIRES: n >= 1, no NaN in x (the result is then unspecified).
+int64_t argmax(const float* x, int64_t n);
+
 }  // namespace kvstack

@@ -413,5 +413,49 @@ TEST(Elementwise, GegluAvx2MatchesScalarBitForBit) {
   }
 }
 
+// argmax is std::max_element's index on every path: random rows of odd
+// lengths, ties (first one wins), the maximum in the tail and in the first
+// vector, all -inf, -0/+0 ties, and a Gemma-sized row.
+TEST(Elementwise, ArgmaxIsFirstLargestOnEveryPath) {
+  std::mt19937 rng(21);
+  std::vector<std::vector<float>> rows;
+  for (int64_t n : {1, 2, 7, 15, 16, 17, 31, 33, 100, 1001, 262144}) {
+    rows.push_back(randn(static_cast<size_t>(n), static_cast<uint32_t>(rng())));
+    std::vector<float> tie(static_cast<size_t>(n), 0.5f);  // every element equal
+    rows.push_back(tie);
+    auto coarse = randn(static_cast<size_t>(n), static_cast<uint32_t>(rng()));
+    for (auto& v : coarse) v = std::round(v * 2);  // many ties on the maximum
+    rows.push_back(coarse);
+    auto tail = randn(static_cast<size_t>(n), static_cast<uint32_t>(rng()));
+    tail.back() = 100.f;
+    rows.push_back(tail);
+    rows.push_back(
+        std::vector<float>(static_cast<size_t>(n), -std::numeric_limits<float>::infinity()));
+  }
+  std::vector<float> zeros(40, -0.0f);
+  zeros[9] = 0.0f;
+  zeros[3] = -0.0f;
+  rows.push_back(zeros);
+  int n_paths = 0;
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2}) {
+    if (best_isa() < isa) {
+      std::printf("[ skip     ] argmax %s: CPU lacks it\n", isa == Isa::kAvx2 ? "avx2" : "scalar");
+      continue;
+    }
+    IsaOverride cap(isa);
+    ++n_paths;
+    for (const auto& r : rows) {
+      const int64_t want = std::max_element(r.begin(), r.end()) - r.begin();
+      ASSERT_EQ(argmax(r.data(), std::ssize(r)), want) << "n " << r.size();
+      // The same row at an unaligned start.
+      if (r.size() > 1) {
+        const int64_t want1 = std::max_element(r.begin() + 1, r.end()) - (r.begin() + 1);
+        ASSERT_EQ(argmax(r.data() + 1, std::ssize(r) - 1), want1) << "n " << r.size() - 1;
+      }
+    }
+  }
+  EXPECT_GE(n_paths, 1);
+}
+
 }  // namespace
 }  // namespace kvstack

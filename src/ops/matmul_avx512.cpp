@@ -377,8 +377,8 @@ KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t 
 //   sumi = sum_g scale_g * dot_g             (Q6_K: - 32 * sum_g scale_g * bsum_g)
 //   summ = sum_j min_j * (bsum_2j + bsum_2j+1)  (Q4_K/Q5_K)
 // are the scalar kernel's integers; the float update per super-block is its
-// expression, lane by lane. Rows below 4 run on the AVX2 k-quant kernel,
-// which gives the same (scalar) bits.
+// expression, lane by lane. Rows below 4 run k_decode (below), which gives
+// the same (scalar) bits.
 struct alignas(64) PanelK {
   int32_t t[64][kCols];
   int32_t scale[16][kCols];
@@ -484,11 +484,224 @@ PanelK* panel_k_buffer(int64_t nb) {
   return buf.data();
 }
 
+// ---- k-quants against Q8_K, decode rows (fewer than 4). ----
+//
+// One weight row (output column) at a time, as the scalar reference does,
+// but 64 quants per vector: a super-block's 256 quants are unpacked into 4
+// zmm of unsigned bytes, vpmaddubsw with the activation gives exact int16
+// pair sums (|pair| <= 2 * 63 * 128 < 32767) and vpdpwssd multiplies them by
+// the sub-block scale (int16 lanes) and accumulates in int32, so
+//   sumi = sum_j sc_j * dot_j   (Q6_K: - 32 * sum_g scale_g * bsum_g)
+//   summ = sum_j mn_j * (bsum_2j + bsum_2j+1)   (Q4_K/Q5_K)
+// are the scalar kernel's integers, and the float update per super-block is
+// its expression, so the bits are the scalar reference's.
+//
+// Q4_K/Q5_K nibbles: a 64-byte load of qs holds sub-blocks (4k, 4k+2) in its
+// low nibbles and (4k+1, 4k+3) in its high nibbles (k = 0, 1); the
+// activation is permuted once per call into that order (KActs). Q6_K's
+// unpacked vectors are in element order.
+
+// Per decode row and super-block: the activation's 256 quants in the order
+// of the unpacked weight vectors, and its 8 sums of 32 (bsum pairs).
+struct alignas(64) KAct {
+  int8_t qs[4][64];
+  int16_t pair_sums[8];
+  float d;
+};
+
+// Lanes (int16) 0..15 take scale lo, 16..31 scale hi: the sub-block pair of
+// unpacked vector k.
+KV_AVX512 inline __m512i scale_pair_index(int lo, int hi) {
+  return _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(static_cast<int16_t>(lo)),
+                                 _mm512_set1_epi16(static_cast<int16_t>(hi)));
+}
+
+// Sub-block pairs (low half, high half) of the 4 unpacked Q4_K/Q5_K vectors.
+constexpr int kQ45Pair[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+
+// Builds the permuted activations of rows [0, m) (m <= 3) in `out`.
+KV_AVX512 void k_acts(const PreparedAct& a, int64_t nb, bool q45, KAct* out) {
+  for (int64_t r = 0; r < a.m; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const BlockQ8_K& y = a.q8k[r * nb + b];
+      KAct& o = out[r * nb + b];
+      for (int k = 0; k < 4; ++k) {
+        const int lo = q45 ? kQ45Pair[k][0] : 2 * k, hi = q45 ? kQ45Pair[k][1] : 2 * k + 1;
+        std::memcpy(o.qs[k], y.qs + 32 * lo, 32);
+        std::memcpy(o.qs[k] + 32, y.qs + 32 * hi, 32);
+      }
+      for (int j = 0; j < 8; ++j) {
+        o.pair_sums[j] = static_cast<int16_t>(y.bsums[2 * j] + y.bsums[2 * j + 1]);
+      }
+      o.d = y.d;
+    }
+  }
+}
+
+KAct* k_act_buffer(size_t n) {
+  static thread_local std::vector<KAct> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+// The 8 6-bit scales (sc) and mins (mn) of a Q4_K/Q5_K super-block as bytes
+// j = 0..7, the scalar scale_min_k4 on all pairs at once.
+inline void scales_mins_k4(const uint8_t* s, uint64_t* sc, uint64_t* mn) {
+  uint32_t w0, w1, w2;
+  std::memcpy(&w0, s, 4);
+  std::memcpy(&w1, s + 4, 4);
+  std::memcpy(&w2, s + 8, 4);
+  const uint32_t sc_lo = w0 & 0x3f3f3f3fu, mn_lo = w1 & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u);
+  const uint32_t mn_hi = ((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u);
+  *sc = sc_lo | static_cast<uint64_t>(sc_hi) << 32;
+  *mn = mn_lo | static_cast<uint64_t>(mn_hi) << 32;
+}
+
+// int16 lane i of a maddubs result -> its 16-element group within the vector.
+alignas(64) constexpr int16_t kLaneGroup[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+
+KV_AVX512 inline int hsum128_i32(__m128i v) {
+  v = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 1));
+  return _mm_cvtsi128_si32(v);
+}
+KV_AVX512 inline int hsum256_i32(__m256i v) {
+  return hsum128_i32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+
+template <int kKind, int MR>
+KV_AVX512 void k_decode_column(const uint8_t* wrow, int64_t nb, const KAct* acts,
+                               const PreparedAct& a, float* y, int64_t ldy) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  float sum[MR];
+  for (int r = 0; r < MR; ++r) sum[r] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i q[4], sc[4];
+    __m128i mn16 = _mm_setzero_si128();
+    float d, dmin = 0.f;
+    if constexpr (kKind == 6) {
+      const auto* blk = reinterpret_cast<const BlockQ6_K*>(wrow) + b;
+      const __m512i bits45 = _mm512_set1_epi8(0x30);
+      // Word shift counts per 256-bit half: (lower, upper).
+      const __m512i sl =
+          _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(4), _mm512_set1_epi16(2));
+      const __m512i sr =
+          _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_setzero_si512(), _mm512_set1_epi16(2));
+      for (int h = 0; h < 2; ++h) {
+        const __m512i ql = _mm512_loadu_si512(blk->ql + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(load256(blk->qh + 32 * h));
+        q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4),
+                                   _mm512_and_si512(_mm512_sllv_epi16(qh, sl), bits45));
+        q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                       _mm512_and_si512(_mm512_srlv_epi16(qh, sr), bits45));
+      }
+      const __m512i s16 = _mm512_castsi256_si512(
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk->scales))));
+      for (int k = 0; k < 4; ++k) {
+        // int16 lane i covers elements 64 k + 2 i, + 1: group 4 k + i / 8.
+        const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(4 * k)),
+                                             _mm512_loadu_si512(kLaneGroup));
+        sc[k] = _mm512_permutexvar_epi16(idx, s16);
+      }
+      d = f16_to_f32(blk->d);
+    } else {
+      using Block = std::conditional_t<kKind == 5, BlockQ5_K, BlockQ4_K>;
+      const auto* blk = reinterpret_cast<const Block*>(wrow) + b;
+      uint64_t sc8, mn8;
+      scales_mins_k4(blk->scales, &sc8, &mn8);
+      const __m512i s16 =
+          _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc8))));
+      mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(mn8)));
+      for (int h = 0; h < 2; ++h) {
+        const __m512i v = _mm512_loadu_si512(blk->qs + 64 * h);
+        q[2 * h] = _mm512_and_si512(v, low4);
+        q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      if constexpr (kKind == 5) {
+        const __m512i qh = _mm512_broadcast_i64x4(load256(blk->qh));
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
+        for (int k = 0; k < 4; ++k) {
+          const __m512i sel = _mm512_mask_blend_epi8(
+              0xFFFFFFFF00000000ull, _mm512_set1_epi8(static_cast<char>(1u << kQ45Pair[k][0])),
+              _mm512_set1_epi8(static_cast<char>(1u << kQ45Pair[k][1])));
+          q[k] = _mm512_mask_add_epi8(q[k], _mm512_test_epi8_mask(qh, sel), q[k], bit4);
+        }
+      }
+      for (int k = 0; k < 4; ++k) {
+        sc[k] = _mm512_permutexvar_epi16(scale_pair_index(kQ45Pair[k][0], kQ45Pair[k][1]), s16);
+      }
+      d = f16_to_f32(blk->d);
+      dmin = f16_to_f32(blk->dmin);
+    }
+    for (int r = 0; r < MR; ++r) {
+      // Q6_K reads the activation in element order; Q4_K/Q5_K its permuted copy.
+      const int8_t* yq = kKind == 6 ? a.q8k[r * nb + b].qs : acts[r * nb + b].qs[0];
+      __m512i acc = _mm512_setzero_si512();
+      for (int k = 0; k < 4; ++k) {
+        const __m512i yv = _mm512_loadu_si512(yq + 64 * k);
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[k], yv), sc[k]);
+      }
+      __m256i acc8 =
+          _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+      if constexpr (kKind == 6) {
+        const BlockQ8_K& yb = a.q8k[r * nb + b];
+        const auto* blk = reinterpret_cast<const BlockQ6_K*>(wrow) + b;
+        const __m256i s16 =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk->scales)));
+        const __m256i off = _mm256_madd_epi16(s16, load256(yb.bsums));
+        acc8 = _mm256_sub_epi32(acc8, _mm256_slli_epi32(off, 5));
+        const int sumi = hsum256_i32(acc8);
+        sum[r] += d * yb.d * static_cast<float>(sumi);
+      } else {
+        const KAct& ya = acts[r * nb + b];
+        const int sumi = hsum256_i32(acc8);
+        const __m128i m4 =
+            _mm_madd_epi16(mn16, _mm_load_si128(reinterpret_cast<const __m128i*>(ya.pair_sums)));
+        const int summ = hsum128_i32(m4);
+        sum[r] += d * ya.d * static_cast<float>(sumi) - dmin * ya.d * static_cast<float>(summ);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) y[r * ldy] = sum[r];
+}
+
+template <int kKind>
+KV_AVX512 void k_decode(const WeightView& w, const PreparedAct& a, int64_t c0, int64_t c1, float* y,
+                        int64_t ldy) {
+  const size_t row_bytes = ggml_row_bytes(w.type, w.n_in);
+  const int64_t nb = a.n_in / kQK_K;
+  KAct* acts = nullptr;
+  if constexpr (kKind != 6) {
+    acts = k_act_buffer(static_cast<size_t>(a.m * nb));
+    k_acts(a, nb, true, acts);
+  }
+  for (int64_t c = c0; c < c1; ++c) {
+    const uint8_t* wrow = w.data + c * row_bytes;
+    if (c + 2 < w.n_out) {  // the row after next, from DRAM, while this one computes
+      const char* p = reinterpret_cast<const char*>(wrow + 2 * row_bytes);
+      for (size_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    }
+    switch (a.m) {
+      case 1:
+        k_decode_column<kKind, 1>(wrow, nb, acts, a, y + c, ldy);
+        break;
+      case 2:
+        k_decode_column<kKind, 2>(wrow, nb, acts, a, y + c, ldy);
+        break;
+      default:
+        k_decode_column<kKind, 3>(wrow, nb, acts, a, y + c, ldy);
+        break;
+    }
+  }
+}
+
 template <int kKind>
 KV_AVX512 void k_kernel512(const WeightView& w, const PreparedAct& a, int64_t c0, int64_t c1,
                            float* y, int64_t ldy) {
   if (a.m < 4) {
-    avx2_k_kernel(w.type)(w, a, c0, c1, y, ldy);
+    k_decode<kKind>(w, a, c0, c1, y, ldy);
     return;
   }
   const size_t row_bytes = ggml_row_bytes(w.type, w.n_in);
@@ -517,15 +730,8 @@ bool avx512_vnni_usable() {
          __builtin_cpu_supports("avx512dq");
 }
 
-const char* avx512_kernel_path(GgmlType type) {
-  switch (type) {
-    case GgmlType::kQ4_K:
-    case GgmlType::kQ5_K:
-    case GgmlType::kQ6_K:
-      return "avx512-vnni prefill + avx2 decode";  // k_kernel512: rows < 4 on AVX2
-    default:
-      return "avx512-vnni";
-  }
+const char* avx512_kernel_path(GgmlType) {
+  return "avx512-vnni";  // every type, decode rows and prefill panels alike
 }
 
 MatmulKernel avx512_kernel(GgmlType type) {

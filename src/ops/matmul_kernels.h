@@ -41,7 +41,7 @@ bool avx512_vnni_usable();
 // AVX-512 VNNI kernel for a type (bit-identical to scalar), or nullptr when
 // there is none or avx512_vnni_usable() is false.
 MatmulKernel avx512_kernel(GgmlType type);
-// The path name of avx512_kernel(type) (it may hand small row counts to AVX2).
+// The path name of avx512_kernel(type).
 const char* avx512_kernel_path(GgmlType type);
 
 }  // namespace kvstack::ops_detail

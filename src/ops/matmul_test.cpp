@@ -587,10 +587,9 @@ const char* missing_avx512_vnni() {
 GgmlType kAvx512Types[] = {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1,
                            GgmlType::kQ8_0, GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ6_K};
 
-// k-quant rows below 4 (decode) run the AVX2 kernel, which has the same bits.
-const char* avx512_path(GgmlType t) {
-  const bool k = t == GgmlType::kQ4_K || t == GgmlType::kQ5_K || t == GgmlType::kQ6_K;
-  return k ? "avx512-vnni prefill + avx2 decode" : "avx512-vnni";
+// Every AVX-512 type runs VNNI kernels for decode rows (1..3) and prefill.
+const char* avx512_path(GgmlType) {
+  return "avx512-vnni";
 }
 
 TEST(Matmul, Avx512BitIdenticalToScalar) {

@@ -84,7 +84,10 @@ void BM_Matmul(benchmark::State& state) {
   const auto type = static_cast<GgmlType>(state.range(0));
   const int64_t n_in = state.range(1), n_out = state.range(2), m = state.range(3);
   const size_t bytes = ggml_row_bytes(type, n_in) * n_out;
-  const size_t copies = std::max<size_t>(1, (96u << 20) / bytes + 1);
+  // OPS_BENCH_HOT=1: one copy, so a matrix that fits in cache is read from
+  // cache (the kernel's compute rate rather than DRAM's).
+  const bool hot = std::getenv("OPS_BENCH_HOT") != nullptr;
+  const size_t copies = hot ? 1 : std::max<size_t>(1, (96u << 20) / bytes + 1);
   const auto w = make_weights(type, n_in, n_out, copies);
   std::vector<float> x(m * n_in), y(m * n_out);
   std::mt19937 rng(2);
@@ -114,6 +117,10 @@ void shapes(benchmark::internal::Benchmark* b) {
     for (const auto& d : dims) {
       for (int64_t m : {1, 8, 64, 512}) b->Args({static_cast<int64_t>(t), d[0], d[1], m});
     }
+  }
+  // One-row shapes small enough for L2 (with OPS_BENCH_HOT=1: compute rate).
+  for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ5_0, GgmlType::kQ4_K, GgmlType::kQ6_K}) {
+    b->Args({static_cast<int64_t>(t), 1024, 512, 1});
   }
   // The tied output matrix of SmolLM2 (token_embd, Q8_0, 49152 x 576).
   for (int64_t m : {1, 8, 64, 512}) b->Args({static_cast<int64_t>(GgmlType::kQ8_0), 576, 49152, m});
@@ -201,6 +208,18 @@ void BM_RopeStep(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_RopeStep)->ArgName("tokens")->Arg(1)->Arg(128)->Unit(benchmark::kMicrosecond);
+
+// The greedy pick over a logits row of Gemma 3's vocabulary (262,144), in
+// cache as after the output matmul; KVSTACK_ISA=scalar gives the
+// std::max_element loop it replaced.
+void BM_Argmax(benchmark::State& state) {
+  std::vector<float> x(static_cast<size_t>(state.range(0)));
+  std::mt19937 rng(4);
+  std::normal_distribution<float> nd;
+  for (auto& v : x) v = nd(rng);
+  for (auto _ : state) benchmark::DoNotOptimize(argmax(x.data(), std::ssize(x)));
+}
+BENCHMARK(BM_Argmax)->Arg(262144)->Arg(49152)->Unit(benchmark::kMicrosecond);
 
 // Memory read bandwidth: sum a 512 MiB float array on all pool threads.
 __attribute__((target("avx2"))) float sum_range(const float* p, size_t n) {
