@@ -1074,11 +1074,13 @@ KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
         alpha[h] = softmax_update(s + h * kChunk, n, m + h, l + h);
       }
       if (a.mass_p != nullptr) {  // H2O key mass: this chunk's p (0-padded) and max
-        float* mp = a.mass_p + (c0 / kChunk) * a.mass_stride;
+        uint16_t* mp = a.mass_p + (c0 / kChunk) * a.mass_stride;
         for (int h = v0; h < v0 + g; ++h) {
 #pragma GCC unroll 4
           for (int j = 0; j < kChunk; j += 8) {
-            _mm256_storeu_ps(mp + h * kChunk + j, _mm256_loadu_ps(s + h * kChunk + j));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(mp + h * kChunk + j),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(s + h * kChunk + j),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
           }
           a.mass_m[(c0 / kChunk) * a.mass_m_stride + h] = m[h];
         }
@@ -1094,22 +1096,23 @@ KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
   finish_tile(a, n_vec, acc, m, l);
 }
 
-KV_AVX2 void mass_add_rows_avx2(const float* const* rows, const float* f, int n_rows, int n,
+KV_AVX2 void mass_add_rows_avx2(const uint16_t* const* rows, const float* f, int n_rows, int n,
                                 float* dst) {
   int j = 0;
   for (; j + 16 <= n; j += 16) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     for (int r = 0; r < n_rows; ++r) {
       const __m256 fr = _mm256_broadcast_ss(f + r);
-      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(rows[r] + j), fr, s0);
-      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(rows[r] + j + 8), fr, s1);
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + j));
+      s0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(x)), fr, s0);
+      s1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(x, 1)), fr, s1);
     }
     _mm256_storeu_ps(dst + j, _mm256_add_ps(_mm256_loadu_ps(dst + j), s0));
     _mm256_storeu_ps(dst + j + 8, _mm256_add_ps(_mm256_loadu_ps(dst + j + 8), s1));
   }
   for (; j < n; ++j) {
     float s = 0.0f;
-    for (int r = 0; r < n_rows; ++r) s = std::fma(rows[r][j], f[r], s);
+    for (int r = 0; r < n_rows; ++r) s = std::fma(_cvtsh_ss(rows[r][j]), f[r], s);
     dst[j] += s;
   }
 }

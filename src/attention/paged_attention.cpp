@@ -61,9 +61,10 @@ struct MergeGroup {
 };
 
 // Key-mass buffers of one sequence with AttnSeq::key_mass (offsets into
-// Plan::mass), chunk-major (TileArgs::mass_p): p [n_chunks, n_q_heads,
-// chunk] (exp(s - m_chunk) per key), chunk maxima [n_chunks, n_q_heads],
-// then the final (max, sum) [n_q_heads, 2].
+// Plan::mass, floats), chunk-major (TileArgs::mass_p): p [n_chunks,
+// n_q_heads, chunk] f16 (exp(s - m_chunk) per key; its floats rounded up
+// to a multiple of 16), chunk maxima [n_chunks, n_q_heads], then the final
+// (max, sum) [n_q_heads, 2].
 struct MassSeq {
   int32_t seq;
   int32_t n_keys;
@@ -190,9 +191,10 @@ void make_plan(Plan& plan, const AttnParams& p, std::span<const AttnSeq> seqs,
     const int32_t chunk = attn_detail::decode_mass_chunk(kc.decode);
     const int32_t n_chunks = (n_keys + chunk - 1) / chunk;
     MassSeq ms{static_cast<int32_t>(si), n_keys, chunk, n_chunks, mass_floats, 0, 0};
-    ms.m_offset = ms.p_offset + int64_t{p.n_q_heads} * n_chunks * chunk;
+    const int64_t p_halves = int64_t{p.n_q_heads} * n_chunks * chunk;
+    ms.m_offset = ms.p_offset + (p_halves + 31) / 32 * 16;
     ms.ml_offset = ms.m_offset + int64_t{p.n_q_heads} * n_chunks;
-    mass_floats = ms.ml_offset + 2 * int64_t{p.n_q_heads};
+    mass_floats = (ms.ml_offset + 2 * int64_t{p.n_q_heads} + 15) / 16 * 16;  // 64-byte aligned
     plan.mass_of_seq[si] = static_cast<int32_t>(plan.mass_seqs.size());
     plan.mass_seqs.push_back(ms);
   }
@@ -351,7 +353,7 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
     if (const int32_t mi = plan.mass_of_seq[it.seq]; mi >= 0) {
       const MassSeq& ms = plan.mass_seqs[static_cast<size_t>(mi)];
       const int q0 = it.kv_head * g;  // the tile's first q head
-      a.mass_p = mass + ms.p_offset + int64_t{q0} * ms.chunk;
+      a.mass_p = reinterpret_cast<uint16_t*>(mass + ms.p_offset) + int64_t{q0} * ms.chunk;
       a.mass_m = mass + ms.m_offset + q0;
       a.mass_stride = int64_t{p.n_q_heads} * ms.chunk;
       a.mass_m_stride = p.n_q_heads;
@@ -419,7 +421,7 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
     }
   }
   const int n_q = p.n_q_heads;
-  // The SIMD kernels' CPU has AVX2+FMA (select_kernels).
+  // The SIMD kernels' CPU has AVX2+FMA+F16C (select_kernels).
   const bool simd = kc.decode != KernelPath::kScalar;
   run_dynamic(pool, work.size(), [&](size_t i) {
     const MassSeq& ms = plan.mass_seqs[static_cast<size_t>(work[i].first)];
@@ -429,14 +431,14 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
     float* dst = seqs[ms.seq].key_mass;
     const float* ml = mass + ms.ml_offset;
     thread_local std::vector<float> tl_buf;
-    thread_local std::vector<const float*> tl_rows;
+    thread_local std::vector<const uint16_t*> tl_rows;
     tl_buf.resize(4 * static_cast<size_t>(n_q));
     tl_rows.resize(static_cast<size_t>(n_q));
     float* corr = tl_buf.data();  // [n_q] the current chunk's factors
     float* last_m = corr + n_q;   // [n_q] the chunk max they were computed for
     float* inv = last_m + n_q;    // [n_q] 1 / L_h (0: a head that saw nothing)
     float* f = inv + n_q;         // [n_rows] the factors of the heads summed
-    const float** rows = tl_rows.data();
+    const uint16_t** rows = tl_rows.data();
     for (int qh = 0; qh < n_q; ++qh) {
       const float l_fin = ml[2 * qh + 1];
       inv[qh] = l_fin > 0.0f ? 1.0f / l_fin : 0.0f;
@@ -445,7 +447,8 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
     for (int32_t c0 = t0; c0 < t1; c0 += C) {
       const int32_t ci = c0 / C;
       const int32_t n = std::min(C, t1 - c0);
-      const float* pc = mass + ms.p_offset + int64_t{ci} * n_q * C;
+      const uint16_t* pc =
+          reinterpret_cast<const uint16_t*>(mass + ms.p_offset) + int64_t{ci} * n_q * C;
       const float* mc = mass + ms.m_offset + int64_t{ci} * n_q;
       int n_rows = 0;
       for (int qh = 0; qh < n_q; ++qh) {
@@ -462,7 +465,7 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
       } else {
         for (int32_t j = 0; j < n; ++j) {
           float acc = 0.0f;
-          for (int r = 0; r < n_rows; ++r) acc += rows[r][j] * f[r];
+          for (int r = 0; r < n_rows; ++r) acc += f16_to_f32(rows[r][j]) * f[r];
           dst[c0 + j] += acc;
         }
       }
