@@ -73,6 +73,8 @@ struct MassSeq {
   int64_t p_offset;
   int64_t m_offset;
   int64_t ml_offset;
+  // Its one merge group has every KV head: the merge runs its mass pass.
+  bool in_merge;
 };
 
 struct Plan {
@@ -190,13 +192,19 @@ void make_plan(Plan& plan, const AttnParams& p, std::span<const AttnSeq> seqs,
     const int32_t n_keys = s.n_past + 1;
     const int32_t chunk = attn_detail::decode_mass_chunk(kc.decode);
     const int32_t n_chunks = (n_keys + chunk - 1) / chunk;
-    MassSeq ms{static_cast<int32_t>(si), n_keys, chunk, n_chunks, mass_floats, 0, 0};
+    MassSeq ms{static_cast<int32_t>(si), n_keys, chunk, n_chunks, mass_floats, 0, 0, false};
     const int64_t p_halves = int64_t{p.n_q_heads} * n_chunks * chunk;
     ms.m_offset = ms.p_offset + (p_halves + 31) / 32 * 16;
     ms.ml_offset = ms.m_offset + int64_t{p.n_q_heads} * n_chunks;
     mass_floats = (ms.ml_offset + 2 * int64_t{p.n_q_heads} + 15) / 16 * 16;  // 64-byte aligned
     plan.mass_of_seq[si] = static_cast<int32_t>(plan.mass_seqs.size());
     plan.mass_seqs.push_back(ms);
+  }
+  for (const MergeGroup& mg : plan.merges) {
+    if (const int32_t mi = plan.mass_of_seq[static_cast<size_t>(mg.seq)];
+        mi >= 0 && mg.n_heads == p.n_kv_heads) {
+      plan.mass_seqs[static_cast<size_t>(mi)].in_merge = true;
+    }
   }
   if (mass_floats > 0) plan.mass.get(static_cast<size_t>(mass_floats));
 }
@@ -370,63 +378,15 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
     }
   });
 
-  // Parts are combined in key order, whatever thread computed them.
-  run_dynamic(pool, plan.merges.size(), [&](size_t i) {
-    const MergeGroup& mg = plan.merges[i];
-    const AttnSeq& s = seqs[mg.seq];
-    const int n_vec = mg.n_rows * g * mg.n_heads;
-    const int64_t slot_floats = int64_t{n_vec} * (d + 2);
-    for (int v = 0; v < n_vec; ++v) {
-      // One query row: vector v is q head kv_head * g + v (any n_heads).
-      float* dst = mg.n_rows == 1 ? s.out + mg.row0 * row_stride + (int64_t{mg.kv_head} * g + v) * d
-                                  : s.out + (mg.row0 + v / g) * row_stride +
-                                        (int64_t{mg.kv_head} * g + v % g) * d;
-      merge_split_k(partials + mg.first_offset, mg.n_parts, slot_floats, n_vec, v, d, dst);
-    }
-    if (const int32_t mi = plan.mass_of_seq[mg.seq]; mi >= 0) {
-      // The q heads' final softmax max and sum, for the key-mass pass.
-      float* ml = mass + plan.mass_seqs[static_cast<size_t>(mi)].ml_offset;
-      for (int v = 0; v < n_vec; ++v) {
-        const float* parts = partials + mg.first_offset;
-        float m_max = -std::numeric_limits<float>::infinity();
-        for (int pi = 0; pi < mg.n_parts; ++pi)
-          m_max = std::max(m_max, parts[pi * slot_floats + v]);
-        float l_sum = 0.0f;
-        for (int pi = 0; pi < mg.n_parts; ++pi) {
-          const float mp = parts[pi * slot_floats + v];
-          if (mp == -std::numeric_limits<float>::infinity()) continue;
-          l_sum += std::exp(mp - m_max) * parts[pi * slot_floats + n_vec + v];
-        }
-        const int qh = mg.kv_head * g + v;
-        ml[2 * qh] = m_max;
-        ml[2 * qh + 1] = l_sum;
-      }
-    }
-  });
-
-  // Key mass: key_mass[t] += sum_h p_h[t] exp(m_h[chunk(t)] - M_h) / L_h, in
-  // pieces of whole chunks (disjoint writes), summed over the q heads in
-  // order per key, then added once (deterministic). A head's factor is
+  // Key mass: key_mass[t] += sum_h p_h[t] exp(m_h[chunk(t)] - M_h) / L_h for
+  // keys [t0, t1) of one sequence (whole chunks: disjoint writes), summed
+  // over the q heads in order per key, then added once (deterministic, and
+  // the same bits however the keys are cut into pieces). A head's factor is
   // recomputed only where its chunk max moved (the same value otherwise).
-  if (plan.mass_seqs.empty()) return;
-  constexpr int32_t kMassPiece = 1024;
-  static_assert(kMassPiece % attn_detail::kMassChunkAvx2 == 0 &&
-                    kMassPiece % attn_detail::kMassChunkVnni == 0,
-                "mass pieces are whole decode chunks");
-  std::vector<std::pair<int32_t, int32_t>>& work = mass_work();
-  work.clear();
-  for (size_t mi = 0; mi < plan.mass_seqs.size(); ++mi) {
-    for (int32_t t0 = 0; t0 < plan.mass_seqs[mi].n_keys; t0 += kMassPiece) {
-      work.emplace_back(static_cast<int32_t>(mi), t0);
-    }
-  }
   const int n_q = p.n_q_heads;
   // The SIMD kernels' CPU has AVX2+FMA+F16C (select_kernels).
   const bool simd = kc.decode != KernelPath::kScalar;
-  run_dynamic(pool, work.size(), [&](size_t i) {
-    const MassSeq& ms = plan.mass_seqs[static_cast<size_t>(work[i].first)];
-    const int32_t t0 = work[i].second;
-    const int32_t t1 = std::min(ms.n_keys, t0 + kMassPiece);
+  auto mass_keys = [&](const MassSeq& ms, int32_t t0, int32_t t1) {
     const int32_t C = ms.chunk;
     float* dst = seqs[ms.seq].key_mass;
     const float* ml = mass + ms.ml_offset;
@@ -470,6 +430,65 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
         }
       }
     }
+  };
+
+  // Parts are combined in key order, whatever thread computed them.
+  run_dynamic(pool, plan.merges.size(), [&](size_t i) {
+    const MergeGroup& mg = plan.merges[i];
+    const AttnSeq& s = seqs[mg.seq];
+    const int n_vec = mg.n_rows * g * mg.n_heads;
+    const int64_t slot_floats = int64_t{n_vec} * (d + 2);
+    for (int v = 0; v < n_vec; ++v) {
+      // One query row: vector v is q head kv_head * g + v (any n_heads).
+      float* dst = mg.n_rows == 1 ? s.out + mg.row0 * row_stride + (int64_t{mg.kv_head} * g + v) * d
+                                  : s.out + (mg.row0 + v / g) * row_stride +
+                                        (int64_t{mg.kv_head} * g + v % g) * d;
+      merge_split_k(partials + mg.first_offset, mg.n_parts, slot_floats, n_vec, v, d, dst);
+    }
+    if (const int32_t mi = plan.mass_of_seq[mg.seq]; mi >= 0) {
+      // The q heads' final softmax max and sum, for the key-mass pass.
+      float* ml = mass + plan.mass_seqs[static_cast<size_t>(mi)].ml_offset;
+      for (int v = 0; v < n_vec; ++v) {
+        const float* parts = partials + mg.first_offset;
+        float m_max = -std::numeric_limits<float>::infinity();
+        for (int pi = 0; pi < mg.n_parts; ++pi)
+          m_max = std::max(m_max, parts[pi * slot_floats + v]);
+        float l_sum = 0.0f;
+        for (int pi = 0; pi < mg.n_parts; ++pi) {
+          const float mp = parts[pi * slot_floats + v];
+          if (mp == -std::numeric_limits<float>::infinity()) continue;
+          l_sum += std::exp(mp - m_max) * parts[pi * slot_floats + n_vec + v];
+        }
+        const int qh = mg.kv_head * g + v;
+        ml[2 * qh] = m_max;
+        ml[2 * qh + 1] = l_sum;
+      }
+      // A group of every KV head (a long decode row) has every q head's
+      // (max, sum) now: its mass pass runs here, with no dispatch of its own.
+      if (const MassSeq& ms = plan.mass_seqs[static_cast<size_t>(mi)]; ms.in_merge) {
+        mass_keys(ms, 0, ms.n_keys);
+      }
+    }
+  });
+
+  // The other mass sequences (merged per KV head), in pieces of keys.
+  if (plan.mass_seqs.empty()) return;
+  constexpr int32_t kMassPiece = 1024;
+  static_assert(kMassPiece % attn_detail::kMassChunkAvx2 == 0 &&
+                    kMassPiece % attn_detail::kMassChunkVnni == 0,
+                "mass pieces are whole decode chunks");
+  std::vector<std::pair<int32_t, int32_t>>& work = mass_work();
+  work.clear();
+  for (size_t mi = 0; mi < plan.mass_seqs.size(); ++mi) {
+    if (plan.mass_seqs[mi].in_merge) continue;
+    for (int32_t t0 = 0; t0 < plan.mass_seqs[mi].n_keys; t0 += kMassPiece) {
+      work.emplace_back(static_cast<int32_t>(mi), t0);
+    }
+  }
+  run_dynamic(pool, work.size(), [&](size_t i) {
+    const MassSeq& ms = plan.mass_seqs[static_cast<size_t>(work[i].first)];
+    const int32_t t0 = work[i].second;
+    mass_keys(ms, t0, std::min(ms.n_keys, t0 + kMassPiece));
   });
 }
 
