@@ -75,12 +75,17 @@ struct TileArgs {
   float* part_l = nullptr;
   float* part_acc = nullptr;  // [n_vec, head_dim]
   // Key mass (AttnSeq::key_mass; decode tiles only, window 0), or null:
-  // the kernel stores, for vector i and every key t it reads,
-  // mass_p[i * mass_stride + t] = exp(s_it - m) with m its running max after
-  // the chunk holding t, and mass_m[i * mass_m_stride + t / C] = that m,
-  // C = decode_mass_chunk(its path) (chunks start at multiples of C: split-K
-  // pieces start at multiples of 512 and the window is 0).
-  float* mass_p = nullptr;
+  // chunk-major records, so that one chunk's writes are one contiguous
+  // run. For vector i and every key t it reads, with chunk c = t / C, C =
+  // decode_mass_chunk(its path) (chunks start at multiples of C: split-K
+  // pieces start at multiples of 512 and the window is 0), the kernel stores
+  // mass_p[c * mass_stride + i * C + t % C] = exp(s_it - m) as f16 (rounded
+  // to nearest even: a relative error of at most 2^-11 for values of at
+  // least 2^-14, an absolute one of at most 2^-25 below), m the running max
+  // after chunk c, and mass_m[c * mass_m_stride + i] = that m (float). The
+  // kernel may also write the chunk's C - (keys it reads) padding slots
+  // (with 0): the buffer has whole chunks.
+  uint16_t* mass_p = nullptr;
   float* mass_m = nullptr;
   int64_t mass_stride = 0;
   int64_t mass_m_stride = 0;
@@ -173,6 +178,11 @@ void tile_scalar(const TileArgs& a);
 // 0), for the blocks of attention_kivi.cpp's decode rows.
 void decode_tile_avx2(const TileArgs& a);   // REQUIRES: n_rows == 1
 void prefill_tile_avx2(const TileArgs& a);  // any n_rows; REQUIRES n_heads == 1
+
+// Key-mass reduction (run_attention's last pass): dst[j] += sum over r <
+// n_rows, in order, of f16 rows[r][j] * f[r] (fused multiply-adds from 0),
+// for j < n. REQUIRES AVX2+FMA+F16C.
+void mass_add_rows_avx2(const uint16_t* const* rows, const float* f, int n_rows, int n, float* dst);
 
 // AVX-512 F/BW/VL/DQ + VNNI decode kernel (attention_kernels_avx512.cpp):
 // integer dot products on int8/int4 codes, q . K against q^ (round_query

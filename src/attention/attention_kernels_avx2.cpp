@@ -1073,10 +1073,16 @@ KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
       for (int h = v0; h < v0 + g; ++h) {
         alpha[h] = softmax_update(s + h * kChunk, n, m + h, l + h);
       }
-      if (a.mass_p != nullptr) {  // H2O key mass: this chunk's p and max
+      if (a.mass_p != nullptr) {  // H2O key mass: this chunk's p (0-padded) and max
+        uint16_t* mp = a.mass_p + (c0 / kChunk) * a.mass_stride;
         for (int h = v0; h < v0 + g; ++h) {
-          std::memcpy(a.mass_p + h * a.mass_stride + c0, s + h * kChunk, sizeof(float) * n);
-          a.mass_m[h * a.mass_m_stride + c0 / kChunk] = m[h];
+#pragma GCC unroll 4
+          for (int j = 0; j < kChunk; j += 8) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(mp + h * kChunk + j),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(s + h * kChunk + j),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          }
+          a.mass_m[(c0 / kChunk) * a.mass_m_stride + h] = m[h];
         }
       }
       for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
@@ -1088,6 +1094,27 @@ KV_AVX2 void decode_tile_avx2(const TileArgs& a) {
   }
   pf.flush();  // nothing is left queued for the next tile
   finish_tile(a, n_vec, acc, m, l);
+}
+
+KV_AVX2 void mass_add_rows_avx2(const uint16_t* const* rows, const float* f, int n_rows, int n,
+                                float* dst) {
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int r = 0; r < n_rows; ++r) {
+      const __m256 fr = _mm256_broadcast_ss(f + r);
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + j));
+      s0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(x)), fr, s0);
+      s1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(x, 1)), fr, s1);
+    }
+    _mm256_storeu_ps(dst + j, _mm256_add_ps(_mm256_loadu_ps(dst + j), s0));
+    _mm256_storeu_ps(dst + j + 8, _mm256_add_ps(_mm256_loadu_ps(dst + j + 8), s1));
+  }
+  for (; j < n; ++j) {
+    float s = 0.0f;
+    for (int r = 0; r < n_rows; ++r) s = std::fma(_cvtsh_ss(rows[r][j]), f[r], s);
+    dst[j] += s;
+  }
 }
 
 KV_AVX2 void prefill_tile_avx2(const TileArgs& a) {

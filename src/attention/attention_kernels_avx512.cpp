@@ -784,10 +784,16 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
       }
       for (int h = v0; h < v0 + g; ++h)
         alpha[h] = softmax_update(s + h * kChunk, n, m + h, lsum + h * 16);
-      if (a.mass_p != nullptr) {  // H2O key mass: this chunk's p and max
+      if (a.mass_p != nullptr) {  // H2O key mass: this chunk's p (0-padded) and max
+        uint16_t* mp = a.mass_p + (c0 / kChunk) * a.mass_stride;
         for (int h = v0; h < v0 + g; ++h) {
-          std::memcpy(a.mass_p + h * a.mass_stride + c0, s + h * kChunk, sizeof(float) * n);
-          a.mass_m[h * a.mass_m_stride + c0 / kChunk] = m[h];
+#pragma GCC unroll 4
+          for (int x = 0; x < kVecs; ++x) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(mp + h * kChunk + 16 * x),
+                                _mm512_cvtps_ph(_mm512_loadu_ps(s + h * kChunk + 16 * x),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          }
+          a.mass_m[(c0 / kChunk) * a.mass_m_stride + h] = m[h];
         }
       }
       gather_meta(vm, hh * a.v.meta_head_stride, n, n_vfields, &vmeta);

@@ -10,6 +10,7 @@
 
 #include "attention/attention_kernels.h"
 #include "attention/attention_quant.h"
+#include "core/half.h"
 #include "kv/kv_codec.h"
 
 namespace kvstack::attn_detail {
@@ -80,8 +81,8 @@ void tile_scalar(const TileArgs& a) {
       l[i] += p;
       for (int c = 0; c < d; ++c) ai[c] += p * vrow[c];
       if (a.mass_p != nullptr) {  // H2O key mass: one max record per key
-        a.mass_p[i * a.mass_stride + t] = p;
-        a.mass_m[i * a.mass_m_stride + t] = m[i];
+        a.mass_p[t * a.mass_stride + i] = f32_to_f16(p);
+        a.mass_m[t * a.mass_m_stride + i] = m[i];
       }
     }
   }

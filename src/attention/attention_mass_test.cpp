@@ -3,7 +3,11 @@
 // supports, the accumulated mass equals a float64 recomputation of the
 // paper's quantity (sum over query heads of softmax(q.k * scale)[t]), the
 // attention output is bitwise the same as without the mass output, mass
-// accumulates over calls, and bad requests are refused.
+// accumulates over calls, and bad requests are refused. The kernels keep
+// each probability as f16 until the final pass (TileArgs::mass_p): a
+// relative error of at most 2^-11 per term, so of the mass, on top of the
+// float kernels' own (kF16Rel below), plus at most 2^-25 per term below
+// 2^-14 (inside the absolute part of the bounds).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -28,6 +32,9 @@ namespace {
 
 using attn_detail::KernelChoice;
 using attn_detail::KernelPath;
+
+// Relative error of the f16 records: half an f16 ulp.
+constexpr double kF16Rel = 1.0 / 2048;
 
 struct MassWorld {
   std::unique_ptr<BlockPool> pool;
@@ -156,7 +163,7 @@ TEST(AttentionMass, MatchesFloat64ReferenceOnEveryKernelBitwiseSameOutput) {
         for (int t = 0; t < n_keys; ++t) {
           total += mass[static_cast<size_t>(t)];
           ASSERT_NEAR(mass[static_cast<size_t>(t)], ref[static_cast<size_t>(t)],
-                      2e-5 * n_q + 1e-4 * ref[static_cast<size_t>(t)])
+                      2e-5 * n_q + (1e-4 + kF16Rel) * ref[static_cast<size_t>(t)])
               << where << " key " << t;
         }
         EXPECT_NEAR(total, n_q, 1e-4 * n_q) << where;
@@ -195,7 +202,9 @@ TEST(AttentionMass, PublicEntryBatchAndReference) {
     ASSERT_TRUE(paged_attention_reference(a.pool->layer_view(0), a.p, {&sa, 1}).ok());
     // The reference rounds no query: compare float formats tightly only.
     const double tol = t == KvDtype::kF16 ? 1e-5 : 2e-2;
-    for (int j = 0; j < 700; ++j) ASSERT_NEAR(ma[j], mr[j], tol * (1 + mr[j])) << j;
+    for (int j = 0; j < 700; ++j) {
+      ASSERT_NEAR(ma[j], mr[j], tol * (1 + mr[j]) + kF16Rel * mr[j]) << j;
+    }
   }
 }
 
@@ -313,9 +322,11 @@ TEST(H2oDecode, SelectionMatchesFloat64PaperSimulation) {
             std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
               return mass[static_cast<size_t>(a)] > mass[static_cast<size_t>(b)];
             });
-            ambiguous = mass[static_cast<size_t>(order[budget - 1])] -
-                            mass[static_cast<size_t>(order[budget])] <
-                        1e-5;
+            // Closer than twice the mass's bound below: the f16 records
+            // may order them either way.
+            const double m_b = mass[static_cast<size_t>(order[budget - 1])];
+            ambiguous = m_b - mass[static_cast<size_t>(order[budget])] <
+                        2 * (1e-4 * (1.0 + m_b) + kF16Rel * m_b);
             std::vector<char> keep(static_cast<size_t>(n), 0);
             for (int64_t i = 0; i < budget; ++i) keep[static_cast<size_t>(order[i])] = 1;
             for (int64_t i = n_old; i < n; ++i) keep[static_cast<size_t>(i)] = 1;
@@ -367,7 +378,8 @@ TEST(H2oDecode, SelectionMatchesFloat64PaperSimulation) {
           const std::span<const float> tm = table.group_mass(0);
           ASSERT_EQ(tm.size(), mass.size()) << where;
           for (size_t i = 0; i < mass.size(); ++i) {
-            ASSERT_NEAR(tm[i], mass[i], 1e-4 * (1.0 + mass[i])) << where << " slot " << i;
+            ASSERT_NEAR(tm[i], mass[i], 1e-4 * (1.0 + mass[i]) + kF16Rel * mass[i])
+                << where << " slot " << i;
           }
         }
         const int64_t cap = std::min<int64_t>(n_total, budget + window + 1);

@@ -61,8 +61,10 @@ struct MergeGroup {
 };
 
 // Key-mass buffers of one sequence with AttnSeq::key_mass (offsets into
-// Plan::mass): p [n_q_heads, n_keys] (exp(s - m_chunk) per key), chunk
-// maxima [n_q_heads, n_chunks], then the final (max, sum) [n_q_heads, 2].
+// Plan::mass, floats), chunk-major (TileArgs::mass_p): p [n_chunks,
+// n_q_heads, chunk] f16 (exp(s - m_chunk) per key; its floats rounded up
+// to a multiple of 16), chunk maxima [n_chunks, n_q_heads], then the final
+// (max, sum) [n_q_heads, 2].
 struct MassSeq {
   int32_t seq;
   int32_t n_keys;
@@ -71,6 +73,8 @@ struct MassSeq {
   int64_t p_offset;
   int64_t m_offset;
   int64_t ml_offset;
+  // Its one merge group has every KV head: the merge runs its mass pass.
+  bool in_merge;
 };
 
 struct Plan {
@@ -188,12 +192,19 @@ void make_plan(Plan& plan, const AttnParams& p, std::span<const AttnSeq> seqs,
     const int32_t n_keys = s.n_past + 1;
     const int32_t chunk = attn_detail::decode_mass_chunk(kc.decode);
     const int32_t n_chunks = (n_keys + chunk - 1) / chunk;
-    MassSeq ms{static_cast<int32_t>(si), n_keys, chunk, n_chunks, mass_floats, 0, 0};
-    ms.m_offset = ms.p_offset + int64_t{p.n_q_heads} * n_keys;
+    MassSeq ms{static_cast<int32_t>(si), n_keys, chunk, n_chunks, mass_floats, 0, 0, false};
+    const int64_t p_halves = int64_t{p.n_q_heads} * n_chunks * chunk;
+    ms.m_offset = ms.p_offset + (p_halves + 31) / 32 * 16;
     ms.ml_offset = ms.m_offset + int64_t{p.n_q_heads} * n_chunks;
-    mass_floats = ms.ml_offset + 2 * int64_t{p.n_q_heads};
+    mass_floats = (ms.ml_offset + 2 * int64_t{p.n_q_heads} + 15) / 16 * 16;  // 64-byte aligned
     plan.mass_of_seq[si] = static_cast<int32_t>(plan.mass_seqs.size());
     plan.mass_seqs.push_back(ms);
+  }
+  for (const MergeGroup& mg : plan.merges) {
+    if (const int32_t mi = plan.mass_of_seq[static_cast<size_t>(mg.seq)];
+        mi >= 0 && mg.n_heads == p.n_kv_heads) {
+      plan.mass_seqs[static_cast<size_t>(mi)].in_merge = true;
+    }
   }
   if (mass_floats > 0) plan.mass.get(static_cast<size_t>(mass_floats));
 }
@@ -350,10 +361,10 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
     if (const int32_t mi = plan.mass_of_seq[it.seq]; mi >= 0) {
       const MassSeq& ms = plan.mass_seqs[static_cast<size_t>(mi)];
       const int q0 = it.kv_head * g;  // the tile's first q head
-      a.mass_p = mass + ms.p_offset + int64_t{q0} * ms.n_keys;
-      a.mass_m = mass + ms.m_offset + int64_t{q0} * ms.n_chunks;
-      a.mass_stride = ms.n_keys;
-      a.mass_m_stride = ms.n_chunks;
+      a.mass_p = reinterpret_cast<uint16_t*>(mass + ms.p_offset) + int64_t{q0} * ms.chunk;
+      a.mass_m = mass + ms.m_offset + q0;
+      a.mass_stride = int64_t{p.n_q_heads} * ms.chunk;
+      a.mass_m_stride = p.n_q_heads;
     }
     const KernelPath path = seqs[it.seq].n_new == 1 ? kc.decode : kc.prefill;
     if (path == KernelPath::kScalar) {
@@ -366,6 +377,60 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
       decode_tile_avx2(a);
     }
   });
+
+  // Key mass: key_mass[t] += sum_h p_h[t] exp(m_h[chunk(t)] - M_h) / L_h for
+  // keys [t0, t1) of one sequence (whole chunks: disjoint writes), summed
+  // over the q heads in order per key, then added once (deterministic, and
+  // the same bits however the keys are cut into pieces). A head's factor is
+  // recomputed only where its chunk max moved (the same value otherwise).
+  const int n_q = p.n_q_heads;
+  // The SIMD kernels' CPU has AVX2+FMA+F16C (select_kernels).
+  const bool simd = kc.decode != KernelPath::kScalar;
+  auto mass_keys = [&](const MassSeq& ms, int32_t t0, int32_t t1) {
+    const int32_t C = ms.chunk;
+    float* dst = seqs[ms.seq].key_mass;
+    const float* ml = mass + ms.ml_offset;
+    thread_local std::vector<float> tl_buf;
+    thread_local std::vector<const uint16_t*> tl_rows;
+    tl_buf.resize(4 * static_cast<size_t>(n_q));
+    tl_rows.resize(static_cast<size_t>(n_q));
+    float* corr = tl_buf.data();  // [n_q] the current chunk's factors
+    float* last_m = corr + n_q;   // [n_q] the chunk max they were computed for
+    float* inv = last_m + n_q;    // [n_q] 1 / L_h (0: a head that saw nothing)
+    float* f = inv + n_q;         // [n_rows] the factors of the heads summed
+    const uint16_t** rows = tl_rows.data();
+    for (int qh = 0; qh < n_q; ++qh) {
+      const float l_fin = ml[2 * qh + 1];
+      inv[qh] = l_fin > 0.0f ? 1.0f / l_fin : 0.0f;
+      last_m[qh] = std::numeric_limits<float>::quiet_NaN();  // never equal: first chunk computes
+    }
+    for (int32_t c0 = t0; c0 < t1; c0 += C) {
+      const int32_t ci = c0 / C;
+      const int32_t n = std::min(C, t1 - c0);
+      const uint16_t* pc =
+          reinterpret_cast<const uint16_t*>(mass + ms.p_offset) + int64_t{ci} * n_q * C;
+      const float* mc = mass + ms.m_offset + int64_t{ci} * n_q;
+      int n_rows = 0;
+      for (int qh = 0; qh < n_q; ++qh) {
+        if (inv[qh] == 0.0f) continue;  // a head that saw nothing
+        if (mc[qh] != last_m[qh]) {
+          last_m[qh] = mc[qh];
+          corr[qh] = std::exp(mc[qh] - ml[2 * qh]) * inv[qh];
+        }
+        rows[n_rows] = pc + int64_t{qh} * C;
+        f[n_rows++] = corr[qh];
+      }
+      if (simd) {
+        attn_detail::mass_add_rows_avx2(rows, f, n_rows, n, dst + c0);
+      } else {
+        for (int32_t j = 0; j < n; ++j) {
+          float acc = 0.0f;
+          for (int r = 0; r < n_rows; ++r) acc += f16_to_f32(rows[r][j]) * f[r];
+          dst[c0 + j] += acc;
+        }
+      }
+    }
+  };
 
   // Parts are combined in key order, whatever thread computed them.
   run_dynamic(pool, plan.merges.size(), [&](size_t i) {
@@ -398,16 +463,24 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
         ml[2 * qh] = m_max;
         ml[2 * qh + 1] = l_sum;
       }
+      // A group of every KV head (a long decode row) has every q head's
+      // (max, sum) now: its mass pass runs here, with no dispatch of its own.
+      if (const MassSeq& ms = plan.mass_seqs[static_cast<size_t>(mi)]; ms.in_merge) {
+        mass_keys(ms, 0, ms.n_keys);
+      }
     }
   });
 
-  // Key mass: key_mass[t] += sum_h p_h[t] exp(m_h[chunk(t)] - M_h) / L_h, in
-  // pieces of keys (disjoint writes), q heads in order (deterministic).
+  // The other mass sequences (merged per KV head), in pieces of keys.
   if (plan.mass_seqs.empty()) return;
   constexpr int32_t kMassPiece = 1024;
+  static_assert(kMassPiece % attn_detail::kMassChunkAvx2 == 0 &&
+                    kMassPiece % attn_detail::kMassChunkVnni == 0,
+                "mass pieces are whole decode chunks");
   std::vector<std::pair<int32_t, int32_t>>& work = mass_work();
   work.clear();
   for (size_t mi = 0; mi < plan.mass_seqs.size(); ++mi) {
+    if (plan.mass_seqs[mi].in_merge) continue;
     for (int32_t t0 = 0; t0 < plan.mass_seqs[mi].n_keys; t0 += kMassPiece) {
       work.emplace_back(static_cast<int32_t>(mi), t0);
     }
@@ -415,24 +488,7 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
   run_dynamic(pool, work.size(), [&](size_t i) {
     const MassSeq& ms = plan.mass_seqs[static_cast<size_t>(work[i].first)];
     const int32_t t0 = work[i].second;
-    const int32_t t1 = std::min(ms.n_keys, t0 + kMassPiece);
-    float* dst = seqs[ms.seq].key_mass;
-    const float* ml = mass + ms.ml_offset;
-    for (int qh = 0; qh < p.n_q_heads; ++qh) {
-      const float m_fin = ml[2 * qh];
-      const float l_fin = ml[2 * qh + 1];
-      if (!(l_fin > 0.0f)) continue;
-      const float inv = 1.0f / l_fin;
-      const float* ph = mass + ms.p_offset + int64_t{qh} * ms.n_keys;
-      const float* mh = mass + ms.m_offset + int64_t{qh} * ms.n_chunks;
-      for (int32_t c0 = t0; c0 < t1;) {
-        const int32_t ci = c0 / ms.chunk;
-        const int32_t c1 = std::min(t1, (ci + 1) * ms.chunk);
-        const float corr = std::exp(mh[ci] - m_fin) * inv;
-        for (int32_t t = c0; t < c1; ++t) dst[t] += ph[t] * corr;
-        c0 = c1;
-      }
-    }
+    mass_keys(ms, t0, std::min(ms.n_keys, t0 + kMassPiece));
   });
 }
 

@@ -50,9 +50,10 @@ struct AttnSeq {
   // adds to key_mass[t], for every key t, the sum over all n_q_heads query
   // heads of the softmax probability the decode row gives key t: the
   // probabilities the decode kernel computes anyway, stored per key as
-  // exp(s - m_chunk) with the chunk's running max and rescaled once per
-  // chunk after the split-K merge (no second pass over K or V). The output
-  // is bitwise the same as without it. Not supported for KIVI views.
+  // exp(s - m_chunk) in f16 with the chunk's running max and rescaled once
+  // per chunk after the split-K merge (no second pass over K or V; the f16
+  // records add a relative error of at most 2^-11). The output is bitwise
+  // the same as without it. Not supported for KIVI views.
   float* key_mass = nullptr;
 };
 

@@ -214,6 +214,100 @@ int run_batch_bench(EngineConfig cfg, const BatchBenchShape& shape) {
   return 0;
 }
 
+// `kvstack bench --mass-ab` (bench only; REQUIRES --kv-retention h2o): the
+// decode step time of H2O with and without its key-mass output, everything
+// else the same. One prefill of n_context random tokens and one untimed
+// decode step (H2O's first: the prompt-mass seeding and the first
+// compaction), then per repetition n_steps decode steps from a private copy
+// of that table with the mass on and n_steps from another with it off
+// (BlockTable::set_mass_output: the kernels get no AttnSeq::key_mass, H2O
+// still compacts every `slack` tokens on the mass it had), in alternating
+// order. Step times are medians over every measured step of each side.
+int run_mass_ab(EngineConfig cfg, int64_t n_context, int64_t n_steps, int64_t n_reps, uint32_t seed,
+                bool json) {
+  if (!cfg.kv_retention.is_h2o()) {
+    return fail("bench",
+                "--mass-ab compares H2O's step with and without its mass: it needs "
+                "--kv-retention h2o:...");
+  }
+  // The prefilled table plus one private copy being decoded.
+  if (cfg.kv_cache_mem == 0 && cfg.kv_cache_tokens == 0) {
+    cfg.kv_cache_tokens = 2 * (n_context + n_steps + 2 * cfg.block_size) + cfg.block_size;
+  }
+  auto created = Engine::create(cfg);
+  if (!created) return fail("bench", created.error().message);
+  Engine& engine = **created;
+  const ModelConfig& mc = engine.model().config();
+  if (n_context + n_steps + 1 > mc.n_ctx_train) {
+    return fail("bench", "prompt + gen = " + std::to_string(n_context + n_steps + 1) +
+                             " exceeds the model's context length " +
+                             std::to_string(mc.n_ctx_train));
+  }
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> dist(0, mc.n_vocab - 1);
+  std::vector<int32_t> prompt(static_cast<size_t>(n_context));
+  for (auto& t : prompt) t = dist(rng);
+  Progress progress;
+  if (!json) progress.update("bench: prefilling the prompt...");
+  std::vector<BlockTable> base;
+  base.push_back(engine.new_table());
+  std::vector<float> logits;
+  Status st = engine.prefill(base.back(), prompt, LogitsMode::kLast, &logits);
+  if (!st.ok()) return fail("bench", st.error().message);
+  int32_t next = argmax(logits.data(), mc.n_vocab);
+  const StepSeq first{.table = &base.back(), .tokens = std::span<const int32_t>(&next, 1)};
+  st = engine.forward().step(std::span<const StepSeq>(&first, 1), &logits);
+  if (!st.ok()) return fail("bench", st.error().message);
+  const int64_t resident = base.back().resident_length(0);
+  std::vector<double> on_s, off_s;
+  for (int64_t r = 0; r < n_reps; ++r) {
+    if (!json) {
+      progress.update(strprintf("bench: rep %lld/%lld decoding...", static_cast<long long>(r) + 1,
+                                static_cast<long long>(n_reps)));
+    }
+    for (int k = 0; k < 2; ++k) {
+      const bool on = (k == 0) == (r % 2 == 0);
+      base.back().set_mass_output(on);
+      auto s = decode_steps(engine, base, n_steps);
+      if (!s) return fail("bench", s.error().message);
+      auto& dst = on ? on_s : off_s;
+      dst.insert(dst.end(), s->begin(), s->end());
+    }
+  }
+  progress.finish();
+  const double on_ms = median(on_s) * 1e3, off_ms = median(off_s) * 1e3;
+  double on_mean = 0.0, off_mean = 0.0;
+  for (double x : on_s) on_mean += x;
+  for (double x : off_s) off_mean += x;
+  on_mean *= 1e3 / static_cast<double>(on_s.size());
+  off_mean *= 1e3 / static_cast<double>(off_s.size());
+  if (json) {
+    std::printf(
+        "{\"model\": \"%s\", \"threads\": %d, \"kv_dtype\": \"%s\", \"context\": %lld, "
+        "\"resident_layer0\": %lld, \"steps\": %lld, \"reps\": %lld, "
+        "\"step_ms_mass\": %.3f, \"step_ms_no_mass\": %.3f, \"mass_ratio\": %.4f, "
+        "\"mean_ms_mass\": %.3f, \"mean_ms_no_mass\": %.3f, \"mean_ratio\": %.4f}\n",
+        cfg.model_path.c_str(), engine.threads().n_threads(), kv_dtype_name(cfg.kv_dtype),
+        static_cast<long long>(n_context), static_cast<long long>(resident),
+        static_cast<long long>(n_steps), static_cast<long long>(n_reps), on_ms, off_ms,
+        on_ms / off_ms, on_mean, off_mean, on_mean / off_mean);
+  } else {
+    std::printf("model              %s\n", cfg.model_path.c_str());
+    std::printf("threads            %d\n", engine.threads().n_threads());
+    std::printf("kv dtype / block   %s / %d tokens\n", kv_dtype_name(cfg.kv_dtype), cfg.block_size);
+    std::printf(
+        "shape              prompt %lld (layer 0 resident %lld after the first step), "
+        "%lld decode steps x %lld reps per side\n",
+        static_cast<long long>(n_context), static_cast<long long>(resident),
+        static_cast<long long>(n_steps), static_cast<long long>(n_reps));
+    std::printf("decode step, mass  %.2f ms (median), %.2f ms (mean)\n", on_ms, on_mean);
+    std::printf("decode step, none  %.2f ms (median), %.2f ms (mean)\n", off_ms, off_mean);
+    std::printf("mass / no mass     %.3fx (median), %.3fx (mean)\n", on_ms / off_ms,
+                on_mean / off_mean);
+  }
+  return 0;
+}
+
 int run_bench(const std::vector<std::string>& argv) {
   auto specs = engine_options();
   specs.push_back({"prompt-tokens", 0, "N", "prompt length in tokens (default 512)"});
@@ -228,6 +322,9 @@ int run_bench(const std::vector<std::string>& argv) {
   specs.push_back({"mix-prefill", 0, "LIST",
                    "with --batch: also time steps of the N decodes plus one prefill chunk of each "
                    "length in LIST (comma-separated tokens, e.g. 16,48,112,240)"});
+  specs.push_back({"mass-ab", 0, "",
+                   "bench only, with --kv-retention h2o: decode step time with and without "
+                   "H2O's key-mass output, alternated (--gen steps x --reps per side)"});
   specs.push_back({"json", 0, "", "print one JSON object instead of a table"});
   specs.push_back(help_option());
   auto args = Args::parse(argv, specs);
@@ -272,6 +369,14 @@ int run_bench(const std::vector<std::string>& argv) {
       at = comma + 1;
     }
     if (*batch_n < 2) return fail("bench", "--mix-prefill needs --batch N with N >= 2");
+  }
+  if (args->flag("mass-ab")) {
+    if (*batch_n > 1 || *fill_n > 0 || !mix_chunks.empty()) {
+      return fail("bench",
+                  "--mass-ab takes --prompt-tokens, --gen and --reps only (no --batch, "
+                  "--ctx-fill or --mix-prefill)");
+    }
+    return run_mass_ab(*cfg, *prompt_n, *gen_n, *reps, static_cast<uint32_t>(*seed), json);
   }
   if (*batch_n > 1) {
     BatchBenchShape shape{.n_seqs = *batch_n,

@@ -26,6 +26,7 @@ BlockTable::BlockTable(BlockTable&& other) noexcept
       obs_(std::move(other.obs_)),
       obs_shape_(other.obs_shape_),
       mass_(std::move(other.mass_)),
+      mass_output_(other.mass_output_),
       summ_(std::move(other.summ_)),
       groups_(std::move(other.groups_)) {
   // The vector's buffer moved: the group tables keep their addresses (and
@@ -42,6 +43,7 @@ BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
   obs_ = std::move(other.obs_);
   obs_shape_ = other.obs_shape_;
   mass_ = std::move(other.mass_);
+  mass_output_ = other.mass_output_;
   summ_ = std::move(other.summ_);
   groups_ = std::move(other.groups_);
   other.make_groups();
@@ -338,6 +340,7 @@ BlockTable BlockTable::fork() const {
   t.obs_ = obs_;  // a fork before the first decode step still applies SnapKV
   t.obs_shape_ = obs_shape_;
   t.mass_ = mass_;
+  t.mass_output_ = mass_output_;
   t.trim_mass();
   t.summ_ = summ_;
   return t;
@@ -363,6 +366,7 @@ Result<BlockTable> BlockTable::clone_private() const {
   }
   t.retention_ = retention_;
   t.mass_ = mass_;
+  t.mass_output_ = mass_output_;
   t.trim_mass();
   t.summ_ = summ_;  // block ids differ: key_summary() rebuilds them
   return t;

@@ -119,7 +119,12 @@ class BlockTable {
   // apply_snapkv() adds the prompt's last `obs` queries' attention; before
   // each one-token step apply_retention() keeps h2o_keep_slots() and
   // compacts, carrying each survivor's mass along. Empty when not h2o.
-  bool wants_mass() const { return retention_.is_h2o(); }
+  bool wants_mass() const { return retention_.is_h2o() && mass_output_; }
+  // Bench only (`kvstack bench --mass-ab`): false stops the mass output
+  // (wants_mass() false, so the forward pass passes no AttnSeq::key_mass)
+  // while H2O keeps compacting on the mass accumulated so far: the same
+  // step without the kernel's mass work. Forks and clones copy it.
+  void set_mass_output(bool on) { mass_output_ = on; }
 
   // topk (retention.h): per model layer and logical block, each KV head's
   // per-channel minimum and maximum of the stored keys ([n_kv][2][d] f16
@@ -243,6 +248,7 @@ class BlockTable {
   // vectors when not h2o); entries past a group's length() are stale
   // (rolled back) and cut by prepare_step().
   std::vector<std::vector<float>> mass_;
+  bool mass_output_ = true;  // set_mass_output
   void trim_mass();
   // topk: [n_layers] key summaries (see key_summary()).
   struct KeySummary {

@@ -635,6 +635,40 @@ TEST(Compaction, H2oCarriesMassAndPositions) {
   EXPECT_EQ(pool->n_free(), pool->n_blocks());
 }
 
+// The bench-only switch (kvstack bench --mass-ab): with the mass output off
+// the table asks for no key mass (its forks and clones neither), and H2O
+// still compacts on the mass it had, keeping the same number of tokens.
+TEST(Compaction, H2oMassOutputOffStillCompacts) {
+  auto pool = make_pool(KvDtype::kF16, 4, 256);
+  BlockTable t(*pool);
+  const RetentionConfig rc{
+      .policy = RetentionPolicy::kH2o, .window = 3, .slack = 1, .budget = 4, .obs = 0};
+  ASSERT_TRUE(t.set_retention(rc).ok());
+  append(t, 12);
+  float* m = t.key_mass(0, 12);
+  const float vals[12] = {5, 1, 9, 9, 0, 2, 7, 3, 8, 1, 1, 1};
+  std::copy(vals, vals + 12, m);
+  EXPECT_TRUE(t.wants_mass());
+  t.set_mass_output(false);
+  EXPECT_FALSE(t.wants_mass());
+  EXPECT_FALSE(t.fork().wants_mass());
+  auto c = t.clone_private();
+  ASSERT_TRUE(c.ok());
+  EXPECT_FALSE(c->wants_mass());
+  c->release();
+  append(t, 1);
+  EXPECT_TRUE(t.compacted());
+  const std::vector<int64_t> want_pos = {2, 3, 6, 8, 9, 10, 11, 12};  // as with the output on
+  ASSERT_EQ(t.group(0).length(), static_cast<int64_t>(want_pos.size()));
+  for (size_t i = 0; i < want_pos.size(); ++i)
+    EXPECT_EQ(t.group(0).position(static_cast<int64_t>(i)), want_pos[i]) << i;
+  t.set_mass_output(true);
+  EXPECT_TRUE(t.wants_mass());
+  pool->check_invariants();
+  t.release();
+  EXPECT_EQ(pool->n_free(), pool->n_blocks());
+}
+
 // f16 key bounds: f16_bound_down(x) is the largest f16 <= x and
 // f16_bound_up(x) the smallest >= x (adjacent f16 values around x, equal
 // when x is one), over normal, subnormal, zero and out-of-range values.
