@@ -15,6 +15,9 @@
 //   mem_GB/s       measured read bandwidth
 //   bw_frac        kv_GB/s / mem_GB/s (>= 0.7 at 32K is the target)
 //   vs_f16         paged time / paged f16 time (< 1: faster than f16)
+//   vs_avx2        paged time / the same step with the attention kernels
+//                  capped at AVX2 (set_isa_override), when the default
+//                  decode path is another one (AVX-512 f16 or VNNI); else 1
 // and the same ratios from process CPU time (suffix _cpu), which on a
 // machine shared with other jobs leave out the time spent waiting for a core
 // (with threads > 1 they include the pool's spin-waiting).
@@ -249,8 +252,23 @@ void BM_DecodeAttention(benchmark::State& state) {
     if (!st.ok()) tm.wall = -1.0;
     return tm;
   };
-  // [wall, cpu] samples of paged, contig, f16, memory read.
-  std::vector<double> t[4][2];
+  // The same paged step with the attention kernels capped at AVX2
+  // (set_isa_override; this bench runs no matmuls), interleaved, when the
+  // default decode path is another one (AVX-512 f16 or VNNI): counter
+  // vs_avx2 = default / avx2 time.
+  const Isa best = best_isa();
+  const std::string best_name = attention_kernel_name(fmt, fmt, sh.head_dim);
+  set_isa_override(Isa::kAvx2);
+  const bool cmp_avx2 = attention_kernel_name(fmt, fmt, sh.head_dim) != best_name;
+  set_isa_override(best);
+  auto step_avx2 = [&] {
+    set_isa_override(Isa::kAvx2);
+    const Timing tm = step(paged);
+    set_isa_override(best);
+    return tm;
+  };
+  // [wall, cpu] samples of paged, contig, f16, memory read, avx2-capped.
+  std::vector<double> t[5][2];
   auto add = [&](int which, const Timing& tm) {
     t[which][0].push_back(tm.wall);
     t[which][1].push_back(tm.cpu);
@@ -266,6 +284,7 @@ void BM_DecodeAttention(benchmark::State& state) {
     add(0, tp);
     add(1, step(contig));
     if (f16) add(2, step(*f16));
+    if (cmp_avx2) add(4, step_avx2());
     if (iter++ % 8 == 0) add(3, mem.pass_seconds(pool));
   }
   // Ratios from wall time, and (suffix _cpu) from process CPU time.
@@ -279,6 +298,7 @@ void BM_DecodeAttention(benchmark::State& state) {
     state.counters["mem_GB/s" + sfx] = mem_bps * 1e-9;
     state.counters["bw_frac" + sfx] = kv_bps / mem_bps;
     state.counters["vs_f16" + sfx] = f16 ? mp / median(t[2][c]) : 1.0;
+    state.counters["vs_avx2" + sfx] = cmp_avx2 ? mp / median(t[4][c]) : 1.0;
   }
   state.counters["kv_MiB"] = static_cast<double>(paged.payload_bytes) / (1 << 20);
   state.SetLabel(std::string(kv_dtype_name(fmt)) + "/" +
@@ -290,7 +310,7 @@ void decode_args(benchmark::internal::Benchmark* b) {
   for (int threads : {2, 1}) {
     for (int shape : {0, 1}) {
       for (int fmt : {1, 4, 5, 3, 0, 2}) {
-        for (int ctx : {512, 4096, 16384, 32768}) b->Args({ctx, shape, fmt, threads});
+        for (int ctx : {512, 1024, 4096, 16384, 32768}) b->Args({ctx, shape, fmt, threads});
       }
     }
   }
