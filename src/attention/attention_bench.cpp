@@ -312,6 +312,9 @@ void decode_args(benchmark::internal::Benchmark* b) {
       for (int fmt : {1, 4, 5, 3, 0, 2}) {
         for (int ctx : {512, 1024, 4096, 16384, 32768}) b->Args({ctx, shape, fmt, threads});
       }
+      // 128K: one layer of f16 KV (96 MiB on the SmolLM2 shape) well beyond
+      // the LLC, so the step streams from memory as a whole model's step does.
+      if (shape == 0) b->Args({131072, shape, 1, threads});
     }
   }
 }

@@ -16,8 +16,8 @@
 //     with vscalefps), then
 //   p . V: the accumulators of SG heads x NC 16-column vectors stay in
 //     registers over the chunk, one broadcast weight per head and key.
-// The next chunk's K/V lines (every KV head of the tile) are software
-// prefetched, a share per q.K step and p.V key, as the AVX2 kernel does:
+// The next (chunk, KV head) unit's K/V lines are software prefetched, a
+// share per q.K step and p.V key, as the AVX2 kernel does for whole chunks:
 // with scattered blocks the hardware prefetcher loses the stream at every
 // block boundary.
 //
@@ -51,81 +51,77 @@ constexpr int kChunk = kMassChunkAvx512F16;  // keys per chunk (a multiple of 16
 constexpr int kVecs = kChunk / 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Software prefetch of the next chunk's lines, spread over the current
-// chunk's steps (a burst of a few hundred prefetches fills the miss buffers
-// and stalls the kernel): start() queues the next chunk's rows as runs of
-// consecutive lines and sets the share per step from the step count of the
-// previous chunk; step() issues that share.
+// Software prefetch of the next unit's lines (see decode_tile_avx512_f16),
+// spread over the current unit's steps (a burst of a few hundred prefetches
+// fills the miss buffers and stalls the kernel): start_heads() lists the
+// lines and sets the share per step from the step count of the previous
+// unit; step() issues that share. The list is flat (one address per line),
+// so a step is a short loop over a cursor: with a queue of runs (as in the
+// AVX2 kernel) the bookkeeping per step cost about as much as the p.V
+// arithmetic of a key (perf annotate: ~45% of pv_block).
 class ChunkPrefetch {
  public:
-  void start(const TileArgs& a, const int64_t* base, const int32_t* slot, int n, int row_bytes) {
+  // Lists the lines of the rows of positions (base[j], slot[j]), j < n (as
+  // chunk_slots() gives them), of KV heads [h_first, h_last) of the tile.
+  void start_heads(const TileArgs& a, const int64_t* base, const int32_t* slot, int n,
+                   int row_bytes, int h_first, int h_last) {
     flush();
     const size_t steps = n_steps_;
-    runs_.clear();
-    run_ = 0;
-    line_ = 0;
     n_steps_ = 0;
-    size_t n_lines = 0;
     // One stretch of consecutive slots per block; per stretch and KV head
     // its K rows, then its V rows (adjacent in the block layout).
+    size_t need = 0;
     for (int j0 = 0; j0 < n;) {
       const int j1 = std::min(n, j0 + a.block_size - slot[j0]);
-      for (int hh = 0; hh < a.n_heads; ++hh) {
+      for (const HeadStream* s : {&a.k, &a.v}) {
+        need += static_cast<size_t>(((j1 - j0 - 1) * s->slot_stride + row_bytes) / 64 + 2);
+      }
+      j0 = j1;
+    }
+    need *= static_cast<size_t>(h_last - h_first);
+    if (lines_.size() < need) lines_.resize(need);
+    const char** out = lines_.data();
+    uintptr_t last = 0;  // the last line listed (runs continue each other)
+    for (int j0 = 0; j0 < n;) {
+      const int j1 = std::min(n, j0 + a.block_size - slot[j0]);
+      for (int hh = h_first; hh < h_last; ++hh) {
         for (const HeadStream* s : {&a.k, &a.v}) {
           const uint8_t* p = s->data + hh * s->head_stride + base[j0];
-          n_lines +=
-              add(p + slot[j0] * s->slot_stride, p + slot[j1 - 1] * s->slot_stride + row_bytes);
+          auto x = reinterpret_cast<uintptr_t>(p + slot[j0] * s->slot_stride) & ~uintptr_t{63};
+          const auto end =
+              reinterpret_cast<uintptr_t>(p + slot[j1 - 1] * s->slot_stride + row_bytes);
+          if (x == last) x += 64;
+          for (; x < end; x += 64) *out++ = reinterpret_cast<const char*>(x);
+          last = x - 64;
         }
       }
       j0 = j1;
     }
-    // First chunk of a tile: about one q.K step per 4 keys and one p.V step
+    cur_ = lines_.data();
+    end_ = out;
+    const auto n_lines = static_cast<size_t>(end_ - cur_);
+    // First unit of a tile: about one q.K step per 4 keys and one p.V step
     // per key, per KV head.
-    const size_t n_est = steps > 0 ? steps : static_cast<size_t>(a.n_heads) * n * 5 / 4;
-    per_step_ = (n_lines + n_est - 1) / n_est;
+    const size_t n_est = steps > 0 ? steps : static_cast<size_t>(h_last - h_first) * n * 5 / 4;
+    per_step_ = static_cast<ptrdiff_t>((n_lines + n_est - 1) / n_est);
   }
   KV_F16_512 void step() {
     ++n_steps_;
-    for (size_t k = 0; k < per_step_ && run_ < runs_.size(); ++k) issue_one();
+    const char* const* c = cur_;
+    const char* const* e = end_ - c > per_step_ ? c + per_step_ : end_;
+    for (; c < e; ++c) _mm_prefetch(*c, _MM_HINT_T0);
+    cur_ = c;
   }
   KV_F16_512 void flush() {
-    while (run_ < runs_.size()) issue_one();
+    for (const char* const* c = cur_; c < end_; ++c) _mm_prefetch(*c, _MM_HINT_T0);
+    cur_ = end_;
   }
 
  private:
-  struct Run {
-    const char* first;  // 64-byte aligned
-    int64_t n_lines;
-  };
-  KV_F16_512 void issue_one() {
-    const Run& r = runs_[run_];
-    _mm_prefetch(r.first + 64 * line_, _MM_HINT_T0);
-    if (++line_ == r.n_lines) {
-      line_ = 0;
-      ++run_;
-    }
-  }
-  // Queues the lines of [p, end), merged with the last run when they
-  // continue it; returns their count.
-  size_t add(const uint8_t* p, const uint8_t* end) {
-    const auto a0 = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
-    const auto a1 = (reinterpret_cast<uintptr_t>(end) + 63) & ~uintptr_t{63};
-    const auto* first = reinterpret_cast<const char*>(a0);
-    const auto n_lines = static_cast<int64_t>((a1 - a0) / 64);
-    if (!runs_.empty() && runs_.back().first <= first &&
-        runs_.back().first + 64 * runs_.back().n_lines >= first) {
-      Run& r = runs_.back();
-      r.n_lines = std::max(r.n_lines, (first - r.first) / 64 + n_lines);
-    } else {
-      runs_.push_back(Run{first, n_lines});
-    }
-    return static_cast<size_t>(n_lines);
-  }
-
-  std::vector<Run> runs_;  // grows only: no allocation in steady state
-  size_t run_ = 0;
-  int64_t line_ = 0;
-  size_t per_step_ = 0;
+  std::vector<const char*> lines_;  // grows only: no allocation in steady state
+  const char* const* cur_ = nullptr;
+  const char* const* end_ = nullptr;
+  ptrdiff_t per_step_ = 0;
   size_t n_steps_ = 0;
 };
 
@@ -388,30 +384,36 @@ KV_F16_512 void decode_tile_avx512_f16(const TileArgs& a) {
   const int32_t t_begin = std::max(a.key_begin, first_visible(a.pos0, a.window));
   const int32_t t_end = std::min(a.key_end, a.pos0 + 1);
   const int row_bytes = 2 * d;
-  // Slots of the current and the next chunk (a ring of two).
-  int64_t base[2][kChunk];
+  // Prefetch distance: one (chunk, KV head) unit. While KV head hh of chunk
+  // c is computed, head hh + 1 of chunk c (or head 0 of chunk c + 1) is
+  // prefetched: the lines in flight stay within L1 beside the unit in use
+  // (a whole chunk ahead, 3 heads x 8 KiB on SmolLM2, measured ~7% slower
+  // from memory; two chunks or into L2, slower still).
+  int64_t base[2][kChunk];  // slots of the current and the next chunk
   int32_t slot[2][kChunk];
   const uint8_t* kp[kChunk];
   const uint8_t* vp[kChunk];
   ChunkPrefetch& pf = tl_prefetch;
+  int cur = 0;
   if (t_begin < t_end) {
     const int n0 = std::min<int32_t>(kChunk, t_end - t_begin);
     chunk_slots(a, t_begin, n0, base[0], slot[0]);
-    pf.start(a, base[0], slot[0], n0, row_bytes);
+    pf.start_heads(a, base[0], slot[0], n0, row_bytes, 0, 1);
     pf.flush();
   }
-  int cur = 0;
   for (int32_t c0 = t_begin; c0 < t_end; c0 += kChunk) {
     const int n = std::min<int32_t>(kChunk, t_end - c0);
     const int64_t* cb = base[cur];
     const int32_t* cs = slot[cur];
-    if (const int32_t ca = c0 + kChunk; ca < t_end) {
-      const int na = std::min<int32_t>(kChunk, t_end - ca);
-      chunk_slots(a, ca, na, base[cur ^ 1], slot[cur ^ 1]);
-      pf.start(a, base[cur ^ 1], slot[cur ^ 1], na, row_bytes);
-    }
-    cur ^= 1;
+    const int32_t ca = c0 + kChunk;
+    const int na = std::min<int32_t>(kChunk, t_end - ca);
+    if (ca < t_end) chunk_slots(a, ca, na, base[cur ^ 1], slot[cur ^ 1]);
     for (int hh = 0; hh < a.n_heads; ++hh) {
+      if (hh + 1 < a.n_heads) {
+        pf.start_heads(a, cb, cs, n, row_bytes, hh + 1, hh + 2);
+      } else if (ca < t_end) {
+        pf.start_heads(a, base[cur ^ 1], slot[cur ^ 1], na, row_bytes, 0, 1);
+      }
       const uint8_t* kd = a.k.data + hh * a.k.head_stride;
       const uint8_t* vd = a.v.data + hh * a.v.head_stride;
       for (int j = 0; j < n; ++j) {
@@ -437,6 +439,7 @@ KV_F16_512 void decode_tile_avx512_f16(const TileArgs& a) {
         h0 += sg;
       }
     }
+    cur ^= 1;
   }
   pf.flush();  // nothing is left queued for the next tile
   finish_tile(a, n_vec, acc, m, l);
