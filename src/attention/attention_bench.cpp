@@ -15,6 +15,9 @@
 //   mem_GB/s       measured read bandwidth
 //   bw_frac        kv_GB/s / mem_GB/s (>= 0.7 at 32K is the target)
 //   vs_f16         paged time / paged f16 time (< 1: faster than f16)
+//   vs_avx2        paged time / the same step with the attention kernels
+//                  capped at AVX2 (set_isa_override), when the default
+//                  decode path is another one (AVX-512 f16 or VNNI); else 1
 // and the same ratios from process CPU time (suffix _cpu), which on a
 // machine shared with other jobs leave out the time spent waiting for a core
 // (with threads > 1 they include the pool's spin-waiting).
@@ -23,6 +26,7 @@
 //
 // Arguments: ctx; shape (0: 9 q / 3 kv heads, d 64 = SmolLM2; 1: 32 / 8,
 // d 128); fmt (0 f32, 1 f16, 2 bf16, 3 fp8, 4 int8, 5 int4); threads.
+// BM_DecodeLayers (below) times a whole model's decode attention.
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 #include <sys/mman.h>
@@ -249,8 +253,23 @@ void BM_DecodeAttention(benchmark::State& state) {
     if (!st.ok()) tm.wall = -1.0;
     return tm;
   };
-  // [wall, cpu] samples of paged, contig, f16, memory read.
-  std::vector<double> t[4][2];
+  // The same paged step with the attention kernels capped at AVX2
+  // (set_isa_override; this bench runs no matmuls), interleaved, when the
+  // default decode path is another one (AVX-512 f16 or VNNI): counter
+  // vs_avx2 = default / avx2 time.
+  const Isa best = best_isa();
+  const std::string best_name = attention_kernel_name(fmt, fmt, sh.head_dim);
+  set_isa_override(Isa::kAvx2);
+  const bool cmp_avx2 = attention_kernel_name(fmt, fmt, sh.head_dim) != best_name;
+  set_isa_override(best);
+  auto step_avx2 = [&] {
+    set_isa_override(Isa::kAvx2);
+    const Timing tm = step(paged);
+    set_isa_override(best);
+    return tm;
+  };
+  // [wall, cpu] samples of paged, contig, f16, memory read, avx2-capped.
+  std::vector<double> t[5][2];
   auto add = [&](int which, const Timing& tm) {
     t[which][0].push_back(tm.wall);
     t[which][1].push_back(tm.cpu);
@@ -266,6 +285,7 @@ void BM_DecodeAttention(benchmark::State& state) {
     add(0, tp);
     add(1, step(contig));
     if (f16) add(2, step(*f16));
+    if (cmp_avx2) add(4, step_avx2());
     if (iter++ % 8 == 0) add(3, mem.pass_seconds(pool));
   }
   // Ratios from wall time, and (suffix _cpu) from process CPU time.
@@ -279,6 +299,7 @@ void BM_DecodeAttention(benchmark::State& state) {
     state.counters["mem_GB/s" + sfx] = mem_bps * 1e-9;
     state.counters["bw_frac" + sfx] = kv_bps / mem_bps;
     state.counters["vs_f16" + sfx] = f16 ? mp / median(t[2][c]) : 1.0;
+    state.counters["vs_avx2" + sfx] = cmp_avx2 ? mp / median(t[4][c]) : 1.0;
   }
   state.counters["kv_MiB"] = static_cast<double>(paged.payload_bytes) / (1 << 20);
   state.SetLabel(std::string(kv_dtype_name(fmt)) + "/" +
@@ -290,13 +311,101 @@ void decode_args(benchmark::internal::Benchmark* b) {
   for (int threads : {2, 1}) {
     for (int shape : {0, 1}) {
       for (int fmt : {1, 4, 5, 3, 0, 2}) {
-        for (int ctx : {512, 4096, 16384, 32768}) b->Args({ctx, shape, fmt, threads});
+        for (int ctx : {512, 1024, 4096, 16384, 32768}) b->Args({ctx, shape, fmt, threads});
       }
+      // 128K: one layer of f16 KV (96 MiB on the SmolLM2 shape) well beyond
+      // the LLC, so the step streams from memory as a whole model's step does.
+      if (shape == 0) b->Args({131072, shape, 1, threads});
     }
   }
 }
 
 BENCHMARK(BM_DecodeAttention)->Apply(decode_args)->Unit(benchmark::kMicrosecond)->UseManualTime();
+
+// BM_DecodeLayers/ctx/threads: one decode step's attention over every layer
+// of the SmolLM2 shape (30 layers, f16 KV, blocks of 16 tokens holding all
+// layers, in table order, as the engine's block pool lays out a sequence),
+// i.e. what a whole-model decode step reads (4K: 90 MiB, beyond the LLC).
+// The reported time is the default kernels' median; counter vs_avx2 = that
+// over the same step with the attention capped at AVX2, interleaved step by
+// step (and _cpu from process CPU time).
+void BM_DecodeLayers(benchmark::State& state) {
+  const int ctx = static_cast<int>(state.range(0));
+  ThreadPool pool(static_cast<int>(state.range(1)));
+  const Shape sh = kShapes[0];
+  constexpr int kLayers = 30;
+  const int block_size = 16;
+  const int n_blocks = (ctx + block_size - 1) / block_size;
+  const KvLayout layout =
+      *KvLayout::uniform(kLayers, sh.n_kv_heads, sh.head_dim, KvDtype::kF16, block_size);
+  Bytes mem = alloc_bytes(static_cast<size_t>(layout.block_bytes()) * n_blocks);
+  std::vector<int32_t> table(n_blocks);
+  std::iota(table.begin(), table.end(), 0);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> k(static_cast<size_t>(ctx) * sh.n_kv_heads * sh.head_dim), v(k.size());
+  for (float& x : k) x = nd(rng);
+  for (float& x : v) x = nd(rng);
+  for (int l = 0; l < kLayers; ++l)
+    write_kv(layout.layer_view(l, mem.get()), table, 0, k.data(), v.data(), ctx);
+  std::vector<float> q(static_cast<size_t>(kLayers) * sh.n_q_heads * sh.head_dim);
+  std::vector<float> out(q.size());
+  for (float& x : q) x = nd(rng);
+  const AttnParams p{.n_q_heads = sh.n_q_heads,
+                     .n_kv_heads = sh.n_kv_heads,
+                     .head_dim = sh.head_dim,
+                     .scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim))};
+  const Isa best = best_isa();
+  auto step = [&](Isa isa) {
+    set_isa_override(isa);
+    const double c0 = process_cpu_seconds();
+    const auto t0 = Clock::now();
+    bool ok = true;
+    for (int l = 0; l < kLayers; ++l) {
+      const size_t off = static_cast<size_t>(l) * sh.n_q_heads * sh.head_dim;
+      const AttnSeq seq{.block_table = table.data(),
+                        .n_blocks = n_blocks,
+                        .n_past = ctx - 1,
+                        .n_new = 1,
+                        .q = q.data() + off,
+                        .out = out.data() + off};
+      ok = ok && paged_attention(layout.layer_view(l, mem.get()), p,
+                                 std::span<const AttnSeq>(&seq, 1), &pool)
+                     .ok();
+    }
+    Timing tm{std::chrono::duration<double>(Clock::now() - t0).count(), process_cpu_seconds() - c0};
+    benchmark::DoNotOptimize(out.data());
+    set_isa_override(best);
+    if (!ok) tm.wall = -1.0;
+    return tm;
+  };
+  std::vector<double> t[2][2];
+  for (auto _ : state) {
+    const Timing a = step(best);
+    if (a.wall < 0) {
+      state.SkipWithError("paged_attention failed");
+      break;
+    }
+    state.SetIterationTime(a.wall);
+    const Timing b = step(Isa::kAvx2);
+    t[0][0].push_back(a.wall);
+    t[0][1].push_back(a.cpu);
+    t[1][0].push_back(b.wall);
+    t[1][1].push_back(b.cpu);
+  }
+  state.counters["vs_avx2"] = median(t[0][0]) / median(t[1][0]);
+  state.counters["vs_avx2_cpu"] = median(t[0][1]) / median(t[1][1]);
+  state.counters["avx2_ms"] = median(t[1][0]) * 1e3;
+  state.counters["kv_GB/s"] =
+      2.0 * kLayers * ctx * sh.n_kv_heads * sh.head_dim * 2 / median(t[0][0]) * 1e-9;
+  state.SetLabel("f16/" + attention_kernel_name(KvDtype::kF16, KvDtype::kF16, sh.head_dim));
+}
+
+BENCHMARK(BM_DecodeLayers)
+    ->ArgNames({"ctx", "threads"})
+    ->ArgsProduct({{1024, 4096, 8192}, {2, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseManualTime();
 
 // BM_DecodeMass/ctx/shape/fmt/threads: the H2O key-mass output's cost. The
 // same paged step without and with AttnSeq::key_mass, interleaved run by

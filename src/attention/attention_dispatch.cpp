@@ -21,6 +21,8 @@ const char* kernel_path_name(KernelPath path) {
       return "avx2";
     case KernelPath::kAvx512Vnni:
       return "avx512-vnni";
+    case KernelPath::kAvx512F16:
+      return "avx512-f16";
   }
   return "?";
 }
@@ -59,6 +61,11 @@ KernelChoice select_kernels(Isa isa, KvDtype k, KvDtype v, int head_dim) {
   // docs/benchmarks.md); prefill stays on the AVX2 tiles.
   if (cap >= Isa::kAvx512 && cpu_has_avx512_vnni() && avx512_vnni_decode_serves(k, v, head_dim)) {
     kc.decode = KernelPath::kAvx512Vnni;
+  }
+  // Decode over f16 K and V: the 16-lane float kernel (measured against the
+  // AVX2 one in docs/benchmarks.md, "AVX-512 f16 decode kernel").
+  if (cap >= Isa::kAvx512 && f.avx512f && avx512_f16_decode_serves(k, v, head_dim)) {
+    kc.decode = KernelPath::kAvx512F16;
   }
   return kc;
 }

@@ -84,12 +84,31 @@ TEST(AttentionDispatch, Avx512VnniDecodeForInt8AndInt4) {
     }
   }
   EXPECT_EQ(attention_kernel_name(KvDtype::kInt8, KvDtype::kF16, 64), "avx2");
-  EXPECT_EQ(attention_kernel_name(KvDtype::kF16, KvDtype::kF16, 64), "avx2");
   // KVSTACK_ISA=avx2 (or the *_isa entry points' cap) keeps AVX2.
   EXPECT_EQ(select_kernels(Isa::kAvx2, KvDtype::kInt8, KvDtype::kInt8, 64).decode,
             KernelPath::kAvx2);
   IsaOverride cap(Isa::kAvx2);
   EXPECT_EQ(attention_kernel_name(KvDtype::kInt8, KvDtype::kInt8, 64), "avx2");
+}
+
+TEST(AttentionDispatch, Avx512F16DecodeForF16) {
+  if (!cpu_has_avx2() || !cpu_features().avx512f) GTEST_SKIP() << "no AVX-512 F on this CPU";
+  if (best_isa() < Isa::kAvx512) GTEST_SKIP() << "KVSTACK_ISA caps below avx512";
+  if (const char* env = std::getenv("KVSTACK_ATTN_ISA"); env != nullptr && *env != '\0') {
+    GTEST_SKIP() << "KVSTACK_ATTN_ISA=" << env << " caps the attention kernels";
+  }
+  for (int d : {16, 64, 128, 256}) {
+    EXPECT_EQ(attention_kernel_name(KvDtype::kF16, KvDtype::kF16, d),
+              "avx512-f16 decode + avx2 prefill")
+        << "d " << d;
+  }
+  EXPECT_EQ(attention_kernel_name(KvDtype::kF16, KvDtype::kF16, 40), "avx2");  // d % 16 != 0
+  EXPECT_EQ(attention_kernel_name(KvDtype::kF32, KvDtype::kF32, 64), "avx2");
+  EXPECT_EQ(attention_kernel_name(KvDtype::kBF16, KvDtype::kBF16, 64), "avx2");
+  EXPECT_EQ(attention_kernel_name(KvDtype::kF16, KvDtype::kInt8, 64), "avx2");
+  EXPECT_EQ(select_kernels(Isa::kAvx2, KvDtype::kF16, KvDtype::kF16, 64).decode, KernelPath::kAvx2);
+  IsaOverride cap(Isa::kAvx2);
+  EXPECT_EQ(attention_kernel_name(KvDtype::kF16, KvDtype::kF16, 64), "avx2");
 }
 
 TEST(AttentionDispatch, CallerCapAndCpuCapBothApply) {

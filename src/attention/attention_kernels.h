@@ -120,8 +120,8 @@ HeadStream k_stream(const PagedKvLayerView& kv, int h);
 HeadStream v_stream(const PagedKvLayerView& kv, int h);
 
 // The kernel family a tile runs on.
-enum class KernelPath : uint8_t { kScalar, kAvx2, kAvx512Vnni };
-// "scalar", "avx2", "avx512-vnni".
+enum class KernelPath : uint8_t { kScalar, kAvx2, kAvx512Vnni, kAvx512F16 };
+// "scalar", "avx2", "avx512-vnni", "avx512-f16".
 const char* kernel_path_name(KernelPath path);
 
 // Keys per running-max record of a decode kernel's key-mass output
@@ -129,9 +129,11 @@ const char* kernel_path_name(KernelPath path);
 // max per key).
 constexpr int kMassChunkAvx2 = 32;
 constexpr int kMassChunkVnni = 64;
+constexpr int kMassChunkAvx512F16 = 32;
 inline int decode_mass_chunk(KernelPath path) {
   return path == KernelPath::kAvx2         ? kMassChunkAvx2
          : path == KernelPath::kAvx512Vnni ? kMassChunkVnni
+         : path == KernelPath::kAvx512F16  ? kMassChunkAvx512F16
                                            : 1;
 }
 
@@ -192,6 +194,16 @@ void decode_tile_avx512_vnni(const TileArgs& a);
 // K and V formats (each int8 or int4) and head_dim (a multiple of 64, at
 // most 256) the VNNI decode kernel reads.
 bool avx512_vnni_decode_serves(KvDtype k, KvDtype v, int head_dim);
+
+// AVX-512 F decode kernel for f16 K and f16 V (attention_kernels_avx512_f16
+// .cpp): the AVX2 f16 decode path on 16 lanes, float arithmetic (results
+// differ from the AVX2 kernel's in summation order only). Writes the key
+// mass (TileArgs::mass_p/mass_m) with chunk kMassChunkAvx512F16. REQUIRES
+// n_rows == 1, avx512_f16_decode_serves(k, v, head_dim) and a CPU with
+// AVX-512 F.
+void decode_tile_avx512_f16(const TileArgs& a);
+// f16 K with f16 V, head_dim a multiple of 16.
+bool avx512_f16_decode_serves(KvDtype k, KvDtype v, int head_dim);
 
 // Growable 64-byte-aligned float buffer for per-thread scratch: it only
 // grows, so steady-state calls do not allocate.

@@ -122,8 +122,10 @@ std::vector<PathCase> path_cases() {
     out.push_back({t, KernelPath::kScalar});
     const KernelChoice kc = attn_detail::select_kernels(best_isa(), t, t, 64);
     if (kc.decode != KernelPath::kScalar) out.push_back({t, kc.decode});
-    // The AVX2 decode kernel also serves int8/int4 below AVX-512.
-    if (kc.decode == KernelPath::kAvx512Vnni) out.push_back({t, KernelPath::kAvx2});
+    // The AVX2 decode kernel also serves int8/int4/f16 below AVX-512.
+    if (kc.decode == KernelPath::kAvx512Vnni || kc.decode == KernelPath::kAvx512F16) {
+      out.push_back({t, KernelPath::kAvx2});
+    }
   }
   return out;
 }

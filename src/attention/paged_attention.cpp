@@ -373,6 +373,8 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
       prefill_tile_avx2(a);
     } else if (path == KernelPath::kAvx512Vnni) {
       decode_tile_avx512_vnni(a);
+    } else if (path == KernelPath::kAvx512F16) {
+      decode_tile_avx512_f16(a);
     } else {
       decode_tile_avx2(a);
     }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -261,6 +262,27 @@ void expect_close(const Case& c, const std::vector<Expected>& ref,
                                   std::to_string(worst_ratio));
 }
 
+// The ISA caps the CPU runs: scalar, avx2, and avx512 (the AVX-512 f16
+// decode kernel for f16 KV; f32/bf16 still run AVX2 there) where present.
+std::vector<Isa> test_isas() {
+  std::vector<Isa> isas = {Isa::kScalar};
+  const CpuFeatures& f = cpu_features();
+  if (f.avx2 && f.fma && f.f16c) isas.push_back(Isa::kAvx2);
+  if (f.avx2 && f.fma && f.f16c && f.avx512f) isas.push_back(Isa::kAvx512);
+  return isas;
+}
+
+// Whether paged_attention() runs f16 decode rows on the AVX-512 f16 kernel
+// at the ISA cap `isa`, or why not (printed by the tests that check it).
+const char* avx512_f16_missing(Isa isa) {
+  if (!cpu_features().avx512f) return "no AVX-512 F on this CPU";
+  set_isa_override(isa);
+  const std::string name = attention_kernel_name(KvDtype::kF16, KvDtype::kF16, 64);
+  set_isa_override(Isa::kAvx512);
+  if (name.rfind("avx512-f16", 0) != 0) return "capped (KVSTACK_ISA / KVSTACK_ATTN_ISA)";
+  return nullptr;
+}
+
 void run_case(const Case& c, std::mt19937& rng, bool check_paged_reference) {
   World w = build_world(c, rng);
   std::vector<Expected> ref;
@@ -268,9 +290,7 @@ void run_case(const Case& c, std::mt19937& rng, bool check_paged_reference) {
   ThreadPool pool(c.n_threads);
   std::vector<std::vector<float>> out;
 
-  std::vector<Isa> isas = {Isa::kScalar};
-  if (cpu_features().avx2 && cpu_features().fma) isas.push_back(Isa::kAvx2);
-  for (Isa isa : isas) {
+  for (Isa isa : test_isas()) {
     set_isa_override(isa);
     std::vector<AttnSeq> seqs = make_seqs(c, w, out);
     const Status st = paged_attention(w.view, w.params, seqs, &pool);
@@ -359,6 +379,41 @@ TEST(PagedAttention, LongSequenceSplitK) {
   }
 }
 
+// The AVX-512 f16 decode kernel (run_case runs it as the avx512 cap) on
+// decode batches: GQA 1..8 (more than 4 q heads per KV head: sub-groups),
+// head_dim 16..256, block sizes 1..64, head- and slot-major rows with
+// padding, lengths around the 4/8/16-key q.K steps and the 32-key chunk,
+// split-K (> 512 keys), every KV head in one tile (>= 1024 keys), windows.
+TEST(PagedAttention, Avx512F16DecodeMatchesDirectSoftmax) {
+  if (const char* why = avx512_f16_missing(Isa::kAvx512)) {
+    GTEST_SKIP() << "avx512-f16 decode not run: " << why;
+  }
+  std::mt19937 rng(23);
+  const int kHeads[][2] = {{9, 3}, {4, 4}, {8, 1}, {10, 2}, {14, 2}, {12, 4}, {6, 2}, {5, 1}};
+  const int kDims[] = {16, 48, 64, 128, 256, 64, 32, 80};
+  const int kBlocks[] = {16, 1, 2, 64, 16, 32, 16, 2};
+  const std::vector<SeqSpec> short_seqs = {{0, 1},  {3, 1},  {14, 1}, {15, 1}, {16, 1},
+                                           {30, 1}, {31, 1}, {32, 1}, {46, 1}, {63, 1},
+                                           {64, 1}, {65, 1}, {99, 1}, {300, 1}};
+  const std::vector<SeqSpec> long_seqs = {{511, 1}, {512, 1}, {1100, 1}, {2100, 1}, {40, 1}};
+  int n_cases = 0;
+  for (int i = 0; i < 8; ++i) {
+    for (bool is_long : {false, true}) {
+      Case c{kHeads[i][0],       kHeads[i][1],
+             kDims[i],           kBlocks[i],
+             KvDtype::kF16,      is_long && i % 3 == 1 ? 700 : (i == 5 ? 37 : 0),
+             1 + i % 3,          i % 2 == 1,
+             i % 4 == 3 ? 8 : 0, is_long ? long_seqs : short_seqs};
+      SCOPED_TRACE(describe(c));
+      run_case(c, rng, false);
+      if (HasFailure()) return;
+      ++n_cases;
+    }
+  }
+  std::printf("[ paths    ] avx512-f16 decode ran on %d batches (scalar and avx2 beside it)\n",
+              n_cases);
+}
+
 // Window 1 sees only the query's own position: the output is V at that
 // position exactly (up to rounding), whatever the scores.
 TEST(PagedAttention, WindowOfOneReturnsOwnValue) {
@@ -397,7 +452,7 @@ TEST(PagedAttention, WindowSkipsReleasedBlocks) {
     for (int b = 0; b < first / c.block_size; ++b) w.tables[si][b] = -1;
   }
   ThreadPool pool(2);
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2}) {
+  for (Isa isa : test_isas()) {
     set_isa_override(isa);
     std::vector<std::vector<float>> out;
     std::vector<AttnSeq> seqs = make_seqs(c, w, out);
@@ -481,9 +536,7 @@ TEST(PagedAttention, OutputIsBitwiseIndependentOfBatchAndThreads) {
            .slot_pad = 0,
            .seqs = {{3000, 1}, {5000, 3}, {37, 1}, {700, 1}, {1500, 40}, {0, 70}, {9000, 1}}};
     const World w = build_world(c, rng);
-    std::vector<Isa> isas = {Isa::kScalar};
-    if (cpu_features().avx2 && cpu_features().fma) isas.push_back(Isa::kAvx2);
-    for (Isa isa : isas) {
+    for (Isa isa : test_isas()) {
       set_isa_override(isa);
       std::vector<std::vector<float>> batch_out;
       for (int n_threads : {1, 2, 3}) {

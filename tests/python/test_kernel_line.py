@@ -52,6 +52,8 @@ def expected_attention(kv, flags):
         return "scalar"
     if VNNI <= flags and all(f in ("int8", "int4") for f in kv.split("/")):
         return "avx512-vnni decode + avx2 prefill"
+    if "avx512f" in flags and kv == "f16":
+        return "avx512-f16 decode + avx2 prefill"
     return "avx2"
 
 
