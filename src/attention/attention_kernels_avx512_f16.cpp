@@ -427,10 +427,18 @@ KV_F16_512 void decode_tile_avx512_f16(const TileArgs& a) {
         h0 += sg;
       }
       for (int h = v0; h < v0 + g; ++h) alpha[h] = softmax_update(s + h * kChunk, n, m + h, l + h);
-      if (a.mass_p != nullptr) {  // H2O key mass: this chunk's p and running max
+      if (a.mass_p != nullptr) {  // H2O key mass: this chunk's p (0-padded, f16) and max
+        uint16_t* mp = a.mass_p + (c0 / kChunk) * a.mass_stride;
         for (int h = v0; h < v0 + g; ++h) {
-          std::memcpy(a.mass_p + h * a.mass_stride + c0, s + h * kChunk, sizeof(float) * n);
-          a.mass_m[h * a.mass_m_stride + c0 / kChunk] = m[h];
+          for (int x = 0; x < kVecs; ++x) {
+            const int left = std::clamp(n - 16 * x, 0, 16);
+            const auto live = static_cast<__mmask16>((1u << left) - 1u);
+            _mm256_storeu_si256(
+                reinterpret_cast<__m256i*>(mp + h * kChunk + 16 * x),
+                _mm512_cvtps_ph(_mm512_maskz_loadu_ps(live, s + h * kChunk + 16 * x),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          }
+          a.mass_m[(c0 / kChunk) * a.mass_m_stride + h] = m[h];
         }
       }
       for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
