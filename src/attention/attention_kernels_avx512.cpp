@@ -55,6 +55,7 @@
 
 #include "attention/attention_kernels.h"
 #include "attention/attention_quant.h"
+#include "ops/simd_avx512.h"
 
 #define KV_AVX512                                                                 \
   __attribute__((                                                                 \
@@ -409,26 +410,6 @@ KV_AVX512 void qk16(const PackedQuery* q, int d, const uint8_t* const* kp, int64
 
 // ---------------------------------------------------------------- p.V --
 
-// exp(x) for the online softmax's x = s - m <= 0, 16 lanes: exp(x) = 2^k
-// e^r, k = round(x log2 e), r = x - k ln 2 in two steps, a degree-6
-// polynomial (relative error below 2e-7, well under the 2^-16 of the int16
-// weights it feeds) and 2^k by vscalefps; 0 below -87.33 (and for the
-// chunk padding's -inf), NaN stays NaN. Inputs above 0 do not occur.
-KV_AVX512 inline __m512 exp16(__m512 x) {
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.4286068203094172e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33f), _CMP_NLT_UQ), p, k);
-}
-
 // The largest lane of v in every lane (no trip through a scalar register).
 KV_AVX512 inline __m512 broadcast_max(__m512 v) {
   v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
@@ -456,7 +437,7 @@ KV_AVX512 float softmax_update(float* s, int n, float* m, float* lsum) {
   __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(lsum), _mm512_set1_ps(alpha));
 #pragma GCC unroll 4
   for (int x = 0; x < kVecs; ++x) {
-    const __m512 px = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * x), mv));
+    const __m512 px = simd::exp16_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * x), mv));
     _mm512_storeu_ps(s + 16 * x, px);
     sum = _mm512_add_ps(sum, px);
   }

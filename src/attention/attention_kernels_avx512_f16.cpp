@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "attention/attention_kernels.h"
+#include "ops/simd_avx512.h"
 
 #define KV_F16_512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
@@ -216,24 +217,6 @@ void qk_any(int sg, const float* qs, int d, const uint8_t** kp, int n, float* s,
   }
 }
 
-// exp(x) for x = s - m <= 0 (and -inf), 16 lanes: 2^k e^r, k = round(x
-// log2 e), r = x - k ln 2 in two steps, a degree-6 polynomial (relative
-// error below 2e-7) and 2^k by vscalefps; 0 below -87.33.
-KV_F16_512 inline __m512 exp16(__m512 x) {
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.4286068203094172e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33f), _CMP_NLT_UQ), p, k);
-}
-
 // Online-softmax update of one query vector over a chunk of n scores at s
 // (padded to kChunk in place): leaves p = exp(s - m_new) in s (0 past n),
 // returns the rescale factor of the old state. An all-masked chunk leaves
@@ -254,7 +237,7 @@ KV_F16_512 inline float softmax_update(float* s, int n, float* m, float* l) {
   __m512 sum = _mm512_setzero_ps();
 #pragma GCC unroll 4
   for (int x = 0; x < kVecs; ++x) {
-    const __m512 px = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * x), mv));
+    const __m512 px = simd::exp16_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * x), mv));
     _mm512_storeu_ps(s + 16 * x, px);
     sum = _mm512_add_ps(sum, px);
   }
