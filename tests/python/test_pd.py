@@ -311,13 +311,18 @@ def test_layout_mismatch_is_refused_and_ends_the_lease(cluster):
 def test_decode_worker_with_another_layout_converts_the_blocks(hosts, cluster, block_size, kv_dtype):
     """A decode worker with another block size and/or f32 KV converts the
     prefill worker's f16 blocks (transfer/kv_convert.h): the pulled prefix
-    is what its request's lookup hits, and greedy output equals one server's."""
+    is what its request's lookup hits, and greedy output equals one server's.
+    f32 decode rows run the AVX2 float kernel, so their reference is an f16
+    server with attention capped at AVX2 (the same float order; the AVX-512
+    f16 kernel sums in another and may flip a near-tie token)."""
     prefill, _, both, _ = cluster
     dec = Worker(hosts[2], "decode", port=8010,
                  extra=["--block-size", str(block_size), "--kv-dtype", kv_dtype])
+    ref_server = both if kv_dtype == "f16" else Worker(None, "both",
+                                                       env={"KVSTACK_ATTN_ISA": "avx2"})
     try:
         for prompt in (PROMPTS[3], PROMPTS[0] + " " + PROMPTS[1]):
-            ref = both.post("/v1/completions", completion(prompt)).json()
+            ref = ref_server.post("/v1/completions", completion(prompt)).json()
             params = prefill_request(prefill, prompt)
             hits = dec.stats()["prefix_cache"]["namespace"]["hit_tokens"]
             r = dec.post("/v1/completions", completion(prompt, kv_transfer_params=params))
@@ -336,6 +341,8 @@ def test_decode_worker_with_another_layout_converts_the_blocks(hosts, cluster, b
         assert re.search(r"kvstack_kv_transfer_layout_conversions_total\{[^}]*\} 2", metrics)
     finally:
         dec.stop()
+        if ref_server is not both:
+            ref_server.stop()
 
 
 def test_layer_by_layer_pull_gives_the_same_output_and_times_every_layer(hosts, cluster):
