@@ -61,14 +61,6 @@ int64_t h2o_kept_blocks(const RetentionConfig& config, int64_t p) {
   return ceil_blocks(config.budget + config.window + slack, p);
 }
 
-}  // namespace
-
-bool BlockTable::retention_compacts(int g) const {
-  return policy_compacts(*pool_, retention_, g);
-}
-
-namespace {
-
 // What retention_group_peak reads of a table: its logical length, group g's
 // resident slots, whether g was compacted, and the observed query heads (0
 // before any row was observed). An empty table is all zero.
@@ -102,7 +94,8 @@ int64_t group_peak(const BlockPool& pool, const RetentionConfig& rc, int g, cons
           exact, with_copies(retention_peak_blocks(rc, exact, p, chunk), rc.sinks + rc.window));
     case RetentionPolicy::kH2o: {
       const int64_t kept = h2o_kept_blocks(rc, p);
-      return std::min(exact, std::max(prompt > 0 ? with_copies(prompt, kept * p) : 0, kept));
+      const int64_t first = prompt > 0 ? prompt + (copies ? kept + 1 : 0) : 0;
+      return std::min(exact, std::max(first, kept));
     }
     case RetentionPolicy::kSnapKv:
     case RetentionPolicy::kPyramidKv: {
@@ -130,6 +123,10 @@ int64_t group_peak(const BlockPool& pool, const RetentionConfig& rc, int g, cons
 }
 
 }  // namespace
+
+bool BlockTable::retention_compacts(int g) const {
+  return policy_compacts(*pool_, retention_, g);
+}
 
 int64_t BlockTable::retention_group_peak(int g, int64_t n_prompt, int64_t n_target,
                                          int64_t chunk) const {
