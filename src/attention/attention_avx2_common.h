@@ -245,26 +245,6 @@ KV_AVX2 inline float softmax_update(float* s, int n, float* m, float* l) {
   return alpha;
 }
 
-// Writes the tile's result: normalised output, or the split-K partial state.
-inline void finish_tile(const TileArgs& a, int n_vec, const float* acc, const float* m,
-                        const float* l) {
-  const int d = a.head_dim;
-  for (int i = 0; i < n_vec; ++i) {
-    const float* ai = acc + static_cast<size_t>(i) * d;
-    if (a.part_acc != nullptr) {
-      a.part_m[i] = m[i];
-      a.part_l[i] = l[i];
-      std::memcpy(a.part_acc + static_cast<size_t>(i) * d, ai, sizeof(float) * d);
-    } else {
-      // One query row: vector i is q head i of the tile (any n_heads).
-      float* dst = a.n_rows == 1 ? a.out + static_cast<size_t>(i) * d
-                                 : a.out + (i / a.group) * a.row_stride + (i % a.group) * d;
-      const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-      for (int c = 0; c < d; ++c) dst[c] = ai[c] * inv;
-    }
-  }
-}
-
 // fn.template operator()<F>() for the format t (a templated lambda), or a
 // value-initialised result for a format without AVX2 kernels.
 template <typename Fn>

@@ -172,6 +172,13 @@ inline bool decode_rounds_query(const KernelChoice& kc, KvDtype k) {
 void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const AttnParams& p,
                    std::span<const AttnSeq> seqs, ThreadPool* pool);
 
+// Writes a tile's result from its accumulators acc [n_vec, head_dim] and
+// online-softmax state m, l [n_vec]: the split-K partial state when
+// a.part_acc is set, else acc / l (0 where l == 0) to a.out, vector i being
+// q head i of the tile for one query row (any n_heads), else q head i % group
+// of row i / group. Shared by every tile kernel.
+void finish_tile(const TileArgs& a, int n_vec, const float* acc, const float* m, const float* l);
+
 // Generic kernel for any tile shape and format (kv_decode_row per row);
 // float accumulation, std::exp. REQUIRES n_heads == 1.
 void tile_scalar(const TileArgs& a);

@@ -315,24 +315,6 @@ void pv_any(int sg, const float* p, const uint8_t* const* vp, int n, const float
   }
 }
 
-// Writes the tile's result: the normalised output (vector i is q head i of
-// the tile: one query row, any n_heads) or the split-K partial state.
-void finish_tile(const TileArgs& a, int n_vec, const float* acc, const float* m, const float* l) {
-  const int d = a.head_dim;
-  for (int i = 0; i < n_vec; ++i) {
-    const float* ai = acc + static_cast<size_t>(i) * d;
-    if (a.part_acc != nullptr) {
-      a.part_m[i] = m[i];
-      a.part_l[i] = l[i];
-      std::memcpy(a.part_acc + static_cast<size_t>(i) * d, ai, sizeof(float) * d);
-    } else {
-      float* dst = a.out + static_cast<size_t>(i) * d;
-      const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-      for (int c = 0; c < d; ++c) dst[c] = ai[c] * inv;
-    }
-  }
-}
-
 }  // namespace
 
 bool avx512_f16_decode_serves(KvDtype k, KvDtype v, int head_dim) {

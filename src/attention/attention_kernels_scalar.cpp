@@ -86,6 +86,11 @@ void tile_scalar(const TileArgs& a) {
       }
     }
   }
+  finish_tile(a, n_vec, acc, m, l);
+}
+
+void finish_tile(const TileArgs& a, int n_vec, const float* acc, const float* m, const float* l) {
+  const int d = a.head_dim;
   for (int i = 0; i < n_vec; ++i) {
     const float* ai = acc + static_cast<size_t>(i) * d;
     if (a.part_acc != nullptr) {
@@ -93,7 +98,8 @@ void tile_scalar(const TileArgs& a) {
       a.part_l[i] = l[i];
       std::memcpy(a.part_acc + static_cast<size_t>(i) * d, ai, sizeof(float) * d);
     } else {
-      float* dst = a.out + (i / a.group) * a.row_stride + (i % a.group) * d;
+      float* dst = a.n_rows == 1 ? a.out + static_cast<size_t>(i) * d
+                                 : a.out + (i / a.group) * a.row_stride + (i % a.group) * d;
       const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
       for (int c = 0; c < d; ++c) dst[c] = ai[c] * inv;
     }
