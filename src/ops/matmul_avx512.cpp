@@ -265,14 +265,37 @@ KV_AVX512 inline __m512i reduce_pairs64(__m512i a, __m512i b) {
   return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
 }
 
-template <class F, int MR>
+// Decode's prefetch of `next`: a fixed number of lines per block, from a
+// running pointer (prefetch_share's division per block costs two idiv per
+// block, which the one-row kernels feel).
+struct PrefetchCursor {
+  const char* p;
+  const char* end;
+  int64_t per_block;  // lines per block
+};
+inline PrefetchCursor prefetch_cursor(const Prefetch& next, int64_t nb) {
+  const int64_t n_lines = (next.bytes + 63) / 64;
+  return PrefetchCursor{next.p, next.p + 64 * n_lines, (n_lines + nb - 1) / nb};
+}
+KV_AVX512 inline void prefetch_step(PrefetchCursor& pc) {
+  for (int64_t l = 0; l < pc.per_block && pc.p < pc.end; ++l, pc.p += 64) {
+    _mm_prefetch(pc.p, _MM_HINT_T0);
+  }
+}
+
+// kFull: n_cols == 16 (every group but a range's last), so the column tests
+// fold away.
+template <class F, int MR, bool kFull>
 KV_AVX512 void decode_rows(const uint8_t* base, size_t row_bytes, const PreparedAct& a, int64_t c,
-                           int n_cols, Prefetch next, float* y, int64_t ldy) {
+                           int n_cols_in, Prefetch next, float* y, int64_t ldy) {
   using Block = typename F::Block;
+  const int n_cols = kFull ? kCols : n_cols_in;
   const int64_t nb = a.n_in / kQK;
-  const __mmask16 cmask = static_cast<__mmask16>((1u << n_cols) - 1);
+  const __mmask16 cmask =
+      kFull ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n_cols) - 1);
   const uint8_t* col0 = base + c * row_bytes;
   static constexpr int kLo[8] = {0, 1, 2, 3, 8, 9, 10, 11};
+  PrefetchCursor pc = prefetch_cursor(next, nb);
   __m512 acc[MR];
   const int8_t* yq[MR];
   for (int r = 0; r < MR; ++r) {
@@ -280,15 +303,16 @@ KV_AVX512 void decode_rows(const uint8_t* base, size_t row_bytes, const Prepared
     yq[r] = a.qs + r * a.n_in;
   }
   for (int64_t b = 0; b < nb; ++b) {
-    prefetch_share(next, b, nb);
+    prefetch_step(pc);
+    const uint8_t* blk0 = col0 + b * sizeof(Block);
     __m512i z[8];
     for (int i = 0; i < 8; ++i) {
       const int lo = kLo[i], hi = kLo[i] + 4;
       const __m256i ul =
-          lo < n_cols ? unsigned_quants<F>(reinterpret_cast<const Block*>(col0 + lo * row_bytes)[b])
+          lo < n_cols ? unsigned_quants<F>(*reinterpret_cast<const Block*>(blk0 + lo * row_bytes))
                       : _mm256_setzero_si256();
       const __m256i uh =
-          hi < n_cols ? unsigned_quants<F>(reinterpret_cast<const Block*>(col0 + hi * row_bytes)[b])
+          hi < n_cols ? unsigned_quants<F>(*reinterpret_cast<const Block*>(blk0 + hi * row_bytes))
                       : _mm256_setzero_si256();
       z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(ul), uh, 1);
     }
@@ -320,6 +344,21 @@ KV_AVX512 void decode_rows(const uint8_t* base, size_t row_bytes, const Prepared
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + c, cmask, acc[r]);
 }
 
+// Columns [c0, c1) of MR (< 4) decode rows, 16 at a time.
+template <class F, int MR>
+KV_AVX512 void decode_range(const WeightView& w, size_t row_bytes, const PreparedAct& a, int64_t c0,
+                            int64_t c1, float* y, int64_t ldy) {
+  int64_t c = c0;
+  for (; c + kCols <= c1; c += kCols) {
+    decode_rows<F, MR, true>(w.data, row_bytes, a, c, kCols, group_after_next(w, row_bytes, c), y,
+                             ldy);
+  }
+  if (c < c1) {
+    decode_rows<F, MR, false>(w.data, row_bytes, a, c, static_cast<int>(c1 - c),
+                              group_after_next(w, row_bytes, c), y, ldy);
+  }
+}
+
 // Per thread: the current panel (grows to the widest n_in seen).
 PanelBlock* panel_buffer(int64_t nb) {
   static thread_local std::vector<PanelBlock> buf;
@@ -333,20 +372,16 @@ KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t 
   const size_t row_bytes = ggml_row_bytes(w.type, w.n_in);
   const int64_t nb = a.n_in / kQK;
   if (a.m < 4) {
-    for (int64_t c = c0; c < c1; c += kCols) {
-      const int n_cols = static_cast<int>(std::min<int64_t>(kCols, c1 - c));
-      const Prefetch next = group_after_next(w, row_bytes, c);
-      switch (a.m) {
-        case 1:
-          decode_rows<F, 1>(w.data, row_bytes, a, c, n_cols, next, y, ldy);
-          break;
-        case 2:
-          decode_rows<F, 2>(w.data, row_bytes, a, c, n_cols, next, y, ldy);
-          break;
-        default:
-          decode_rows<F, 3>(w.data, row_bytes, a, c, n_cols, next, y, ldy);
-          break;
-      }
+    switch (a.m) {
+      case 1:
+        decode_range<F, 1>(w, row_bytes, a, c0, c1, y, ldy);
+        break;
+      case 2:
+        decode_range<F, 2>(w, row_bytes, a, c0, c1, y, ldy);
+        break;
+      default:
+        decode_range<F, 3>(w, row_bytes, a, c0, c1, y, ldy);
+        break;
     }
     return;
   }

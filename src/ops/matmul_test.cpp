@@ -600,6 +600,32 @@ TEST(Matmul, Avx512BitIdenticalToScalar) {
   }
 }
 
+// The one-row (decode, m < 4) AVX-512 kernels compile full 16-column groups
+// apart from a range's partial last group: n_out = 16, 47 (two full groups
+// and a tail of 15) and 64, each split over 0 and 3 threads, rows 1..3.
+TEST(Matmul, Avx512DecodeFullAndPartialGroupsBitIdentical) {
+  if (const char* miss = missing_avx512_vnni()) GTEST_SKIP() << "CPU lacks " << miss;
+  uint32_t seed = 300;
+  for (GgmlType type :
+       {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kQ8_0}) {
+    for (int64_t m : {1, 2, 3}) {
+      for (int64_t n_out : {16, 47, 64}) {
+        const int64_t n_in = 32 * 7;
+        SCOPED_TRACE(std::string(ggml_type_traits(static_cast<uint32_t>(type))->name) +
+                     " m=" + std::to_string(m) + " n_out=" + std::to_string(n_out));
+        const auto w = random_weights(type, n_in, n_out, ++seed);
+        const auto x = random_acts(m * n_in, ++seed);
+        const auto ref = run_matmul(type, w, n_in, n_out, x, m, Isa::kScalar, 0);
+        for (int threads : {0, 3}) {
+          const auto y = run_matmul(type, w, n_in, n_out, x, m, Isa::kAvx512, threads);
+          ASSERT_EQ(first_bit_mismatch(y.data(), ref.data(), std::ssize(y)), -1)
+              << "threads " << threads;
+        }
+      }
+    }
+  }
+}
+
 // KVSTACK_ISA-style caps change what runs, and the report follows them.
 TEST(Matmul, KernelNameFollowsDispatch) {
   for (GgmlType t : kAllTypes) expect_path(t, Isa::kScalar, "scalar");
