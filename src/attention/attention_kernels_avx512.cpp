@@ -422,19 +422,22 @@ KV_AVX512 inline __m512 broadcast_max(__m512 v) {
 // (padded to kChunk in place): leaves p = exp(s - m_new) in s (0 past n),
 // returns the rescale alpha of the old state. The running sum is kept as 16
 // lane sums lsum (lsum = alpha lsum + p, summed across lanes once at the end).
+// The max stays broadcast in a vector and alpha = exp(m - m_new) comes from
+// the same exp16_nonpos as p (exactly 1 when the max is unchanged, 0 from
+// m = -inf): no trip through scalar code and libm between q . K and p . V.
 KV_AVX512 float softmax_update(float* s, int n, float* m, float* lsum) {
   for (int j = n; j < kChunk; ++j) s[j] = kNegInf;
   __m512 mx = _mm512_loadu_ps(s);
   for (int x = 1; x < kVecs; ++x) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + 16 * x));
-  const float cm = _mm512_reduce_max_ps(mx);
-  const float m_new = std::max(*m, cm);
+  const __m512 mo = _mm512_set1_ps(*m);
+  const __m512 mv = _mm512_max_ps(broadcast_max(mx), mo);
+  const float m_new = _mm512_cvtss_f32(mv);
   if (m_new == kNegInf) {
     std::memset(s, 0, sizeof(float) * kChunk);
     return 1.0f;
   }
-  const float alpha = m_new == *m ? 1.0f : std::exp(*m - m_new);
-  const __m512 mv = _mm512_set1_ps(m_new);
-  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(lsum), _mm512_set1_ps(alpha));
+  const __m512 al = simd::exp16_nonpos(_mm512_sub_ps(mo, mv));
+  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(lsum), al);
 #pragma GCC unroll 4
   for (int x = 0; x < kVecs; ++x) {
     const __m512 px = simd::exp16_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * x), mv));
@@ -443,7 +446,7 @@ KV_AVX512 float softmax_update(float* s, int n, float* m, float* lsum) {
   }
   _mm512_storeu_ps(lsum, sum);
   *m = m_new;
-  return alpha;
+  return _mm512_cvtss_f32(al);
 }
 
 // int16 weight codes of one query vector and chunk: wq[g][j] for V group g
