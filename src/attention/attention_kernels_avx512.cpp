@@ -32,6 +32,12 @@
 // tile, as the softmax sum is. The float softmax state is the AVX2 kernel's
 // (running max, sum) with a degree-6 exp and the sum in lanes.
 //
+// u8 weights (vpdpbusd on four keys per instruction instead of vpdpwssd on
+// two) were tried and dropped: 1/255 of a chunk's largest weight puts up to
+// 0.05 of error on outputs of magnitude ~1 (int4 V; 0.016 int8 V), 100 times
+// the int16 rounding's and more than the int8 / int4 V quantization itself,
+// and at 32K they were no faster (benchmarks.md).
+//
 // So, against the float kernels, scores carry q^'s rounding (as int4 keys
 // already do on every path) and the p . V sum a relative rounding of at
 // most 2^-16 of the chunk's largest weight per weight; paged_attention_quant
@@ -747,9 +753,12 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
       // head 0 of the next chunk) is requested, a share per step (one step
       // per 16 keys of q . K and per key pair of p . V, per sub-group): the
       // lines in flight stay in L1 beside the unit in use. A whole chunk of
-      // every head ahead (this kernel's earlier distance) measured 10-20%
-      // slower at 32K (8 KiB units: three heads ahead no longer fit L1 with
-      // the unit in use).
+      // every head ahead (this kernel's earlier distance) measured int8 at
+      // 0.64 of f16's time at 32K against 0.60 with this one (int4 about
+      // the same). Tried and slower still: prefetching each row from the
+      // chunk's row pointers instead of this list (a chunk or a unit
+      // ahead), and software-pipelining q . K of the next unit
+      // before p . V of this one (benchmarks.md, "VNNI kernel, session 14").
       pf.flush();
       pf.clear();
       if (hh + 1 < a.n_heads) {
