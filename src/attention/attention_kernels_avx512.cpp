@@ -32,6 +32,12 @@
 // tile, as the softmax sum is. The float softmax state is the AVX2 kernel's
 // (running max, sum) with a degree-6 exp and the sum in lanes.
 //
+// u8 weights (vpdpbusd on four keys per instruction instead of vpdpwssd on
+// two) were tried and dropped: 1/255 of a chunk's largest weight puts up to
+// 0.05 of error on outputs of magnitude ~1 (int4 V; 0.016 int8 V), 100 times
+// the int16 rounding's and more than the int8 / int4 V quantization itself,
+// and at 32K they were no faster (benchmarks.md).
+//
 // So, against the float kernels, scores carry q^'s rounding (as int4 keys
 // already do on every path) and the p . V sum a relative rounding of at
 // most 2^-16 of the chunk's largest weight per weight; paged_attention_quant
@@ -422,19 +428,22 @@ KV_AVX512 inline __m512 broadcast_max(__m512 v) {
 // (padded to kChunk in place): leaves p = exp(s - m_new) in s (0 past n),
 // returns the rescale alpha of the old state. The running sum is kept as 16
 // lane sums lsum (lsum = alpha lsum + p, summed across lanes once at the end).
+// The max stays broadcast in a vector and alpha = exp(m - m_new) comes from
+// the same exp16_nonpos as p (exactly 1 when the max is unchanged, 0 from
+// m = -inf): no trip through scalar code and libm between q . K and p . V.
 KV_AVX512 float softmax_update(float* s, int n, float* m, float* lsum) {
   for (int j = n; j < kChunk; ++j) s[j] = kNegInf;
   __m512 mx = _mm512_loadu_ps(s);
   for (int x = 1; x < kVecs; ++x) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + 16 * x));
-  const float cm = _mm512_reduce_max_ps(mx);
-  const float m_new = std::max(*m, cm);
+  const __m512 mo = _mm512_set1_ps(*m);
+  const __m512 mv = _mm512_max_ps(broadcast_max(mx), mo);
+  const float m_new = _mm512_cvtss_f32(mv);
   if (m_new == kNegInf) {
     std::memset(s, 0, sizeof(float) * kChunk);
     return 1.0f;
   }
-  const float alpha = m_new == *m ? 1.0f : std::exp(*m - m_new);
-  const __m512 mv = _mm512_set1_ps(m_new);
-  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(lsum), _mm512_set1_ps(alpha));
+  const __m512 al = simd::exp16_nonpos(_mm512_sub_ps(mo, mv));
+  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(lsum), al);
 #pragma GCC unroll 4
   for (int x = 0; x < kVecs; ++x) {
     const __m512 px = simd::exp16_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * x), mv));
@@ -443,7 +452,7 @@ KV_AVX512 float softmax_update(float* s, int n, float* m, float* lsum) {
   }
   _mm512_storeu_ps(lsum, sum);
   *m = m_new;
-  return alpha;
+  return _mm512_cvtss_f32(al);
 }
 
 // int16 weight codes of one query vector and chunk: wq[g][j] for V group g
@@ -712,12 +721,10 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
   if (t_begin < t_end) {
     const int n0 = std::min<int32_t>(kChunk, t_end - t_begin);
     chunk_slots(a, t_begin, n0, base[0], slot[0]);
-    for (int hh = 0; hh < a.n_heads; ++hh) {
-      pf.add(a, a.k, hh, base[0], slot[0], n0, k_row_bytes);
-      pf.add(a, a.v, hh, base[0], slot[0], n0, v_row_bytes);
-      pf.flush();
-      pf.clear();
-    }
+    pf.clear();
+    pf.add(a, a.k, 0, base[0], slot[0], n0, k_row_bytes);
+    pf.add(a, a.v, 0, base[0], slot[0], n0, v_row_bytes);
+    pf.flush();
   }
   for (int h = 0; h < n_vec; ++h) {
     pq[h] =
@@ -738,20 +745,31 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
     stream_rows(a.v, 0, base[cur], slot[cur], n, vp, vm);
     for (int j = n; j < kChunk; ++j) kp[j] = kp[0];  // finite filler, scores dropped
     vp[n] = vp[0];                                   // odd n: the pair's second key (weight 0)
-    // The next chunk, every head, issued a share at a time over this one:
-    // one step per 16 keys of q . K and per key pair of p . V, per sub-group.
-    pf.clear();
-    if (nn > 0) {
-      chunk_slots(a, c1, nn, base[nxt], slot[nxt]);
-      for (int hh = 0; hh < a.n_heads; ++hh) {
-        pf.add(a, a.k, hh, base[nxt], slot[nxt], nn, k_row_bytes);
-        pf.add(a, a.v, hh, base[nxt], slot[nxt], nn, v_row_bytes);
-      }
-    }
-    const int n_steps = a.n_heads * n_sub * ((n + 15) / 16 + (n + 1) / 2);
-    const int per_step = (pf.queued() + n_steps - 1) / n_steps;
+    if (nn > 0) chunk_slots(a, c1, nn, base[nxt], slot[nxt]);
     for (int hh = 0; hh < a.n_heads; ++hh) {
       const int64_t koff = hh * a.k.head_stride, voff = hh * a.v.head_stride;
+      // Prefetch distance: one (chunk, KV head) unit, as in the f16 kernel.
+      // While KV head hh of this chunk is computed, head hh + 1 of it (or
+      // head 0 of the next chunk) is requested, a share per step (one step
+      // per 16 keys of q . K and per key pair of p . V, per sub-group): the
+      // lines in flight stay in L1 beside the unit in use. A whole chunk of
+      // every head ahead (this kernel's earlier distance) measured int8 at
+      // 0.64 of f16's time at 32K against 0.60 with this one (int4 about
+      // the same). Tried and slower still: prefetching each row from the
+      // chunk's row pointers instead of this list (a chunk or a unit
+      // ahead), and software-pipelining q . K of the next unit
+      // before p . V of this one (benchmarks.md, "VNNI kernel, session 14").
+      pf.flush();
+      pf.clear();
+      if (hh + 1 < a.n_heads) {
+        pf.add(a, a.k, hh + 1, base[cur], slot[cur], n, k_row_bytes);
+        pf.add(a, a.v, hh + 1, base[cur], slot[cur], n, v_row_bytes);
+      } else if (nn > 0) {
+        pf.add(a, a.k, 0, base[nxt], slot[nxt], nn, k_row_bytes);
+        pf.add(a, a.v, 0, base[nxt], slot[nxt], nn, v_row_bytes);
+      }
+      const int n_steps = n_sub * ((n + 15) / 16 + (n + 1) / 2);
+      const int per_step = (pf.queued() + n_steps - 1) / n_steps;
       gather_meta(km, hh * a.k.meta_head_stride, n, n_kfields, &kmeta);
       const int v0 = hh * g;
       for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
