@@ -21,6 +21,7 @@
 // (decode) skip the panel and reduce per-column partial sums instead
 // (decode_rows), which gives the same integers.
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -85,6 +86,12 @@ struct Q8_0A {
   static constexpr bool kMin = false;
 };
 
+// Q8_0's bytes as stored (signed), for the panel build's xor after the
+// transpose.
+struct Q8Raw {
+  using Block = BlockQ8_0;
+};
+
 // 16 nibble bytes -> 32 bytes: low nibbles (elements 0..15), then high.
 KV_AVX512 inline __m256i nibbles32(const uint8_t* p) {
   const __m256i t =
@@ -103,7 +110,9 @@ KV_AVX512 inline __m256i fifth_bits32(const uint8_t* qh) {
 
 template <class F>
 KV_AVX512 inline __m256i unsigned_quants(const typename F::Block& b) {
-  if constexpr (std::is_same_v<F, Q8_0A>) {
+  if constexpr (std::is_same_v<F, Q8Raw>) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs));
+  } else if constexpr (std::is_same_v<F, Q8_0A>) {
     return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs)),
                             _mm256_set1_epi8(static_cast<char>(0x80)));  // q + 128
   } else if constexpr (std::is_same_v<F, Q5_0A> || std::is_same_v<F, Q5_1A>) {
@@ -175,6 +184,43 @@ KV_AVX512 inline void prefetch_share(const Prefetch& next, int64_t b, int64_t nb
   }
 }
 
+// The 16 columns' qs nibbles of one Q4_0/Q4_1 block, transposed in place:
+// a block's 16 qs bytes hold elements 4k..4k+3 in the low nibbles of dword
+// k and elements 16+4k.. in its high nibbles, so only the 4 qs dwords of
+// each column need transposing (a 16 x 4 dword transpose: 4 loads per
+// vector, 8 unpacks), and T[k] = D[k] & 0x0f, T[k + 4] = (D[k] >> 4) & 0x0f.
+// Vector i is loaded as columns (i, 4 + i, 8 + i, 12 + i) in its 128-bit
+// lanes, so that after the in-lane 4 x 4 transpose lane c is column c.
+// The same unsigned bytes as unsigned_quants(), so the same panel.
+template <class Block>
+KV_AVX512 inline void nibble_panel_quants(const uint8_t* col0, size_t row_bytes, int64_t b,
+                                          int n_cols, __m512i* t) {
+  constexpr size_t kQsOff = offsetof(Block, qs);
+  auto ld = [&](int j) {
+    return j < n_cols ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                            col0 + j * row_bytes + b * sizeof(Block) + kQsOff))
+                      : _mm_setzero_si128();
+  };
+  __m512i r[4];
+  for (int i = 0; i < 4; ++i) {
+    __m512i v = _mm512_castsi128_si512(ld(i));
+    v = _mm512_inserti32x4(v, ld(4 + i), 1);
+    v = _mm512_inserti32x4(v, ld(8 + i), 2);
+    r[i] = _mm512_inserti32x4(v, ld(12 + i), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(r[0], r[1]);  // lane: r0.d0 r1.d0 r0.d1 r1.d1
+  const __m512i t1 = _mm512_unpackhi_epi32(r[0], r[1]);  // lane: r0.d2 r1.d2 r0.d3 r1.d3
+  const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]);
+  const __m512i t3 = _mm512_unpackhi_epi32(r[2], r[3]);
+  const __m512i dq[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                         _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_and_si512(dq[k], low4);
+    t[k + 4] = _mm512_and_si512(_mm512_srli_epi32(dq[k], 4), low4);
+  }
+}
+
 // Builds the panel of columns [c, c + n_cols) (n_cols <= 16; missing columns
 // are zero) over every block of the row, prefetching `next` meanwhile.
 template <class F>
@@ -184,19 +230,32 @@ KV_AVX512 void build_panel(const uint8_t* base, size_t row_bytes, int64_t c, int
   const uint8_t* col0 = base + c * row_bytes;
   for (int64_t b = 0; b < nb; ++b) {
     prefetch_share(next, b, nb);
-    __m256i u[kCols];
-    for (int j = 0; j < kCols; ++j) {
-      u[j] = j < n_cols
-                 ? unsigned_quants<F>(reinterpret_cast<const Block*>(col0 + j * row_bytes)[b])
-                 : _mm256_setzero_si256();
-    }
-    __m512i r[8];
-    for (int i = 0; i < 8; ++i) {
-      r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(u[i]), u[i + 8], 1);
-    }
     PanelBlock& pb = panel[b];
     __m512i t[8];
-    transpose_16x8(r, t);
+    if constexpr (std::is_same_v<F, Q4_0A> || std::is_same_v<F, Q4_1A>) {
+      nibble_panel_quants<Block>(col0, row_bytes, b, n_cols, t);
+    } else {
+      // Q8_0's signed bytes are made unsigned after the transpose (a byte
+      // permutation, so the xor commutes with it): 8 xors instead of 16.
+      using U = std::conditional_t<std::is_same_v<F, Q8_0A>, Q8Raw, F>;
+      __m256i u[kCols];
+      for (int j = 0; j < kCols; ++j) {
+        u[j] = j < n_cols
+                   ? unsigned_quants<U>(reinterpret_cast<const Block*>(col0 + j * row_bytes)[b])
+                   : _mm256_setzero_si256();
+      }
+      __m512i r[8];
+      for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(u[i]), u[i + 8], 1);
+      }
+      transpose_16x8(r, t);
+      if constexpr (std::is_same_v<F, Q8_0A>) {
+        // (Lanes past n_cols become 0x80 bytes: finite sums that are never stored.)
+        for (int k = 0; k < 8; ++k) {
+          t[k] = _mm512_xor_si512(t[k], _mm512_set1_epi8(static_cast<char>(0x80)));
+        }
+      }
+    }
     for (int k = 0; k < 8; ++k) _mm512_store_si512(pb.t[k], t[k]);
     const __m512i hdr = block_headers<Block>(col0, row_bytes, b, n_cols);
     _mm512_store_ps(pb.d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr)));
