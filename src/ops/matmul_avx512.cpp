@@ -308,6 +308,60 @@ KV_AVX512 void panel_rows(const PanelBlock* panel, int64_t nb, const PreparedAct
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy, cmask, acc[r]);
 }
 
+// Rows [r0, r0 + MR) against two built panels (columns [c, c + 16) in pa,
+// [c + 16, c + 32) in pb_ at y + 16): each broadcast activation dword feeds
+// both groups' vpdpbusd, half the broadcasts per multiply-add of
+// panel_rows, and one dependent chain per (row, group) over the block's 8
+// dwords (8 * MR independent chains). The integers and the float update per
+// block are panel_rows', so the bits are too.
+template <class F, int MR>
+KV_AVX512 void panel_rows2(const PanelBlock* pa, const PanelBlock* pb_, int64_t nb,
+                           const PreparedAct& a, int64_t r0, __mmask16 cmask_b, float* y,
+                           int64_t ldy) {
+  __m512 acc[2][MR];
+  const int8_t* yq[MR];
+  for (int r = 0; r < MR; ++r) {
+    acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    yq[r] = a.qs + (r0 + r) * a.n_in;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const PanelBlock* g[2] = {pa + b, pb_ + b};
+    __m512i is[2][MR];
+    for (int r = 0; r < MR; ++r) is[0][r] = is[1][r] = _mm512_setzero_si512();
+    for (int k = 0; k < 8; ++k) {
+      const __m512i ta = _mm512_load_si512(g[0]->t[k]);
+      const __m512i tb = _mm512_load_si512(g[1]->t[k]);
+      for (int r = 0; r < MR; ++r) {
+        int32_t wk;
+        std::memcpy(&wk, yq[r] + b * kQK + 4 * k, 4);
+        const __m512i yv = _mm512_set1_epi32(wk);
+        is[0][r] = _mm512_dpbusd_epi32(is[0][r], ta, yv);
+        is[1][r] = _mm512_dpbusd_epi32(is[1][r], tb, yv);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t rb = (r0 + r) * nb + b;  // (row, block) index of a.d / a.s / a.qsum
+      const __m512 dy = _mm512_set1_ps(a.d[rb]);
+      for (int h = 0; h < 2; ++h) {
+        __m512i sumi = is[h][r];
+        if constexpr (F::kOffset != 0) {
+          sumi = _mm512_sub_epi32(sumi, _mm512_set1_epi32(F::kOffset * a.qsum[rb]));
+        }
+        const __m512 dd = _mm512_mul_ps(_mm512_load_ps(g[h]->d), dy);
+        acc[h][r] = _mm512_add_ps(acc[h][r], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
+        if constexpr (F::kMin) {
+          acc[h][r] = _mm512_add_ps(
+              acc[h][r], _mm512_mul_ps(_mm512_load_ps(g[h]->m), _mm512_set1_ps(a.s[rb])));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm512_storeu_ps(y + (r0 + r) * ldy, acc[0][r]);
+    _mm512_mask_storeu_ps(y + (r0 + r) * ldy + kCols, cmask_b, acc[1][r]);
+  }
+}
+
 // Decode variant (fewer than 4 activation rows, where a panel would be built
 // for one use): per block, each column's 32 unsigned bytes are dotted with
 // the row's block by vpdpbusd into 8 dword partial sums, and a reduction tree
@@ -409,17 +463,31 @@ KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t 
     }
     return;
   }
-  PanelBlock* panel = panel_buffer(nb);
+  // Two panels (32 columns) at a time where the range has them: the second
+  // group's rows share the first's activation broadcasts (panel_rows2).
+  PanelBlock* panel = panel_buffer(2 * nb);
+  PanelBlock* panel_b = panel + nb;
   for (int64_t rb = 0; rb < a.m; rb += kRowBlock) {
     const int64_t rb_end = std::min(a.m, rb + kRowBlock);
-    for (int64_t c = c0; c < c1; c += kCols) {
+    for (int64_t c = c0; c < c1; c += 2 * kCols) {
       const int n_cols = static_cast<int>(std::min<int64_t>(kCols, c1 - c));
       // Weights come from DRAM on the first row block only.
       const Prefetch next = rb == 0 ? group_after_next(w, row_bytes, c) : Prefetch{nullptr, 0};
       build_panel<F>(w.data, row_bytes, c, n_cols, nb, next, panel);
-      const __mmask16 cmask = static_cast<__mmask16>((1u << n_cols) - 1);
       float* yc = y + c;
       int64_t r = rb;
+      if (c + kCols < c1) {
+        const int64_t cb = c + kCols;
+        const int n_cols_b = static_cast<int>(std::min<int64_t>(kCols, c1 - cb));
+        const Prefetch next_b = rb == 0 ? group_after_next(w, row_bytes, cb) : Prefetch{nullptr, 0};
+        build_panel<F>(w.data, row_bytes, cb, n_cols_b, nb, next_b, panel_b);
+        const __mmask16 cmask_b = static_cast<__mmask16>((1u << n_cols_b) - 1);
+        for (; r + 4 <= rb_end; r += 4)
+          panel_rows2<F, 4>(panel, panel_b, nb, a, r, cmask_b, yc, ldy);
+        for (; r < rb_end; ++r) panel_rows2<F, 1>(panel, panel_b, nb, a, r, cmask_b, yc, ldy);
+        continue;
+      }
+      const __mmask16 cmask = static_cast<__mmask16>((1u << n_cols) - 1);
       for (; r + 4 <= rb_end; r += 4) panel_rows<F, 4>(panel, nb, a, r, cmask, yc, ldy);
       for (; r < rb_end; ++r) panel_rows<F, 1>(panel, nb, a, r, cmask, yc, ldy);
     }
