@@ -317,7 +317,7 @@ KV_AVX512 void panel_rows(const PanelBlock* panel, int64_t nb, const PreparedAct
 template <class F, int MR>
 KV_AVX512 void panel_rows2(const PanelBlock* pa, const PanelBlock* pb_, int64_t nb,
                            const PreparedAct& a, int64_t r0, __mmask16 cmask_b, float* y,
-                           int64_t ldy) {
+                           int64_t ldy, Prefetch next, int64_t step0, int64_t n_steps) {
   __m512 acc[2][MR];
   const int8_t* yq[MR];
   for (int r = 0; r < MR; ++r) {
@@ -325,6 +325,7 @@ KV_AVX512 void panel_rows2(const PanelBlock* pa, const PanelBlock* pb_, int64_t 
     yq[r] = a.qs + (r0 + r) * a.n_in;
   }
   for (int64_t b = 0; b < nb; ++b) {
+    if (next.bytes > 0) prefetch_share(next, step0 + b, n_steps);
     const PanelBlock* g[2] = {pa + b, pb_ + b};
     __m512i is[2][MR];
     for (int r = 0; r < MR; ++r) is[0][r] = is[1][r] = _mm512_setzero_si512();
@@ -472,21 +473,38 @@ KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t 
     for (int64_t c = c0; c < c1; c += 2 * kCols) {
       const int n_cols = static_cast<int>(std::min<int64_t>(kCols, c1 - c));
       // Weights come from DRAM on the first row block only.
-      const Prefetch next = rb == 0 ? group_after_next(w, row_bytes, c) : Prefetch{nullptr, 0};
-      build_panel<F>(w.data, row_bytes, c, n_cols, nb, next, panel);
       float* yc = y + c;
       int64_t r = rb;
       if (c + kCols < c1) {
         const int64_t cb = c + kCols;
         const int n_cols_b = static_cast<int>(std::min<int64_t>(kCols, c1 - cb));
-        const Prefetch next_b = rb == 0 ? group_after_next(w, row_bytes, cb) : Prefetch{nullptr, 0};
-        build_panel<F>(w.data, row_bytes, cb, n_cols_b, nb, next_b, panel_b);
+        build_panel<F>(w.data, row_bytes, c, n_cols, nb, Prefetch{nullptr, 0}, panel);
+        build_panel<F>(w.data, row_bytes, cb, n_cols_b, nb, Prefetch{nullptr, 0}, panel_b);
+        // The next pair's weight rows (first row block only: later ones find
+        // them in cache), requested over every (row group, block) step of
+        // this pair's arithmetic, which is where the time goes: issued
+        // during the short panel build instead, they came in a burst and
+        // the build still waited on DRAM.
+        Prefetch next{nullptr, 0};
+        if (rb == 0) {
+          const int64_t n_next =
+              std::max<int64_t>(0, std::min<int64_t>(2 * kCols, c1 - (c + 2 * kCols)));
+          next = Prefetch{reinterpret_cast<const char*>(w.data + (c + 2 * kCols) * row_bytes),
+                          n_next * static_cast<int64_t>(row_bytes)};
+        }
+        // Over the 4-row groups only (a first row block has at least one: m >= 4).
+        const int64_t n_steps = (rb_end - rb) / 4 * nb;
         const __mmask16 cmask_b = static_cast<__mmask16>((1u << n_cols_b) - 1);
-        for (; r + 4 <= rb_end; r += 4)
-          panel_rows2<F, 4>(panel, panel_b, nb, a, r, cmask_b, yc, ldy);
-        for (; r < rb_end; ++r) panel_rows2<F, 1>(panel, panel_b, nb, a, r, cmask_b, yc, ldy);
+        for (int64_t step = 0; r + 4 <= rb_end; r += 4, step += nb) {
+          panel_rows2<F, 4>(panel, panel_b, nb, a, r, cmask_b, yc, ldy, next, step, n_steps);
+        }
+        for (; r < rb_end; ++r) {
+          panel_rows2<F, 1>(panel, panel_b, nb, a, r, cmask_b, yc, ldy, Prefetch{nullptr, 0}, 0, 1);
+        }
         continue;
       }
+      const Prefetch next = rb == 0 ? group_after_next(w, row_bytes, c) : Prefetch{nullptr, 0};
+      build_panel<F>(w.data, row_bytes, c, n_cols, nb, next, panel);
       const __mmask16 cmask = static_cast<__mmask16>((1u << n_cols) - 1);
       for (; r + 4 <= rb_end; r += 4) panel_rows<F, 4>(panel, nb, a, r, cmask, yc, ldy);
       for (; r < rb_end; ++r) panel_rows<F, 1>(panel, nb, a, r, cmask, yc, ldy);
