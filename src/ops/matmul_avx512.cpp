@@ -324,8 +324,13 @@ KV_AVX512 void panel_rows2(const PanelBlock* pa, const PanelBlock* pb_, int64_t 
     acc[0][r] = acc[1][r] = _mm512_setzero_ps();
     yq[r] = a.qs + (r0 + r) * a.n_in;
   }
+  // Lines of `next` per step, rounded up (no division in the block loop).
+  const int64_t n_lines = (next.bytes + 63) / 64;
+  const int64_t per_step = (n_lines + n_steps - 1) / n_steps;
   for (int64_t b = 0; b < nb; ++b) {
-    if (next.bytes > 0) prefetch_share(next, step0 + b, n_steps);
+    for (int64_t l = (step0 + b) * per_step, e = std::min(n_lines, l + per_step); l < e; ++l) {
+      _mm_prefetch(next.p + 64 * l, _MM_HINT_T0);
+    }
     const PanelBlock* g[2] = {pa + b, pb_ + b};
     __m512i is[2][MR];
     for (int r = 0; r < MR; ++r) is[0][r] = is[1][r] = _mm512_setzero_si512();
