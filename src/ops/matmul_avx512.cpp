@@ -492,8 +492,10 @@ KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t 
         // the build still waited on DRAM.
         Prefetch next{nullptr, 0};
         if (rb == 0) {
+          // Past c1 too (up to the matrix's end): a thread's next grain
+          // usually starts there (matmul.cpp claims each share front to back).
           const int64_t n_next =
-              std::max<int64_t>(0, std::min<int64_t>(2 * kCols, c1 - (c + 2 * kCols)));
+              std::max<int64_t>(0, std::min<int64_t>(2 * kCols, w.n_out - (c + 2 * kCols)));
           next = Prefetch{reinterpret_cast<const char*>(w.data + (c + 2 * kCols) * row_bytes),
                           n_next * static_cast<int64_t>(row_bytes)};
         }
