@@ -26,9 +26,9 @@ using attn_detail::first_visible;
 constexpr int kPrefillVectors = 32;
 // Split-K pieces: a tile seeing more keys than this is cut at the multiples
 // of it (absolute positions, so the cut depends only on the tile's own key
-// range). A piece's partial state costs n_vec * (head_dim + 2) floats to
-// write and merge; decode pieces are short so that one long sequence spreads
-// over every thread, prefill tiles are many already.
+// range), the last piece taking a tail of less than a quarter piece. A piece's partial state costs
+// n_vec * (head_dim + 2) floats to write and merge; decode pieces are short so that one long
+// sequence spreads over every thread, prefill tiles are many already.
 constexpr int32_t kDecodeSplitKeys = 512;
 constexpr int32_t kPrefillSplitKeys = 4096;
 // Decode rows seeing at least this many keys take all KV heads in one tile:
@@ -151,13 +151,22 @@ void make_plan(Plan& plan, const AttnParams& p, std::span<const AttnSeq> seqs,
         // A sequence accumulating key mass always takes the split-K path
         // (one piece when short): the merge gives every q head's final max
         // and sum. One piece merges to the same bits finish_tile writes.
-        if (len <= piece && s.key_mass == nullptr) {
+        // The last piece takes a tail shorter than a quarter piece (a decode
+        // at 513..639 keys is one tile, not a full piece plus a few keys and a
+        // merge: for 16 sequences at context 512 that was 48 extra items and
+        // merges per layer).
+        const int32_t tail = piece / 4;
+        auto piece_end = [&](int32_t begin) {
+          const int32_t end = std::min<int32_t>(key_end, (begin / piece + 1) * piece);
+          return key_end - end < tail ? key_end : end;
+        };
+        if (piece_end(key_begin) == key_end && s.key_mass == nullptr) {
           plan.items.push_back(t);
           continue;
         }
         MergeGroup mg{t.seq, h, row0, n_rows, 0, n_heads, offset};
         for (int32_t begin = key_begin; begin < key_end;) {
-          const int32_t end = std::min<int32_t>(key_end, (begin / piece + 1) * piece);
+          const int32_t end = piece_end(begin);
           WorkItem part = t;
           part.key_begin = begin;
           part.key_end = end;

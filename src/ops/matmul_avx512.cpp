@@ -21,6 +21,7 @@
 // (decode) skip the panel and reduce per-column partial sums instead
 // (decode_rows), which gives the same integers.
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -85,6 +86,12 @@ struct Q8_0A {
   static constexpr bool kMin = false;
 };
 
+// Q8_0's bytes as stored (signed), for the panel build's xor after the
+// transpose.
+struct Q8Raw {
+  using Block = BlockQ8_0;
+};
+
 // 16 nibble bytes -> 32 bytes: low nibbles (elements 0..15), then high.
 KV_AVX512 inline __m256i nibbles32(const uint8_t* p) {
   const __m256i t =
@@ -103,7 +110,9 @@ KV_AVX512 inline __m256i fifth_bits32(const uint8_t* qh) {
 
 template <class F>
 KV_AVX512 inline __m256i unsigned_quants(const typename F::Block& b) {
-  if constexpr (std::is_same_v<F, Q8_0A>) {
+  if constexpr (std::is_same_v<F, Q8Raw>) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs));
+  } else if constexpr (std::is_same_v<F, Q8_0A>) {
     return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs)),
                             _mm256_set1_epi8(static_cast<char>(0x80)));  // q + 128
   } else if constexpr (std::is_same_v<F, Q5_0A> || std::is_same_v<F, Q5_1A>) {
@@ -175,6 +184,43 @@ KV_AVX512 inline void prefetch_share(const Prefetch& next, int64_t b, int64_t nb
   }
 }
 
+// The 16 columns' qs nibbles of one Q4_0/Q4_1 block, transposed in place:
+// a block's 16 qs bytes hold elements 4k..4k+3 in the low nibbles of dword
+// k and elements 16+4k.. in its high nibbles, so only the 4 qs dwords of
+// each column need transposing (a 16 x 4 dword transpose: 4 loads per
+// vector, 8 unpacks), and T[k] = D[k] & 0x0f, T[k + 4] = (D[k] >> 4) & 0x0f.
+// Vector i is loaded as columns (i, 4 + i, 8 + i, 12 + i) in its 128-bit
+// lanes, so that after the in-lane 4 x 4 transpose lane c is column c.
+// The same unsigned bytes as unsigned_quants(), so the same panel.
+template <class Block>
+KV_AVX512 inline void nibble_panel_quants(const uint8_t* col0, size_t row_bytes, int64_t b,
+                                          int n_cols, __m512i* t) {
+  constexpr size_t kQsOff = offsetof(Block, qs);
+  auto ld = [&](int j) {
+    return j < n_cols ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                            col0 + j * row_bytes + b * sizeof(Block) + kQsOff))
+                      : _mm_setzero_si128();
+  };
+  __m512i r[4];
+  for (int i = 0; i < 4; ++i) {
+    __m512i v = _mm512_castsi128_si512(ld(i));
+    v = _mm512_inserti32x4(v, ld(4 + i), 1);
+    v = _mm512_inserti32x4(v, ld(8 + i), 2);
+    r[i] = _mm512_inserti32x4(v, ld(12 + i), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(r[0], r[1]);  // lane: r0.d0 r1.d0 r0.d1 r1.d1
+  const __m512i t1 = _mm512_unpackhi_epi32(r[0], r[1]);  // lane: r0.d2 r1.d2 r0.d3 r1.d3
+  const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]);
+  const __m512i t3 = _mm512_unpackhi_epi32(r[2], r[3]);
+  const __m512i dq[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                         _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_and_si512(dq[k], low4);
+    t[k + 4] = _mm512_and_si512(_mm512_srli_epi32(dq[k], 4), low4);
+  }
+}
+
 // Builds the panel of columns [c, c + n_cols) (n_cols <= 16; missing columns
 // are zero) over every block of the row, prefetching `next` meanwhile.
 template <class F>
@@ -184,19 +230,32 @@ KV_AVX512 void build_panel(const uint8_t* base, size_t row_bytes, int64_t c, int
   const uint8_t* col0 = base + c * row_bytes;
   for (int64_t b = 0; b < nb; ++b) {
     prefetch_share(next, b, nb);
-    __m256i u[kCols];
-    for (int j = 0; j < kCols; ++j) {
-      u[j] = j < n_cols
-                 ? unsigned_quants<F>(reinterpret_cast<const Block*>(col0 + j * row_bytes)[b])
-                 : _mm256_setzero_si256();
-    }
-    __m512i r[8];
-    for (int i = 0; i < 8; ++i) {
-      r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(u[i]), u[i + 8], 1);
-    }
     PanelBlock& pb = panel[b];
     __m512i t[8];
-    transpose_16x8(r, t);
+    if constexpr (std::is_same_v<F, Q4_0A> || std::is_same_v<F, Q4_1A>) {
+      nibble_panel_quants<Block>(col0, row_bytes, b, n_cols, t);
+    } else {
+      // Q8_0's signed bytes are made unsigned after the transpose (a byte
+      // permutation, so the xor commutes with it): 8 xors instead of 16.
+      using U = std::conditional_t<std::is_same_v<F, Q8_0A>, Q8Raw, F>;
+      __m256i u[kCols];
+      for (int j = 0; j < kCols; ++j) {
+        u[j] = j < n_cols
+                   ? unsigned_quants<U>(reinterpret_cast<const Block*>(col0 + j * row_bytes)[b])
+                   : _mm256_setzero_si256();
+      }
+      __m512i r[8];
+      for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(u[i]), u[i + 8], 1);
+      }
+      transpose_16x8(r, t);
+      if constexpr (std::is_same_v<F, Q8_0A>) {
+        // (Lanes past n_cols become 0x80 bytes: finite sums that are never stored.)
+        for (int k = 0; k < 8; ++k) {
+          t[k] = _mm512_xor_si512(t[k], _mm512_set1_epi8(static_cast<char>(0x80)));
+        }
+      }
+    }
     for (int k = 0; k < 8; ++k) _mm512_store_si512(pb.t[k], t[k]);
     const __m512i hdr = block_headers<Block>(col0, row_bytes, b, n_cols);
     _mm512_store_ps(pb.d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr)));
@@ -247,6 +306,66 @@ KV_AVX512 void panel_rows(const PanelBlock* panel, int64_t nb, const PreparedAct
     }
   }
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy, cmask, acc[r]);
+}
+
+// Rows [r0, r0 + MR) against two built panels (columns [c, c + 16) in pa,
+// [c + 16, c + 32) in pb_ at y + 16): each broadcast activation dword feeds
+// both groups' vpdpbusd, half the broadcasts per multiply-add of
+// panel_rows, and one dependent chain per (row, group) over the block's 8
+// dwords (8 * MR independent chains). The integers and the float update per
+// block are panel_rows', so the bits are too.
+template <class F, int MR>
+KV_AVX512 void panel_rows2(const PanelBlock* pa, const PanelBlock* pb_, int64_t nb,
+                           const PreparedAct& a, int64_t r0, __mmask16 cmask_b, float* y,
+                           int64_t ldy, Prefetch next, int64_t step0, int64_t n_steps) {
+  __m512 acc[2][MR];
+  const int8_t* yq[MR];
+  for (int r = 0; r < MR; ++r) {
+    acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    yq[r] = a.qs + (r0 + r) * a.n_in;
+  }
+  // Lines of `next` per step, rounded up (no division in the block loop).
+  const int64_t n_lines = (next.bytes + 63) / 64;
+  const int64_t per_step = (n_lines + n_steps - 1) / n_steps;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t l = (step0 + b) * per_step, e = std::min(n_lines, l + per_step); l < e; ++l) {
+      _mm_prefetch(next.p + 64 * l, _MM_HINT_T0);
+    }
+    const PanelBlock* g[2] = {pa + b, pb_ + b};
+    __m512i is[2][MR];
+    for (int r = 0; r < MR; ++r) is[0][r] = is[1][r] = _mm512_setzero_si512();
+    for (int k = 0; k < 8; ++k) {
+      const __m512i ta = _mm512_load_si512(g[0]->t[k]);
+      const __m512i tb = _mm512_load_si512(g[1]->t[k]);
+      for (int r = 0; r < MR; ++r) {
+        int32_t wk;
+        std::memcpy(&wk, yq[r] + b * kQK + 4 * k, 4);
+        const __m512i yv = _mm512_set1_epi32(wk);
+        is[0][r] = _mm512_dpbusd_epi32(is[0][r], ta, yv);
+        is[1][r] = _mm512_dpbusd_epi32(is[1][r], tb, yv);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t rb = (r0 + r) * nb + b;  // (row, block) index of a.d / a.s / a.qsum
+      const __m512 dy = _mm512_set1_ps(a.d[rb]);
+      for (int h = 0; h < 2; ++h) {
+        __m512i sumi = is[h][r];
+        if constexpr (F::kOffset != 0) {
+          sumi = _mm512_sub_epi32(sumi, _mm512_set1_epi32(F::kOffset * a.qsum[rb]));
+        }
+        const __m512 dd = _mm512_mul_ps(_mm512_load_ps(g[h]->d), dy);
+        acc[h][r] = _mm512_add_ps(acc[h][r], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
+        if constexpr (F::kMin) {
+          acc[h][r] = _mm512_add_ps(
+              acc[h][r], _mm512_mul_ps(_mm512_load_ps(g[h]->m), _mm512_set1_ps(a.s[rb])));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm512_storeu_ps(y + (r0 + r) * ldy, acc[0][r]);
+    _mm512_mask_storeu_ps(y + (r0 + r) * ldy + kCols, cmask_b, acc[1][r]);
+  }
 }
 
 // Decode variant (fewer than 4 activation rows, where a panel would be built
@@ -385,17 +504,50 @@ KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t 
     }
     return;
   }
-  PanelBlock* panel = panel_buffer(nb);
+  // Two panels (32 columns) at a time where the range has them: the second
+  // group's rows share the first's activation broadcasts (panel_rows2).
+  PanelBlock* panel = panel_buffer(2 * nb);
+  PanelBlock* panel_b = panel + nb;
   for (int64_t rb = 0; rb < a.m; rb += kRowBlock) {
     const int64_t rb_end = std::min(a.m, rb + kRowBlock);
-    for (int64_t c = c0; c < c1; c += kCols) {
+    for (int64_t c = c0; c < c1; c += 2 * kCols) {
       const int n_cols = static_cast<int>(std::min<int64_t>(kCols, c1 - c));
       // Weights come from DRAM on the first row block only.
+      float* yc = y + c;
+      int64_t r = rb;
+      if (c + kCols < c1) {
+        const int64_t cb = c + kCols;
+        const int n_cols_b = static_cast<int>(std::min<int64_t>(kCols, c1 - cb));
+        build_panel<F>(w.data, row_bytes, c, n_cols, nb, Prefetch{nullptr, 0}, panel);
+        build_panel<F>(w.data, row_bytes, cb, n_cols_b, nb, Prefetch{nullptr, 0}, panel_b);
+        // The next pair's weight rows (first row block only: later ones find
+        // them in cache), requested over every (row group, block) step of
+        // this pair's arithmetic, which is where the time goes: issued
+        // during the short panel build instead, they came in a burst and
+        // the build still waited on DRAM.
+        Prefetch next{nullptr, 0};
+        if (rb == 0) {
+          // Past c1 too (up to the matrix's end): a thread's next grain
+          // usually starts there (matmul.cpp claims each share front to back).
+          const int64_t n_next =
+              std::max<int64_t>(0, std::min<int64_t>(2 * kCols, w.n_out - (c + 2 * kCols)));
+          next = Prefetch{reinterpret_cast<const char*>(w.data + (c + 2 * kCols) * row_bytes),
+                          n_next * static_cast<int64_t>(row_bytes)};
+        }
+        // Over the 4-row groups only (a first row block has at least one: m >= 4).
+        const int64_t n_steps = (rb_end - rb) / 4 * nb;
+        const __mmask16 cmask_b = static_cast<__mmask16>((1u << n_cols_b) - 1);
+        for (int64_t step = 0; r + 4 <= rb_end; r += 4, step += nb) {
+          panel_rows2<F, 4>(panel, panel_b, nb, a, r, cmask_b, yc, ldy, next, step, n_steps);
+        }
+        for (; r < rb_end; ++r) {
+          panel_rows2<F, 1>(panel, panel_b, nb, a, r, cmask_b, yc, ldy, Prefetch{nullptr, 0}, 0, 1);
+        }
+        continue;
+      }
       const Prefetch next = rb == 0 ? group_after_next(w, row_bytes, c) : Prefetch{nullptr, 0};
       build_panel<F>(w.data, row_bytes, c, n_cols, nb, next, panel);
       const __mmask16 cmask = static_cast<__mmask16>((1u << n_cols) - 1);
-      float* yc = y + c;
-      int64_t r = rb;
       for (; r + 4 <= rb_end; r += 4) panel_rows<F, 4>(panel, nb, a, r, cmask, yc, ldy);
       for (; r < rb_end; ++r) panel_rows<F, 1>(panel, nb, a, r, cmask, yc, ldy);
     }
