@@ -407,6 +407,138 @@ BENCHMARK(BM_DecodeLayers)
     ->Unit(benchmark::kMicrosecond)
     ->UseManualTime();
 
+// BM_DecodeBatch/ctx/fmt/threads: the attention of one 16-sequence decode
+// step over every layer of the SmolLM2 shape (30 layers, blocks of 16
+// tokens holding all layers, the 16 sequences' blocks shuffled through one
+// pool as the engine's block pool hands them out), each sequence at `ctx`
+// cached tokens: the attention half of `kvstack bench --batch 16` (whose
+// 512-token prompts put each tile at 513..528 keys: two split-K pieces, the
+// second 1..16 keys). Reported: fmt's median; counter vs_f16 = that over
+// the same step on f16 KV, interleaved step by step; kv_GB/s the fmt's KV
+// bytes (codes + metadata) over its time.
+void BM_DecodeBatch(benchmark::State& state) {
+  const int ctx = static_cast<int>(state.range(0));
+  const KvDtype fmt = kFormats[state.range(1)];
+  ThreadPool pool(static_cast<int>(state.range(2)));
+  const Shape sh = kShapes[0];
+  constexpr int kLayers = 30;
+  constexpr int kSeqs = 16;
+  const int block_size = 16;
+  const int per_seq = (ctx + block_size - 1) / block_size;
+  struct Pool {
+    KvLayout layout;
+    Bytes mem;
+  };
+  std::vector<int32_t> perm(static_cast<size_t>(per_seq) * kSeqs);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937(9));
+  std::vector<std::vector<int32_t>> tables(kSeqs);
+  for (int s = 0; s < kSeqs; ++s) {
+    tables[s].assign(perm.begin() + static_cast<ptrdiff_t>(s) * per_seq,
+                     perm.begin() + static_cast<ptrdiff_t>(s + 1) * per_seq);
+  }
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> k(static_cast<size_t>(ctx) * sh.n_kv_heads * sh.head_dim), v(k.size());
+  for (float& x : k) x = nd(rng);
+  for (float& x : v) x = nd(rng);
+  auto make_pool = [&](KvDtype dt) {
+    Pool pl{*KvLayout::uniform(kLayers, sh.n_kv_heads, sh.head_dim, dt, block_size),
+            Bytes(nullptr, Unmap{0})};
+    pl.mem = alloc_bytes(static_cast<size_t>(pl.layout.block_bytes()) * per_seq * kSeqs);
+    for (int l = 0; l < kLayers; ++l) {
+      for (int s = 0; s < kSeqs; ++s)
+        write_kv(pl.layout.layer_view(l, pl.mem.get()), tables[s], 0, k.data(), v.data(), ctx);
+    }
+    return pl;
+  };
+  Pool qp = make_pool(fmt);
+  Pool fp = make_pool(KvDtype::kF16);
+  std::vector<float> q(static_cast<size_t>(kLayers) * kSeqs * sh.n_q_heads * sh.head_dim);
+  std::vector<float> out(q.size());
+  for (float& x : q) x = nd(rng);
+  const AttnParams p{.n_q_heads = sh.n_q_heads,
+                     .n_kv_heads = sh.n_kv_heads,
+                     .head_dim = sh.head_dim,
+                     .scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim))};
+  auto step = [&](const Pool& pl) {
+    const auto t0 = Clock::now();
+    bool ok = true;
+    AttnSeq seqs[kSeqs];
+    for (int l = 0; l < kLayers; ++l) {
+      for (int s = 0; s < kSeqs; ++s) {
+        const size_t off = (static_cast<size_t>(l) * kSeqs + s) * sh.n_q_heads * sh.head_dim;
+        seqs[s] = AttnSeq{.block_table = tables[s].data(),
+                          .n_blocks = per_seq,
+                          .n_past = ctx - 1,
+                          .n_new = 1,
+                          .q = q.data() + off,
+                          .out = out.data() + off};
+      }
+      ok = ok && paged_attention(pl.layout.layer_view(l, pl.mem.get()), p,
+                                 std::span<const AttnSeq>(seqs, kSeqs), &pool)
+                     .ok();
+    }
+    const double t = std::chrono::duration<double>(Clock::now() - t0).count();
+    benchmark::DoNotOptimize(out.data());
+    return ok ? t : -1.0;
+  };
+  std::vector<double> tq, tf;
+  for (auto _ : state) {
+    const double a = step(qp);
+    if (a < 0) {
+      state.SkipWithError("paged_attention failed");
+      break;
+    }
+    state.SetIterationTime(a);
+    tq.push_back(a);
+    tf.push_back(step(fp));
+  }
+  const KvRowGeometry geo = *kv_row_geometry(fmt, sh.head_dim);
+  const double bytes = 2.0 * kLayers * kSeqs * sh.n_kv_heads *
+                       (static_cast<double>(ctx) * (geo.row_bytes + geo.meta_row_bytes) +
+                        static_cast<double>(per_seq) * geo.meta_block_bytes);
+  state.counters["vs_f16"] = median(tq) / median(tf);
+  state.counters["f16_ms"] = median(tf) * 1e3;
+  state.counters["kv_GB/s"] = bytes / median(tq) * 1e-9;
+  state.SetLabel(std::string(kv_dtype_name(fmt)) + "/" +
+                 attention_kernel_name(fmt, fmt, sh.head_dim));
+}
+
+BENCHMARK(BM_DecodeBatch)
+    ->ArgNames({"ctx", "fmt", "threads"})
+    ->ArgsProduct({{520, 2048}, {4, 5}, {2, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseManualTime();
+
+// BM_KvEncodeRow/fmt: kv_encode_row on one row of d = 64 (the SmolLM2
+// head), the KV write's per-row cost (a decode step writes K and V of every
+// new token, KV head and layer: 2 x 3 x 30 = 180 rows per token, one after
+// another in write_kv); counter step16 = that for the 16 tokens of a
+// 16-sequence step.
+void BM_KvEncodeRow(benchmark::State& state) {
+  const KvDtype fmt = kFormats[state.range(0)];
+  constexpr int kD = 64, kRows = 1024;
+  std::mt19937 rng(13);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(static_cast<size_t>(kRows) * kD);
+  for (float& e : x) e = nd(rng);
+  std::vector<uint8_t> row(4 * kD), meta(4 * kD);
+  int r = 0;
+  for (auto _ : state) {
+    kv_encode_row(fmt, x.data() + static_cast<size_t>(r) * kD, kD, row.data(), meta.data());
+    benchmark::DoNotOptimize(row.data());
+    r = (r + 1) % kRows;
+  }
+  // elapsed / (iterations / 2880 rows): seconds per 2880 rows
+  state.counters["step16"] =
+      benchmark::Counter(static_cast<double>(state.iterations()) / (16.0 * 180),
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  state.SetLabel(kv_dtype_name(fmt));
+}
+
+BENCHMARK(BM_KvEncodeRow)->ArgName("fmt")->Arg(1)->Arg(4)->Arg(5)->Unit(benchmark::kNanosecond);
+
 // BM_DecodeMass/ctx/shape/fmt/threads: the H2O key-mass output's cost. The
 // same paged step without and with AttnSeq::key_mass, interleaved run by
 // run; the reported time is the plain median, the counter `mass/plain` the
