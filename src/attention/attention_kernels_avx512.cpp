@@ -833,16 +833,8 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
         for (int e = c; e < c + 32; ++e) ai[e] += mn;
       }
     }
-    if (a.part_acc != nullptr) {
-      a.part_m[i] = m[i];
-      a.part_l[i] = l[i];
-      std::memcpy(a.part_acc + static_cast<size_t>(i) * d, ai, sizeof(float) * d);
-    } else {
-      float* dst = a.out + static_cast<size_t>(i) * d;  // one row: vector i is q head i
-      const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-      for (int c = 0; c < d; ++c) dst[c] = ai[c] * inv;
-    }
   }
+  finish_tile(a, n_vec, acc, m, l);
 }
 
 }  // namespace kvstack::attn_detail
