@@ -339,7 +339,7 @@ float asym_candidate_iscale(int k, float qmax, float mn, float mx) {
 }
 
 // asym_quant_fit_isa's candidate loop with the candidates in AVX-512 lanes
-// (kv_codec_avx512.h): the same sums, the same fits (asym_solve) and the same
+// (kv_codec_avx512.h): the same sums, the same fits (asym_solve's) and the same
 // errors per candidate, and the same choice (the first candidate in k order
 // whose error is below every earlier one and below the min-max fit's `best`),
 // so the same bits. Updates *best_s, *best_m and q only when a candidate wins.
@@ -352,22 +352,12 @@ void asym_search_avx512(const float* x, int n, float mn, float mx, double sx, in
     iscale[c] = asym_candidate_iscale(std::min(c, kAsymFitCandidates - 1) - 10, qf, mn, mx);
   }
   asym_fit_sums_avx512(x, n, mn, iscale, qf, sl, sll, slx);
-  uint16_t s16[kAsymFitCandidates], m16[kAsymFitCandidates];
-  bool ok[kAsymFitCandidates];
-  for (int c = 0; c < kAsymFitLanes; ++c) {
-    s[c] = 1.0f;  // padding and failed fits: any finite lane, ignored below
-    m[c] = 0.0f;
-    if (c >= kAsymFitCandidates) continue;
-    ok[c] = asym_solve(n, sl[c], sll[c], slx[c], sx, &s16[c], &m16[c]);
-    if (ok[c]) {
-      s[c] = f16_to_f32(s16[c]);
-      m[c] = f16_to_f32(m16[c]);
-    }
-  }
+  uint16_t s16[kAsymFitLanes], m16[kAsymFitLanes];
+  const uint32_t ok = asym_fit_solve_avx512(n, sx, sl, sll, slx, s16, m16, s, m);
   asym_fit_errors_avx512(x, n, s, m, qf, err);
   int win = -1;
   for (int c = 0; c < kAsymFitCandidates; ++c) {
-    if (ok[c] && err[c] < best) {
+    if ((ok >> c & 1u) != 0 && err[c] < best) {
       best = err[c];
       win = c;
     }
@@ -389,8 +379,8 @@ void asym_quant_fit_isa(Isa isa, int bits, const float* xs, int64_t stride, int 
                         uint16_t* min, uint8_t* q) {
   KV_CHECK(n >= 1 && n <= kAsymQuantMaxN && bits >= 1 && bits <= 8, "asym_quant_fit: bad shape");
   const bool avx2 = isa >= Isa::kAvx2 && cpu_features().avx2 && cpu_features().fma;
-  const bool avx512 =
-      avx2 && isa >= Isa::kAvx512 && cpu_features().avx512f && cpu_features().avx512vl;
+  const bool avx512 = avx2 && isa >= Isa::kAvx512 && cpu_features().avx512f &&
+                      cpu_features().avx512vl && cpu_features().f16c;
   float x[kAsymQuantMaxN];  // contiguous copy (KIVI keys run along tokens)
   for (int i = 0; i < n; ++i) x[i] = xs[i * stride];
   const int qmax = (1 << bits) - 1;

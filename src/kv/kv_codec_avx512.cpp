@@ -16,6 +16,12 @@
 //   when e spans more than 26 bits (a clipped outlier far from its decoded
 //   value), and a fused err + e*e would then differ from the reference's two
 //   roundings (kv_codec_test's lane test fails on it).
+// - the fit (asym_solve): products, differences and quotients of doubles are
+//   correctly rounded (n * sll with n converted exactly, as in C++);
+//   vcvtpd2ps rounds to nearest even like static_cast<float>; vcvtps2ph with
+//   round-to-nearest-even is f32_to_f16 (core/half.h: RNE, 65520 and above to
+//   inf, subnormals RNE) and vcvtph2ps is f16_to_f32 (exact); the compares
+//   are the reference's, NaN included (!(x > y) is the unordered NGT).
 // A lane whose scale is not > 0 gets code 0 (its quotient, inf or NaN, is
 // masked away), as the reference's `s > 0 ? ... : 0`.
 #include "kv/kv_codec_avx512.h"
@@ -24,7 +30,7 @@
 
 namespace kvstack {
 
-#define KV_CODEC_AVX512 __attribute__((target("avx512f,avx512vl,avx2,fma")))
+#define KV_CODEC_AVX512 __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
 
 namespace {
 
@@ -38,7 +44,8 @@ KV_CODEC_AVX512 inline __m256 round_clamp(__m256 v, __m256 qmax) {
 }
 
 // The 8 floats of v as doubles (exact). The all-ones mask form, because
-// GCC 12 warns (maybe-uninitialized) on _mm512_cvtps_pd's undefined source.
+// GCC 12 warns (maybe-uninitialized) on _mm512_cvtps_pd's undefined source
+// (and on _mm512_cvtpd_ps's, hence the masked forms below too).
 KV_CODEC_AVX512 inline __m512d to_pd(__m256 v) {
   return _mm512_maskz_cvtps_pd(0xff, v);
 }
@@ -69,6 +76,39 @@ KV_CODEC_AVX512 void asym_fit_sums_avx512(const float* x, int n, float mn, const
     _mm512_storeu_pd(sll + 8 * v, acc_ll[v]);
     _mm512_storeu_pd(slx + 8 * v, acc_lx[v]);
   }
+}
+
+KV_CODEC_AVX512 uint32_t asym_fit_solve_avx512(int n, double sx, const double* sl,
+                                               const double* sll, const double* slx, uint16_t* s16,
+                                               uint16_t* m16, float* s, float* m) {
+  constexpr double kF16Max = 65504.0;
+  const __m512d nd = _mm512_set1_pd(static_cast<double>(n)), sxd = _mm512_set1_pd(sx);
+  const __m512d zero = _mm512_setzero_pd(), f16max = _mm512_set1_pd(kF16Max);
+  uint32_t ok = 0;
+  for (int v = 0; v < kVecs; ++v) {
+    const __m512d l = _mm512_loadu_pd(sl + 8 * v), ll = _mm512_loadu_pd(sll + 8 * v);
+    const __m512d lx = _mm512_loadu_pd(slx + 8 * v);
+    const __m512d det = _mm512_sub_pd(_mm512_mul_pd(nd, ll), _mm512_mul_pd(l, l));
+    const __m512d s_fit =
+        _mm512_div_pd(_mm512_sub_pd(_mm512_mul_pd(nd, lx), _mm512_mul_pd(l, sxd)), det);
+    const __m512d m_fit =
+        _mm512_div_pd(_mm512_sub_pd(_mm512_mul_pd(ll, sxd), _mm512_mul_pd(l, lx)), det);
+    __mmask8 good = _mm512_cmp_pd_mask(det, zero, _CMP_GT_OQ);              // det > 0
+    good &= _mm512_cmp_pd_mask(s_fit, zero, _CMP_GT_OQ);                    // s > 0
+    good &= _mm512_cmp_pd_mask(s_fit, f16max, _CMP_NGT_UQ);                 // !(s > max)
+    good &= _mm512_cmp_pd_mask(_mm512_abs_pd(m_fit), f16max, _CMP_NGT_UQ);  // !(|m| > max)
+    const __m128i sh =
+        _mm256_cvtps_ph(_mm512_maskz_cvtpd_ps(0xff, s_fit), _MM_FROUND_TO_NEAREST_INT);
+    const __m128i mh =
+        _mm256_cvtps_ph(_mm512_maskz_cvtpd_ps(0xff, m_fit), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(s16 + 8 * v), sh);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(m16 + 8 * v), mh);
+    _mm256_storeu_ps(s + 8 * v,
+                     _mm256_mask_blend_ps(good, _mm256_set1_ps(1.0f), _mm256_cvtph_ps(sh)));
+    _mm256_storeu_ps(m + 8 * v, _mm256_maskz_mov_ps(good, _mm256_cvtph_ps(mh)));
+    ok |= static_cast<uint32_t>(good) << (8 * v);
+  }
+  return ok & ((1u << kAsymFitCandidates) - 1);
 }
 
 KV_CODEC_AVX512 void asym_fit_errors_avx512(const float* x, int n, const float* s, const float* m,

@@ -22,6 +22,16 @@ inline constexpr int kAsymFitLanes = 24;
 void asym_fit_sums_avx512(const float* x, int n, float mn, const float* iscale, float qmax,
                           double* sl, double* sll, double* slx);
 
+// For every lane c < kAsymFitCandidates, asym_solve's least-squares fit of
+// the lane's sums (kv_codec.cpp; sx = sum x[i] in order): bit c of the
+// result is set where the fit succeeds, and then s16[c], m16[c] are its f16
+// scale and min and s[c], m[c] their float values; elsewhere s[c] = 1,
+// m[c] = 0 (a finite placeholder for asym_fit_errors_avx512) and s16[c],
+// m16[c] are unspecified. sl, sll, slx, s16, m16, s, m: [kAsymFitLanes].
+// REQUIRES: finite sums, the CPU has AVX-512F/VL and F16C.
+uint32_t asym_fit_solve_avx512(int n, double sx, const double* sl, const double* sll,
+                               const double* slx, uint16_t* s16, uint16_t* m16, float* s, float* m);
+
 // For every lane c, over i = 0..n-1 in order, with
 //   q = s[c] > 0 ? clamp(nearbyint((x[i] - m[c]) / s[c]), 0, qmax) : 0
 //   e = double(fma(s[c], q, m[c])) - double(x[i])

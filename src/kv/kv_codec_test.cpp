@@ -308,8 +308,8 @@ TEST(AsymQuantFit, Avx2MatchesScalarBitForBit) {
 // heavy tails; then many random groups of 32 for int4.
 TEST(AsymQuantFit, Avx512MatchesScalarBitForBit) {
   const CpuFeatures& f = cpu_features();
-  if (!f.avx512f || !f.avx512vl || !f.avx2 || !f.fma) {
-    GTEST_SKIP() << "no AVX-512F/VL: the AVX-512 path of asym_quant_fit is not run";
+  if (!f.avx512f || !f.avx512vl || !f.avx2 || !f.fma || !f.f16c) {
+    GTEST_SKIP() << "no AVX-512F/VL (or F16C): the AVX-512 path of asym_quant_fit is not run";
   }
   std::mt19937 rng(23);
   std::normal_distribution<float> nd;
@@ -364,14 +364,14 @@ TEST(AsymQuantFit, Avx512MatchesScalarBitForBit) {
               checked);
 }
 
-// The two lane kernels against their contracts (kv_codec_avx512.h) written
+// The three lane kernels against their contracts (kv_codec_avx512.h) written
 // out per lane in scalar code, memcmp of every lane's double sums: sharper
 // than the end-to-end test above, where an operation rounded differently
 // usually changes no winner (a fused err + e*e passes that one, not this).
 TEST(AsymQuantFit, Avx512LanesMatchTheirScalarContracts) {
   const CpuFeatures& f = cpu_features();
-  if (!f.avx512f || !f.avx512vl || !f.avx2 || !f.fma) {
-    GTEST_SKIP() << "no AVX-512F/VL: the AVX-512 lanes of asym_quant_fit are not run";
+  if (!f.avx512f || !f.avx512vl || !f.avx2 || !f.fma || !f.f16c) {
+    GTEST_SKIP() << "no AVX-512F/VL (or F16C): the AVX-512 lanes of asym_quant_fit are not run";
   }
   std::mt19937 rng(5);
   std::normal_distribution<float> nd;
@@ -411,6 +411,30 @@ TEST(AsymQuantFit, Avx512LanesMatchTheirScalarContracts) {
         ASSERT_EQ(0, std::memcmp(&want_lx, &slx[c], sizeof(double))) << "slx lane " << c;
         ASSERT_EQ(0, std::memcmp(&want_err, &err[c], sizeof(double)))
             << "err lane " << c << ", " << bits << " bits, n " << n;
+      }
+      // The fit of each lane's sums, as asym_solve in kv_codec.cpp.
+      double sx = 0;
+      for (int i = 0; i < n; ++i) sx += x[i];
+      uint16_t s16[kAsymFitLanes], m16[kAsymFitLanes];
+      float fs[kAsymFitLanes], fm[kAsymFitLanes];
+      const uint32_t ok = asym_fit_solve_avx512(n, sx, sl, sll, slx, s16, m16, fs, fm);
+      EXPECT_EQ(ok >> kAsymFitCandidates, 0u);
+      for (int c = 0; c < kAsymFitCandidates; ++c) {
+        const double det = n * sll[c] - sl[c] * sl[c];
+        const double s_fit = (n * slx[c] - sl[c] * sx) / det;
+        const double m_fit = (sll[c] * sx - sl[c] * slx[c]) / det;
+        const bool want_ok =
+            det > 0.0 && s_fit > 0.0 && !(s_fit > 65504.0) && !(std::fabs(m_fit) > 65504.0);
+        ASSERT_EQ(want_ok, (ok >> c & 1u) != 0) << "fit lane " << c << ", n " << n;
+        if (!want_ok) {
+          EXPECT_EQ(fs[c], 1.0f);
+          EXPECT_EQ(fm[c], 0.0f);
+          continue;
+        }
+        ASSERT_EQ(s16[c], f32_to_f16(static_cast<float>(s_fit))) << "fit lane " << c;
+        ASSERT_EQ(m16[c], f32_to_f16(static_cast<float>(m_fit))) << "fit lane " << c;
+        ASSERT_EQ(fs[c], f16_to_f32(s16[c]));
+        ASSERT_EQ(fm[c], f16_to_f32(m16[c]));
       }
     }
   }
