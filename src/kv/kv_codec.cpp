@@ -12,6 +12,7 @@
 #include "core/check.h"
 #include "core/cpu_features.h"
 #include "core/half.h"
+#include "kv/kv_codec_avx512.h"
 
 namespace kvstack {
 namespace {
@@ -317,6 +318,56 @@ double asym_codes(bool avx2, const float* x, int n, float s, float m, int qmax, 
   return err;
 }
 
+// The least-squares (s, m) of n codes l with sums sl, sll, slx (of l, l*l,
+// l*x) and sx (of x), rounded to f16: false where the codes are all equal or
+// the fit is not a positive scale and a min within the f16 range.
+bool asym_solve(int n, double sl, double sll, double slx, double sx, uint16_t* s16, uint16_t* m16) {
+  const double det = n * sll - sl * sl;  // 0 when every code is equal
+  if (!(det > 0.0)) return false;
+  const double s_fit = (n * slx - sl * sx) / det;
+  const double m_fit = (sll * sx - sl * slx) / det;
+  if (!(s_fit > 0.0) || s_fit > kF16Max || std::fabs(m_fit) > kF16Max) return false;
+  *s16 = f32_to_f16(static_cast<float>(s_fit));
+  *m16 = f32_to_f16(static_cast<float>(m_fit));
+  return true;
+}
+
+// The inverse scale of search candidate k (-10..10): a range of qmax + k/10
+// steps over [mn, mx].
+float asym_candidate_iscale(int k, float qmax, float mn, float mx) {
+  return (qmax + 0.1f * static_cast<float>(k)) / (mx - mn);
+}
+
+// asym_quant_fit_isa's candidate loop with the candidates in AVX-512 lanes
+// (kv_codec_avx512.h): the same sums, the same fits (asym_solve's) and the same
+// errors per candidate, and the same choice (the first candidate in k order
+// whose error is below every earlier one and below the min-max fit's `best`),
+// so the same bits. Updates *best_s, *best_m and q only when a candidate wins.
+void asym_search_avx512(const float* x, int n, float mn, float mx, double sx, int qmax, double best,
+                        uint16_t* best_s, uint16_t* best_m, uint8_t* q) {
+  const float qf = static_cast<float>(qmax);
+  float iscale[kAsymFitLanes], s[kAsymFitLanes], m[kAsymFitLanes];
+  double sl[kAsymFitLanes], sll[kAsymFitLanes], slx[kAsymFitLanes], err[kAsymFitLanes];
+  for (int c = 0; c < kAsymFitLanes; ++c) {
+    iscale[c] = asym_candidate_iscale(std::min(c, kAsymFitCandidates - 1) - 10, qf, mn, mx);
+  }
+  asym_fit_sums_avx512(x, n, mn, iscale, qf, sl, sll, slx);
+  uint16_t s16[kAsymFitLanes], m16[kAsymFitLanes];
+  const uint32_t ok = asym_fit_solve_avx512(n, sx, sl, sll, slx, s16, m16, s, m);
+  asym_fit_errors_avx512(x, n, s, m, qf, err);
+  int win = -1;
+  for (int c = 0; c < kAsymFitCandidates; ++c) {
+    if ((ok >> c & 1u) != 0 && err[c] < best) {
+      best = err[c];
+      win = c;
+    }
+  }
+  if (win < 0) return;
+  *best_s = s16[win];
+  *best_m = m16[win];
+  asym_codes(true, x, n, s[win], m[win], qmax, q);
+}
+
 }  // namespace
 
 void asym_quant_fit(int bits, const float* x, int64_t stride, int n, uint16_t* scale, uint16_t* min,
@@ -328,6 +379,8 @@ void asym_quant_fit_isa(Isa isa, int bits, const float* xs, int64_t stride, int 
                         uint16_t* min, uint8_t* q) {
   KV_CHECK(n >= 1 && n <= kAsymQuantMaxN && bits >= 1 && bits <= 8, "asym_quant_fit: bad shape");
   const bool avx2 = isa >= Isa::kAvx2 && cpu_features().avx2 && cpu_features().fma;
+  const bool avx512 = avx2 && isa >= Isa::kAvx512 && cpu_features().avx512f &&
+                      cpu_features().avx512vl && cpu_features().f16c;
   float x[kAsymQuantMaxN];  // contiguous copy (KIVI keys run along tokens)
   for (int i = 0; i < n; ++i) x[i] = xs[i * stride];
   const int qmax = (1 << bits) - 1;
@@ -349,11 +402,17 @@ void asym_quant_fit_isa(Isa isa, int bits, const float* xs, int64_t stride, int 
   }
   double sx = 0;
   for (int i = 0; i < n; ++i) sx += x[i];
+  if (avx512) {
+    asym_search_avx512(x, n, mn, mx, sx, qmax, best, &best_s, &best_m, q);
+    *scale = best_s;
+    *min = best_m;
+    return;
+  }
   uint8_t t[kAsymQuantMaxN];
   float lv[kAsymQuantMaxN];
   // Ranges of qmax - 1 .. qmax + 1 steps over [mn, mx].
   for (int k = -10; k <= 10; ++k) {
-    const float iscale = (static_cast<float>(qmax) + 0.1f * static_cast<float>(k)) / (mx - mn);
+    const float iscale = asym_candidate_iscale(k, static_cast<float>(qmax), mn, mx);
     if (avx2) {
       fit_codes_avx2(x, n, iscale, mn, static_cast<float>(qmax), lv);
     } else {
@@ -366,13 +425,8 @@ void asym_quant_fit_isa(Isa isa, int bits, const float* xs, int64_t stride, int 
       sll += l * l;
       slx += l * x[i];
     }
-    const double det = n * sll - sl * sl;  // 0 when every code is equal
-    if (!(det > 0.0)) continue;
-    const double s_fit = (n * slx - sl * sx) / det;
-    const double m_fit = (sll * sx - sl * slx) / det;
-    if (!(s_fit > 0.0) || s_fit > kF16Max || std::fabs(m_fit) > kF16Max) continue;
-    const uint16_t s16 = f32_to_f16(static_cast<float>(s_fit));
-    const uint16_t m16 = f32_to_f16(static_cast<float>(m_fit));
+    uint16_t s16, m16;
+    if (!asym_solve(n, sl, sll, slx, sx, &s16, &m16)) continue;
     const double e = asym_codes(avx2, x, n, f16_to_f32(s16), f16_to_f32(m16), qmax, t);
     if (e < best) {
       best = e;

@@ -85,7 +85,9 @@ inline constexpr int kAsymQuantMaxN = 64;
 void asym_quant_fit(int bits, const float* x, int64_t stride, int n, uint16_t* scale, uint16_t* min,
                     uint8_t* q);
 // The same with the ISA chosen by the caller (tests): kAvx2 and above run the
-// per-element loops with AVX2 when the CPU has it, bit-identical to kScalar.
+// per-element loops with AVX2 when the CPU has it, and kAvx512 runs the search's
+// candidates side by side in AVX-512 lanes when the CPU has AVX-512F/VL
+// (kv_codec_avx512.h); every path is bit-identical to kScalar.
 void asym_quant_fit_isa(Isa isa, int bits, const float* x, int64_t stride, int n, uint16_t* scale,
                         uint16_t* min, uint8_t* q);
 

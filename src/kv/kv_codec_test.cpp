@@ -17,6 +17,7 @@
 
 #include "core/half.h"
 #include "kv/capacity.h"
+#include "kv/kv_codec_avx512.h"
 #include "kv/kv_write.h"
 #include "kv/layout.h"
 
@@ -297,6 +298,146 @@ TEST(AsymQuantFit, Avx2MatchesScalarBitForBit) {
     }
   }
   EXPECT_EQ(checked, 3 * kAsymQuantMaxN * 4 * 2);
+}
+
+// The AVX-512 lanes of asym_quant_fit's search give the scalar path's bits
+// (scale, min and codes): bits 2, 4 and 8, every n up to kAsymQuantMaxN,
+// strides 1, 3 and 7 (KIVI keys), and groups that stress the fit: Gaussian,
+// one outlier, constant, tiny range, zeros with a -0, tiny magnitudes (f16
+// subnormal steps), huge magnitudes near the f16 limit, few distinct values,
+// heavy tails; then many random groups of 32 for int4.
+TEST(AsymQuantFit, Avx512MatchesScalarBitForBit) {
+  const CpuFeatures& f = cpu_features();
+  if (!f.avx512f || !f.avx512vl || !f.avx2 || !f.fma || !f.f16c) {
+    GTEST_SKIP() << "no AVX-512F/VL (or F16C): the AVX-512 path of asym_quant_fit is not run";
+  }
+  std::mt19937 rng(23);
+  std::normal_distribution<float> nd;
+  auto same = [](int bits, const float* x, int64_t stride, int n) {
+    uint16_t s0, m0, s1, m1;
+    uint8_t q0[kAsymQuantMaxN], q1[kAsymQuantMaxN];
+    asym_quant_fit_isa(Isa::kScalar, bits, x, stride, n, &s0, &m0, q0);
+    asym_quant_fit_isa(Isa::kAvx512, bits, x, stride, n, &s1, &m1, q1);
+    return s0 == s1 && m0 == m1 && std::memcmp(q0, q1, static_cast<size_t>(n)) == 0;
+  };
+  constexpr int kKinds = 9;
+  int checked = 0;
+  for (int bits : {2, 4, 8}) {
+    for (int n = 1; n <= kAsymQuantMaxN; ++n) {
+      for (int kind = 0; kind < kKinds; ++kind) {
+        for (int stride : {1, 3, 7}) {
+          std::vector<float> x(static_cast<size_t>(n) * stride);
+          for (float& e : x) e = nd(rng);
+          if (kind == 1) x[0] = 40.0f;                          // outlier
+          if (kind == 2) std::fill(x.begin(), x.end(), 0.75f);  // constant
+          if (kind == 3)
+            for (float& e : x) e = 1.0f + 1e-3f * e;  // tiny range
+          if (kind == 4) {                            // zeros, one -0, one value
+            std::fill(x.begin(), x.end(), 0.0f);
+            x[0] = -0.0f;
+            x.back() = 0.5f;
+          }
+          if (kind == 5)
+            for (float& e : x) e *= 1e-6f;  // f16 subnormal scales
+          if (kind == 6)
+            for (float& e : x) e = std::clamp(e * 8000.0f, -30000.0f, 30000.0f);  // huge
+          if (kind == 7)
+            for (float& e : x) e = std::round(e * 2.0f) * 0.25f;  // few distinct values
+          if (kind == 8)
+            for (float& e : x) e = e * nd(rng) * nd(rng) + 3.0f;  // heavy tails, offset
+          ASSERT_TRUE(same(bits, x.data(), stride, n))
+              << bits << " bits, n " << n << ", kind " << kind << ", stride " << stride;
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 3 * kAsymQuantMaxN * kKinds * 3);
+  std::uniform_real_distribution<float> ud(-3.0f, 3.0f);
+  std::vector<float> x(32);
+  for (int g = 0; g < 20000; ++g) {
+    const float amp = std::pow(10.0f, ud(rng));
+    for (float& e : x) e = (g % 2 ? nd(rng) : ud(rng)) * amp;
+    ASSERT_TRUE(same(4, x.data(), 1, 32)) << "random group " << g;
+  }
+  std::printf("asym_quant_fit: AVX-512 path checked on %d shaped and 20000 random groups\n",
+              checked);
+}
+
+// The three lane kernels against their contracts (kv_codec_avx512.h) written
+// out per lane in scalar code, memcmp of every lane's double sums: sharper
+// than the end-to-end test above, where an operation rounded differently
+// usually changes no winner (a fused err + e*e passes that one, not this).
+TEST(AsymQuantFit, Avx512LanesMatchTheirScalarContracts) {
+  const CpuFeatures& f = cpu_features();
+  if (!f.avx512f || !f.avx512vl || !f.avx2 || !f.fma || !f.f16c) {
+    GTEST_SKIP() << "no AVX-512F/VL (or F16C): the AVX-512 lanes of asym_quant_fit are not run";
+  }
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+  for (int bits : {2, 4, 8}) {
+    const float qmax = static_cast<float>((1 << bits) - 1);
+    for (int n = 1; n <= kAsymQuantMaxN; ++n) {
+      std::vector<float> x(static_cast<size_t>(n));
+      const float amp = std::pow(10.0f, 4.0f * ud(rng) - 2.0f);
+      for (float& e : x) e = nd(rng) * amp;
+      if (n > 2) x[1] = 30.0f * amp;  // one outlier
+      const float mn = *std::min_element(x.begin(), x.end());
+      const float mx = *std::max_element(x.begin(), x.end());
+      float iscale[kAsymFitLanes], s[kAsymFitLanes], m[kAsymFitLanes];
+      for (int c = 0; c < kAsymFitLanes; ++c) {
+        iscale[c] = (qmax + 0.1f * static_cast<float>(c - 10)) / (mx > mn ? mx - mn : 1.0f);
+        s[c] = c == 3 ? 0.0f : (mx - mn + amp) / qmax * (0.8f + 0.4f * ud(rng));  // lane 3: s = 0
+        m[c] = mn + amp * (ud(rng) - 0.5f);
+      }
+      double sl[kAsymFitLanes], sll[kAsymFitLanes], slx[kAsymFitLanes], err[kAsymFitLanes];
+      asym_fit_sums_avx512(x.data(), n, mn, iscale, qmax, sl, sll, slx);
+      asym_fit_errors_avx512(x.data(), n, s, m, qmax, err);
+      for (int c = 0; c < kAsymFitLanes; ++c) {
+        double want_l = 0, want_ll = 0, want_lx = 0, want_err = 0;
+        for (int i = 0; i < n; ++i) {
+          const double l = std::clamp(std::nearbyint(iscale[c] * (x[i] - mn)), 0.0f, qmax);
+          want_l += l;
+          want_ll += l * l;
+          want_lx += l * x[i];
+          const float q =
+              s[c] > 0.0f ? std::clamp(std::nearbyint((x[i] - m[c]) / s[c]), 0.0f, qmax) : 0.0f;
+          const double e = static_cast<double>(std::fma(s[c], q, m[c])) - x[i];
+          want_err += e * e;
+        }
+        ASSERT_EQ(0, std::memcmp(&want_l, &sl[c], sizeof(double))) << "sl lane " << c << " n " << n;
+        ASSERT_EQ(0, std::memcmp(&want_ll, &sll[c], sizeof(double))) << "sll lane " << c;
+        ASSERT_EQ(0, std::memcmp(&want_lx, &slx[c], sizeof(double))) << "slx lane " << c;
+        ASSERT_EQ(0, std::memcmp(&want_err, &err[c], sizeof(double)))
+            << "err lane " << c << ", " << bits << " bits, n " << n;
+      }
+      // The fit of each lane's sums, as asym_solve in kv_codec.cpp.
+      double sx = 0;
+      for (int i = 0; i < n; ++i) sx += x[i];
+      uint16_t s16[kAsymFitLanes], m16[kAsymFitLanes];
+      float fs[kAsymFitLanes], fm[kAsymFitLanes];
+      const uint32_t ok = asym_fit_solve_avx512(n, sx, sl, sll, slx, s16, m16, fs, fm);
+      EXPECT_EQ(ok >> kAsymFitCandidates, 0u);
+      for (int c = 0; c < kAsymFitCandidates; ++c) {
+        const double det = n * sll[c] - sl[c] * sl[c];
+        const double s_fit = (n * slx[c] - sl[c] * sx) / det;
+        const double m_fit = (sll[c] * sx - sl[c] * slx[c]) / det;
+        const bool want_ok =
+            det > 0.0 && s_fit > 0.0 && !(s_fit > 65504.0) && !(std::fabs(m_fit) > 65504.0);
+        ASSERT_EQ(want_ok, (ok >> c & 1u) != 0) << "fit lane " << c << ", n " << n;
+        if (!want_ok) {
+          EXPECT_EQ(fs[c], 1.0f);
+          EXPECT_EQ(fm[c], 0.0f);
+          continue;
+        }
+        ASSERT_EQ(s16[c], f32_to_f16(static_cast<float>(s_fit))) << "fit lane " << c;
+        ASSERT_EQ(m16[c], f32_to_f16(static_cast<float>(m_fit))) << "fit lane " << c;
+        ASSERT_EQ(fs[c], f16_to_f32(s16[c]));
+        ASSERT_EQ(fm[c], f16_to_f32(m16[c]));
+      }
+    }
+  }
 }
 
 // The (scale, min) search of int4 and KIVI (asym_quant_fit) must pay: on
