@@ -1055,11 +1055,13 @@ TEST(BatchInvariance, QuantizedKvWrittenOnThePoolMatchesAlone) {
     }
     auto decode = [&](const std::vector<int>& who, std::vector<std::vector<float>>* out) {
       std::vector<BlockTable> t;
+      t.reserve(who.size());
       for (int i : who) t.push_back(base[static_cast<size_t>(i)].fork());
       std::vector<int32_t> next(who.size());
       for (size_t j = 0; j < who.size(); ++j) next[j] = toks[static_cast<size_t>(who[j]) + 1];
       for (int s = 0; s < kSteps; ++s) {
         std::vector<StepSeq> batch;
+        batch.reserve(who.size());
         for (size_t j = 0; j < who.size(); ++j) {
           batch.push_back({.table = &t[j], .tokens = std::span<const int32_t>(&next[j], 1)});
         }
@@ -1081,7 +1083,7 @@ TEST(BatchInvariance, QuantizedKvWrittenOnThePoolMatchesAlone) {
       decode({i}, &alone);
       for (int s = 0; s < kSteps; ++s) {
         const auto& a = alone[static_cast<size_t>(s)];
-        const auto& b = together[static_cast<size_t>(s * kSeqs + i)];
+        const auto& b = together[(static_cast<size_t>(s) * kSeqs) + static_cast<size_t>(i)];
         ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
             << kv_dtype_name(dt) << " sequence " << i << " step " << s;
       }
