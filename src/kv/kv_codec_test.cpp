@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -406,10 +407,13 @@ TEST(AsymQuantFit, Avx512LanesMatchTheirScalarContracts) {
           const double e = static_cast<double>(std::fma(s[c], q, m[c])) - x[i];
           want_err += e * e;
         }
-        ASSERT_EQ(0, std::memcmp(&want_l, &sl[c], sizeof(double))) << "sl lane " << c << " n " << n;
-        ASSERT_EQ(0, std::memcmp(&want_ll, &sll[c], sizeof(double))) << "sll lane " << c;
-        ASSERT_EQ(0, std::memcmp(&want_lx, &slx[c], sizeof(double))) << "slx lane " << c;
-        ASSERT_EQ(0, std::memcmp(&want_err, &err[c], sizeof(double)))
+        ASSERT_EQ(std::bit_cast<uint64_t>(want_l), std::bit_cast<uint64_t>(sl[c]))
+            << "sl lane " << c << " n " << n;
+        ASSERT_EQ(std::bit_cast<uint64_t>(want_ll), std::bit_cast<uint64_t>(sll[c]))
+            << "sll lane " << c;
+        ASSERT_EQ(std::bit_cast<uint64_t>(want_lx), std::bit_cast<uint64_t>(slx[c]))
+            << "slx lane " << c;
+        ASSERT_EQ(std::bit_cast<uint64_t>(want_err), std::bit_cast<uint64_t>(err[c]))
             << "err lane " << c << ", " << bits << " bits, n " << n;
       }
       // The fit of each lane's sums, as asym_solve in kv_codec.cpp.
