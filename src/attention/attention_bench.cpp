@@ -191,11 +191,24 @@ class MemReader {
   MemReader() : buf_(alloc_bytes(kBytes)) {
     std::memset(buf_.get(), 0, kBytes);  // touch every page
   }
-  Timing pass_seconds(ThreadPool& pool) {
+  // One streaming read of the whole buffer, timed.
+  Timing pass_seconds(ThreadPool& pool) { return read(pool, kBytes); }
+  // Reads kEvictBytes of this buffer (untimed), more than the L2s and the
+  // L3 together (32 MiB on the machines here), so that a timed step after
+  // it finds none of its KV in cache, as in a model's decode step, where
+  // the other layers' weights and KV pass through the cache in between.
+  // Without it a step right after another step over the same blocks reads
+  // a 12 MiB int8 or 24 MiB f16 context partly from L3.
+  static constexpr int64_t kEvictBytes = 64LL << 20;
+  void evict(ThreadPool& pool) { (void)read(pool, kEvictBytes); }
+
+ private:
+  // The first `bytes` of the buffer, split over the pool's threads.
+  Timing read(ThreadPool& pool, int64_t bytes) {
     const int n_threads = pool.n_threads();
     std::vector<float> sums(n_threads);
     const auto* f = reinterpret_cast<const float*>(buf_.get());
-    const int64_t n = kBytes / 4;
+    const int64_t n = bytes / 4;
     const double c0 = process_cpu_seconds();
     const auto t0 = Clock::now();
     pool.run([&](int t) {
@@ -208,27 +221,7 @@ class MemReader {
     benchmark::DoNotOptimize(sums.data());
     return tm;
   }
-  // Reads kEvictBytes of this buffer (untimed), more than the L2s and the
-  // L3 together (32 MiB on the machines here), so that a timed step after
-  // it finds none of its KV in cache, as in a model's decode step, where
-  // the other layers' weights and KV pass through the cache in between.
-  // Without it a step right after another step over the same blocks reads
-  // a 12 MiB int8 or 24 MiB f16 context partly from L3.
-  static constexpr int64_t kEvictBytes = 64LL << 20;
-  void evict(ThreadPool& pool) {
-    const int n_threads = pool.n_threads();
-    std::vector<float> sums(n_threads);
-    const auto* f = reinterpret_cast<const float*>(buf_.get());
-    const int64_t n = kEvictBytes / 4;
-    pool.run([&](int t) {
-      const int64_t b = n * t / n_threads / 32 * 32;
-      const int64_t e = n * (t + 1) / n_threads / 32 * 32;
-      sums[t] = read_sum_avx2(f + b, e - b);
-    });
-    benchmark::DoNotOptimize(sums.data());
-  }
 
- private:
   Bytes buf_;
 };
 
