@@ -225,6 +225,14 @@ class MemReader {
   Bytes buf_;
 };
 
+// The attention parameters of a shape, with the usual 1/sqrt(head_dim) scale.
+AttnParams attn_params(const Shape& sh) {
+  return AttnParams{.n_q_heads = sh.n_q_heads,
+                    .n_kv_heads = sh.n_kv_heads,
+                    .head_dim = sh.head_dim,
+                    .scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim))};
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
@@ -249,10 +257,7 @@ void BM_DecodeAttention(benchmark::State& state) {
   std::mt19937 rng(3);
   std::normal_distribution<float> nd;
   for (float& x : q) x = nd(rng);
-  const AttnParams p{.n_q_heads = sh.n_q_heads,
-                     .n_kv_heads = sh.n_kv_heads,
-                     .head_dim = sh.head_dim,
-                     .scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim))};
+  const AttnParams p = attn_params(sh);
   auto step = [&](const KvSetup& kv) {
     mem.evict(pool);  // every timed step starts with its KV out of cache
     const AttnSeq seq{.block_table = kv.table.data(),
@@ -367,10 +372,7 @@ void BM_DecodeLayers(benchmark::State& state) {
   std::vector<float> q(static_cast<size_t>(kLayers) * sh.n_q_heads * sh.head_dim);
   std::vector<float> out(q.size());
   for (float& x : q) x = nd(rng);
-  const AttnParams p{.n_q_heads = sh.n_q_heads,
-                     .n_kv_heads = sh.n_kv_heads,
-                     .head_dim = sh.head_dim,
-                     .scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim))};
+  const AttnParams p = attn_params(sh);
   const Isa best = best_isa();
   auto step = [&](Isa isa) {
     set_isa_override(isa);
@@ -473,10 +475,7 @@ void BM_DecodeBatch(benchmark::State& state) {
   std::vector<float> q(static_cast<size_t>(kLayers) * kSeqs * sh.n_q_heads * sh.head_dim);
   std::vector<float> out(q.size());
   for (float& x : q) x = nd(rng);
-  const AttnParams p{.n_q_heads = sh.n_q_heads,
-                     .n_kv_heads = sh.n_kv_heads,
-                     .head_dim = sh.head_dim,
-                     .scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim))};
+  const AttnParams p = attn_params(sh);
   auto step = [&](const Pool& pl) {
     const auto t0 = Clock::now();
     bool ok = true;
@@ -572,10 +571,7 @@ void BM_DecodeMass(benchmark::State& state) {
   std::mt19937 rng(3);
   std::normal_distribution<float> nd;
   for (float& x : q) x = nd(rng);
-  const AttnParams p{.n_q_heads = sh.n_q_heads,
-                     .n_kv_heads = sh.n_kv_heads,
-                     .head_dim = sh.head_dim,
-                     .scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim))};
+  const AttnParams p = attn_params(sh);
   auto step = [&](bool with_mass, int n_keys) {
     std::fill(mass.begin(), mass.end(), 0.0f);
     const AttnSeq seq{.block_table = paged.table.data(),
