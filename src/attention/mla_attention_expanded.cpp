@@ -27,7 +27,6 @@ using mla_detail::row_at;
 
 constexpr int32_t kExpandPiece = 240;  // tokens up-projected per GEMM (a multiple of 6 rows)
 constexpr int kTmpBlock = 64;          // tokens per block of the temporary layer
-constexpr float kF16Max = 65504.0f;    // largest finite f16
 
 struct ExpandScratch {
   std::vector<uint8_t> k, v;   // temporary layer, [blocks][H][kTmpBlock][hd]

@@ -7,6 +7,9 @@
 
 namespace kvstack {
 
+// The largest finite f16 value.
+inline constexpr float kF16Max = 65504.0f;
+
 inline float bits_to_f32(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);

@@ -29,7 +29,6 @@ const char* host_format_name(HostFormat f) {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr float kF16Max = 65504.0f;
 
 // The group's scale (as stored, f16) and the multiplier codes are made with.
 void group_scale(float amax, uint16_t* s16, float* inv) {

@@ -9,8 +9,6 @@
 namespace kvstack {
 namespace {
 
-constexpr float kF16Max = 65504.0f;
-
 void store_u16(uint8_t* p, uint16_t v) {
   std::memcpy(p, &v, 2);
 }

@@ -18,7 +18,6 @@ namespace kvstack {
 namespace {
 
 constexpr float kFp8Max = 448.0f;
-constexpr float kF16Max = 65504.0f;
 constexpr float kBf16Max = std::bit_cast<float>(0x7f7f0000u);  // the largest finite bf16
 
 // f16 bits of the smallest f16 >= x (x >= 0, finite, <= kF16Max).

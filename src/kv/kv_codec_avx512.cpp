@@ -28,6 +28,8 @@
 
 #include <immintrin.h>
 
+#include "core/half.h"
+
 namespace kvstack {
 
 #define KV_CODEC_AVX512 __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
@@ -81,9 +83,8 @@ KV_CODEC_AVX512 void asym_fit_sums_avx512(const float* x, int n, float mn, const
 KV_CODEC_AVX512 uint32_t asym_fit_solve_avx512(int n, double sx, const double* sl,
                                                const double* sll, const double* slx, uint16_t* s16,
                                                uint16_t* m16, float* s, float* m) {
-  constexpr double kF16Max = 65504.0;
   const __m512d nd = _mm512_set1_pd(static_cast<double>(n)), sxd = _mm512_set1_pd(sx);
-  const __m512d zero = _mm512_setzero_pd(), f16max = _mm512_set1_pd(kF16Max);
+  const __m512d zero = _mm512_setzero_pd(), f16max = _mm512_set1_pd(static_cast<double>(kF16Max));
   uint32_t ok = 0;
   for (int v = 0; v < kVecs; ++v) {
     const __m512d l = _mm512_loadu_pd(sl + 8 * v), ll = _mm512_loadu_pd(sll + 8 * v);
