@@ -258,61 +258,92 @@ void BM_MemoryReadBandwidth(benchmark::State& state) {
 }
 BENCHMARK(BM_MemoryReadBandwidth)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 
-// Issue rate of one AVX2 instruction: 16 independent dependency chains (so
-// latency is hidden and throughput shows), kIters steps per iteration; the
-// counter is instructions per ns of one core. The attention kernels' per-key
-// instruction counts divided by these rates give their compute floor
-// (docs/benchmarks.md). Arg: 0 fma_ps, 1 add_ps, 2 maddubs_epi16,
-// 3 madd_epi16, 4 add_epi32.
-#define OPS_AVX2 __attribute__((target("avx2,fma")))
-
-// Keeps the 16 chains in registers and opaque to the optimiser.
-template <class V>
-OPS_AVX2 __attribute__((always_inline)) inline void keep16(V* r) {
-  __asm__ volatile(""
-                   : "+x"(r[0]), "+x"(r[1]), "+x"(r[2]), "+x"(r[3]), "+x"(r[4]), "+x"(r[5]),
-                     "+x"(r[6]), "+x"(r[7]));
-  __asm__ volatile(""
-                   : "+x"(r[8]), "+x"(r[9]), "+x"(r[10]), "+x"(r[11]), "+x"(r[12]), "+x"(r[13]),
-                     "+x"(r[14]), "+x"(r[15]));
-}
+// Issue rate of one instruction, written in inline assembly: 14 chains in
+// registers 0-13, sources in 14/15, kIssueIters steps per iteration; the
+// counter is instructions per ns of one core (docs/benchmarks.md divides it
+// by the clock). The attention kernels' per-key instruction counts divided by
+// these rates give their compute floor. Inline assembly because with
+// intrinsics GCC kept an array of 16 vector chains on the stack, and the
+// loads and stores then bounded the loop instead of the instruction (the
+// figures before session 15 measured that). An accumulating instruction
+// (FMA, vpdpbusd) feeds its own result back, so no two compute the same
+// value, and 14 chains cover a latency of up to 7 cycles at 2 per cycle; the
+// others (add, maddubs, madd) overwrite their destination from the two
+// sources, i.e. 14 independent instructions per step.
+#define OPS_CHAINS14(op, r)                                                                       \
+  op " %%" r "14, %%" r "15, %%" r "0\n\t" op " %%" r "14, %%" r "15, %%" r "1\n\t" op " %%" r    \
+     "14, %%" r "15, %%" r "2\n\t" op " %%" r "14, %%" r "15, %%" r "3\n\t" op " %%" r "14, %%" r \
+     "15, %%" r "4\n\t" op " %%" r "14, %%" r "15, %%" r "5\n\t" op " %%" r "14, %%" r "15, %%" r \
+     "6\n\t" op " %%" r "14, %%" r "15, %%" r "7\n\t" op " %%" r "14, %%" r "15, %%" r "8\n\t" op \
+     " %%" r "14, %%" r "15, %%" r "9\n\t" op " %%" r "14, %%" r "15, %%" r "10\n\t" op " %%" r   \
+     "14, %%" r "15, %%" r "11\n\t" op " %%" r "14, %%" r "15, %%" r "12\n\t" op " %%" r          \
+     "14, %%" r "15, %%" r "13\n\t"
+#define OPS_CLOBBER14                                                                      \
+  "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
+      "xmm11", "xmm12", "xmm13"
 
 constexpr int64_t kIssueIters = 1 << 16;
+constexpr int kIssueChains = 14;
 
+// Zeroes vector registers 0-15 (no denormal or NaN inputs for the FMA
+// chains); upper halves included, so the 512-bit loops start clean too.
+void zero_vector_registers() {
+  __asm__ volatile(
+      "vpxor %%xmm0, %%xmm0, %%xmm0\n\tvmovdqa %%ymm0, %%ymm1\n\t"
+      "vmovdqa %%ymm0, %%ymm2\n\tvmovdqa %%ymm0, %%ymm3\n\t"
+      "vmovdqa %%ymm0, %%ymm4\n\tvmovdqa %%ymm0, %%ymm5\n\t"
+      "vmovdqa %%ymm0, %%ymm6\n\tvmovdqa %%ymm0, %%ymm7\n\t"
+      "vmovdqa %%ymm0, %%ymm8\n\tvmovdqa %%ymm0, %%ymm9\n\t"
+      "vmovdqa %%ymm0, %%ymm10\n\tvmovdqa %%ymm0, %%ymm11\n\t"
+      "vmovdqa %%ymm0, %%ymm12\n\tvmovdqa %%ymm0, %%ymm13\n\t"
+      "vmovdqa %%ymm0, %%ymm14\n\tvmovdqa %%ymm0, %%ymm15\n\t" ::
+          : OPS_CLOBBER14, "xmm14", "xmm15");
+}
+
+// AVX2. Arg: 0 vfmadd231ps, 1 vaddps, 2 vpmaddubsw, 3 vpmaddwd, 4 vpaddd.
 template <int kOp>
-OPS_AVX2 void issue_chains() {
-  if constexpr (kOp <= 1) {
-    __m256 r[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm256_set1_ps(0.001f * static_cast<float>(i));
-    const __m256 x = _mm256_set1_ps(0.9999f), y = _mm256_set1_ps(0.0001f);
-    for (int64_t n = 0; n < kIssueIters; ++n) {
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) {
-        r[i] = kOp == 0 ? _mm256_fmadd_ps(r[i], x, y) : _mm256_add_ps(r[i], x);
-      }
-      keep16(r);
+void issue_chains() {
+  zero_vector_registers();
+  for (int64_t n = 0; n < kIssueIters; ++n) {
+    if constexpr (kOp == 0) {
+      __asm__ volatile(OPS_CHAINS14("vfmadd231ps", "ymm")::: OPS_CLOBBER14);
+    } else if constexpr (kOp == 1) {
+      __asm__ volatile(OPS_CHAINS14("vaddps", "ymm")::: OPS_CLOBBER14);
+    } else if constexpr (kOp == 2) {
+      __asm__ volatile(OPS_CHAINS14("vpmaddubsw", "ymm")::: OPS_CLOBBER14);
+    } else if constexpr (kOp == 3) {
+      __asm__ volatile(OPS_CHAINS14("vpmaddwd", "ymm")::: OPS_CLOBBER14);
+    } else {
+      __asm__ volatile(OPS_CHAINS14("vpaddd", "ymm")::: OPS_CLOBBER14);
     }
-    benchmark::DoNotOptimize(r[0]);
-  } else {
-    __m256i r[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm256_set1_epi8(static_cast<char>(i));
-    const __m256i u = _mm256_set1_epi8(3), o = _mm256_set1_epi16(1);
-    for (int64_t n = 0; n < kIssueIters; ++n) {
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) {
-        r[i] = kOp == 2   ? _mm256_maddubs_epi16(r[i], u)
-               : kOp == 3 ? _mm256_madd_epi16(r[i], o)
-                          : _mm256_add_epi32(r[i], o);
-      }
-      keep16(r);
-    }
-    benchmark::DoNotOptimize(r[0]);
   }
+  __asm__ volatile("vzeroupper" :::);
+}
+
+// AVX-512 (the weight kernels' VNNI path, the AVX-512 attention kernels).
+// Arg: 0 vpdpbusd (64 int8 multiply-adds), 1 vfmadd231ps (16 f32).
+template <int kOp>
+void issue_chains_zmm() {
+  zero_vector_registers();
+  for (int64_t n = 0; n < kIssueIters; ++n) {
+    if constexpr (kOp == 0) {
+      __asm__ volatile(OPS_CHAINS14("vpdpbusd", "zmm")::: OPS_CLOBBER14);
+    } else {
+      __asm__ volatile(OPS_CHAINS14("vfmadd231ps", "zmm")::: OPS_CLOBBER14);
+    }
+  }
+  __asm__ volatile("vzeroupper" :::);
+}
+
+void issue_rate_counter(benchmark::State& state) {
+  state.counters["instr/ns"] =
+      benchmark::Counter(static_cast<double>(kIssueChains * kIssueIters) * 1e-9,
+                         benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_Avx2IssueRate(benchmark::State& state) {
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
-    state.SkipWithError("no AVX2/FMA");
+    state.SkipWithError("no AVX2/FMA on this CPU");
     return;
   }
   using Fn = void (*)();
@@ -320,10 +351,22 @@ void BM_Avx2IssueRate(benchmark::State& state) {
                          issue_chains<4>};
   const Fn fn = kFns[state.range(0)];
   for (auto _ : state) fn();
-  state.counters["instr/ns"] = benchmark::Counter(static_cast<double>(16 * kIssueIters) * 1e-9,
-                                                  benchmark::Counter::kIsIterationInvariantRate);
+  issue_rate_counter(state);
 }
 BENCHMARK(BM_Avx2IssueRate)->ArgName("op")->DenseRange(0, 4)->Unit(benchmark::kMicrosecond);
+
+void BM_Avx512IssueRate(benchmark::State& state) {
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512vnni")) {
+    state.SkipWithError("no AVX-512 F/VNNI on this CPU");
+    return;
+  }
+  using Fn = void (*)();
+  constexpr Fn kFns[] = {issue_chains_zmm<0>, issue_chains_zmm<1>};
+  const Fn fn = kFns[state.range(0)];
+  for (auto _ : state) fn();
+  issue_rate_counter(state);
+}
+BENCHMARK(BM_Avx512IssueRate)->ArgName("op")->DenseRange(0, 1)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace kvstack
