@@ -627,11 +627,12 @@ TEST(Matmul, Avx512DecodeFullAndPartialGroupsBitIdentical) {
 }
 
 // The panel path (4 or more rows) builds full 16-column groups apart from
-// a partial one (headers from scalar loads, Q4_1 four blocks at a time
-// with the rest one by one) and runs two panels at once where the range
-// has them: n_out = 16, 48 (a pair and a single), 64 and 71 (a partial
-// group last), n_in of 4, 7 and 18 blocks, rows 4, 16 and 21, split over 0
-// and 3 threads; every output bit equals the scalar reference's.
+// a partial one (headers from scalar loads, Q4_1 four blocks at a time with
+// the rest one by one) and runs two or three panels at once where the range
+// has them: n_out = 16 (one panel), 48 (three at once), 64 (two pairs) and
+// 71 (a pair, then three with a partial group last), n_in of 4, 7 and 18
+// blocks, rows 4, 16 and 21, split over 0 and 3 threads; every output bit
+// equals the scalar reference's.
 TEST(Matmul, Avx512PanelFullAndPartialGroupsBitIdentical) {
   if (const char* miss = missing_avx512_vnni()) GTEST_SKIP() << "CPU lacks " << miss;
   uint32_t seed = 700;
