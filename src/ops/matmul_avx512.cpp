@@ -159,6 +159,31 @@ KV_AVX512 inline __m512i block_headers(const uint8_t* col0, size_t row_bytes, in
                                      col0 + b * sizeof(Block), 1);
 }
 
+// The f16 at byte offset `off` of block b of 16 full columns, packed (lane c
+// = column c): 16 scalar loads assembled in general registers, four to a
+// qword. The masked gather in block_headers costs about as much as the rest
+// of a Q8_0 panel build (m = 8: 14% of the call); these integer ops run on
+// ports the panel's shuffles and stores leave idle.
+template <class Block>
+KV_AVX512 inline __m256i block_f16s(const uint8_t* col0, size_t row_bytes, int64_t b, size_t off) {
+  const uint8_t* p = col0 + b * sizeof(Block) + off;
+  uint64_t q[4];
+  for (int g = 0; g < 4; ++g) {
+    uint64_t v = 0;
+    for (int i = 0; i < 4; ++i) {
+      uint16_t h;
+      std::memcpy(&h, p + (4 * g + i) * row_bytes, 2);
+      v |= static_cast<uint64_t>(h) << (16 * i);
+    }
+    q[g] = v;
+  }
+  const __m128i lo = _mm_insert_epi64(_mm_cvtsi64_si128(static_cast<long long>(q[0])),
+                                      static_cast<long long>(q[1]), 1);
+  const __m128i hi = _mm_insert_epi64(_mm_cvtsi64_si128(static_cast<long long>(q[2])),
+                                      static_cast<long long>(q[3]), 1);
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
 // A byte range to bring into cache while a group computes, spread over its
 // blocks (a burst of a hundred prefetches at once would overflow the
 // core's outstanding-miss slots and be dropped).
@@ -221,6 +246,52 @@ KV_AVX512 inline void nibble_panel_quants(const uint8_t* col0, size_t row_bytes,
   }
 }
 
+// Four consecutive Q4_1 blocks b..b+3 of 16 full columns, headers included,
+// without the per-block header gather (which, with its f16 conversions
+// waiting on it, took about half of build_panel's time): a Q4_1 block is 20
+// bytes (5 dwords: d|m, then the 4 qs dwords), so four blocks are 80
+// contiguous bytes per column, 5 xmm loads. Transposing each of the 5 xmm
+// positions as nibble_panel_quants does (columns (i, 4 + i, 8 + i, 12 + i) in
+// the 128-bit lanes of vector i, an in-lane 4 x 4 transpose) gives dword t
+// (0..19) of the 80 bytes for all 16 columns: block t / 5, field t % 5.
+// The panel is the one nibble_panel_quants + block_headers build.
+KV_AVX512 inline void q4_1_panel4(const uint8_t* col0, size_t row_bytes, int64_t b,
+                                  PanelBlock* panel) {
+  static_assert(sizeof(BlockQ4_1) == 20 && offsetof(BlockQ4_1, qs) == 4);
+  const uint8_t* p0 = col0 + b * sizeof(BlockQ4_1);
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int x = 0; x < 5; ++x) {  // xmm position: dwords 4x..4x+3 of the 80 bytes
+    auto ld = [&](int j) {
+      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0 + j * row_bytes + 16 * x));
+    };
+    __m512i r[4];
+    for (int i = 0; i < 4; ++i) {
+      __m512i v = _mm512_castsi128_si512(ld(i));
+      v = _mm512_inserti32x4(v, ld(4 + i), 1);
+      v = _mm512_inserti32x4(v, ld(8 + i), 2);
+      r[i] = _mm512_inserti32x4(v, ld(12 + i), 3);
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(r[0], r[1]);
+    const __m512i t1 = _mm512_unpackhi_epi32(r[0], r[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]);
+    const __m512i t3 = _mm512_unpackhi_epi32(r[2], r[3]);
+    const __m512i dq[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                           _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+    for (int k = 0; k < 4; ++k) {
+      const int t = 4 * x + k;
+      PanelBlock& pb = panel[b + t / 5];
+      const int f = t % 5;
+      if (f == 0) {
+        _mm512_store_ps(pb.d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dq[k])));
+        _mm512_store_ps(pb.m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dq[k], 16))));
+      } else {
+        _mm512_store_si512(pb.t[f - 1], _mm512_and_si512(dq[k], low4));
+        _mm512_store_si512(pb.t[f + 3], _mm512_and_si512(_mm512_srli_epi32(dq[k], 4), low4));
+      }
+    }
+  }
+}
+
 // Builds the panel of columns [c, c + n_cols) (n_cols <= 16; missing columns
 // are zero) over every block of the row, prefetching `next` meanwhile.
 template <class F>
@@ -228,7 +299,16 @@ KV_AVX512 void build_panel(const uint8_t* base, size_t row_bytes, int64_t c, int
                            Prefetch next, PanelBlock* panel) {
   using Block = typename F::Block;
   const uint8_t* col0 = base + c * row_bytes;
-  for (int64_t b = 0; b < nb; ++b) {
+  int64_t b = 0;
+  if constexpr (std::is_same_v<F, Q4_1A>) {
+    if (n_cols == kCols) {
+      for (; b + 4 <= nb; b += 4) {
+        for (int64_t i = b; i < b + 4; ++i) prefetch_share(next, i, nb);
+        q4_1_panel4(col0, row_bytes, b, panel);
+      }
+    }
+  }
+  for (; b < nb; ++b) {
     prefetch_share(next, b, nb);
     PanelBlock& pb = panel[b];
     __m512i t[8];
@@ -257,6 +337,13 @@ KV_AVX512 void build_panel(const uint8_t* base, size_t row_bytes, int64_t c, int
       }
     }
     for (int k = 0; k < 8; ++k) _mm512_store_si512(pb.t[k], t[k]);
+    if (n_cols == kCols) {
+      _mm512_store_ps(pb.d, _mm512_cvtph_ps(block_f16s<Block>(col0, row_bytes, b, 0)));
+      if constexpr (F::kMin) {
+        _mm512_store_ps(pb.m, _mm512_cvtph_ps(block_f16s<Block>(col0, row_bytes, b, 2)));
+      }
+      continue;
+    }
     const __m512i hdr = block_headers<Block>(col0, row_bytes, b, n_cols);
     _mm512_store_ps(pb.d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr)));
     if constexpr (F::kMin) {
@@ -308,20 +395,24 @@ KV_AVX512 void panel_rows(const PanelBlock* panel, int64_t nb, const PreparedAct
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy, cmask, acc[r]);
 }
 
-// Rows [r0, r0 + MR) against two built panels (columns [c, c + 16) in pa,
-// [c + 16, c + 32) in pb_ at y + 16): each broadcast activation dword feeds
-// both groups' vpdpbusd, half the broadcasts per multiply-add of
-// panel_rows, and one dependent chain per (row, group) over the block's 8
-// dwords (8 * MR independent chains). The integers and the float update per
-// block are panel_rows', so the bits are too.
-template <class F, int MR>
-KV_AVX512 void panel_rows2(const PanelBlock* pa, const PanelBlock* pb_, int64_t nb,
-                           const PreparedAct& a, int64_t r0, __mmask16 cmask_b, float* y,
-                           int64_t ldy, Prefetch next, int64_t step0, int64_t n_steps) {
-  __m512 acc[2][MR];
+// Rows [r0, r0 + MR) against NP (2 or 3) built panels: panel p (columns
+// [c + 16p, c + 16p + 16), at panels + p * nb) lands at y + 16p, the last
+// one masked by cmask_last. Each broadcast activation dword feeds all NP
+// groups' vpdpbusd (1/NP of the broadcasts per multiply-add of panel_rows),
+// one dependent chain per (row, group) over the block's 8 dwords. Three
+// panels take a range of 3 groups (a 48-column grain: every 576-column
+// output of SmolLM2 at 16 rows) in one pass instead of a pair and a
+// single panel. The integers and the float update per block are
+// panel_rows', so the bits are too.
+template <class F, int MR, int NP>
+KV_AVX512 void panel_rows_n(const PanelBlock* panels, int64_t nb, const PreparedAct& a, int64_t r0,
+                            __mmask16 cmask_last, float* y, int64_t ldy, Prefetch next,
+                            int64_t step0, int64_t n_steps) {
+  static_assert(NP * MR <= 12, "NP x MR integer and float accumulators must fit the registers");
+  __m512 acc[NP][MR];
   const int8_t* yq[MR];
   for (int r = 0; r < MR; ++r) {
-    acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    for (int h = 0; h < NP; ++h) acc[h][r] = _mm512_setzero_ps();
     yq[r] = a.qs + (r0 + r) * a.n_in;
   }
   // Lines of `next` per step, rounded up (no division in the block loop).
@@ -331,24 +422,26 @@ KV_AVX512 void panel_rows2(const PanelBlock* pa, const PanelBlock* pb_, int64_t 
     for (int64_t l = (step0 + b) * per_step, e = std::min(n_lines, l + per_step); l < e; ++l) {
       _mm_prefetch(next.p + 64 * l, _MM_HINT_T0);
     }
-    const PanelBlock* g[2] = {pa + b, pb_ + b};
-    __m512i is[2][MR];
-    for (int r = 0; r < MR; ++r) is[0][r] = is[1][r] = _mm512_setzero_si512();
+    const PanelBlock* g[NP];
+    for (int h = 0; h < NP; ++h) g[h] = panels + h * nb + b;
+    __m512i is[NP][MR];
+    for (int r = 0; r < MR; ++r) {
+      for (int h = 0; h < NP; ++h) is[h][r] = _mm512_setzero_si512();
+    }
     for (int k = 0; k < 8; ++k) {
-      const __m512i ta = _mm512_load_si512(g[0]->t[k]);
-      const __m512i tb = _mm512_load_si512(g[1]->t[k]);
+      __m512i t[NP];
+      for (int h = 0; h < NP; ++h) t[h] = _mm512_load_si512(g[h]->t[k]);
       for (int r = 0; r < MR; ++r) {
         int32_t wk;
         std::memcpy(&wk, yq[r] + b * kQK + 4 * k, 4);
         const __m512i yv = _mm512_set1_epi32(wk);
-        is[0][r] = _mm512_dpbusd_epi32(is[0][r], ta, yv);
-        is[1][r] = _mm512_dpbusd_epi32(is[1][r], tb, yv);
+        for (int h = 0; h < NP; ++h) is[h][r] = _mm512_dpbusd_epi32(is[h][r], t[h], yv);
       }
     }
     for (int r = 0; r < MR; ++r) {
       const int64_t rb = (r0 + r) * nb + b;  // (row, block) index of a.d / a.s / a.qsum
       const __m512 dy = _mm512_set1_ps(a.d[rb]);
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < NP; ++h) {
         __m512i sumi = is[h][r];
         if constexpr (F::kOffset != 0) {
           sumi = _mm512_sub_epi32(sumi, _mm512_set1_epi32(F::kOffset * a.qsum[rb]));
@@ -363,8 +456,8 @@ KV_AVX512 void panel_rows2(const PanelBlock* pa, const PanelBlock* pb_, int64_t 
     }
   }
   for (int r = 0; r < MR; ++r) {
-    _mm512_storeu_ps(y + (r0 + r) * ldy, acc[0][r]);
-    _mm512_mask_storeu_ps(y + (r0 + r) * ldy + kCols, cmask_b, acc[1][r]);
+    for (int h = 0; h + 1 < NP; ++h) _mm512_storeu_ps(y + (r0 + r) * ldy + h * kCols, acc[h][r]);
+    _mm512_mask_storeu_ps(y + (r0 + r) * ldy + (NP - 1) * kCols, cmask_last, acc[NP - 1][r]);
   }
 }
 
@@ -504,25 +597,32 @@ KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t 
     }
     return;
   }
-  // Two panels (32 columns) at a time where the range has them: the second
-  // group's rows share the first's activation broadcasts (panel_rows2).
-  PanelBlock* panel = panel_buffer(2 * nb);
-  PanelBlock* panel_b = panel + nb;
+  // Two or three panels (32 or 48 columns) at a time where the range has
+  // them: the later groups' rows share the first's activation broadcasts
+  // (panel_rows_n). A range of 3 groups runs as one triple; otherwise pairs,
+  // then a last triple or a single panel for an odd count.
+  PanelBlock* panel = panel_buffer(3 * nb);
   for (int64_t rb = 0; rb < a.m; rb += kRowBlock) {
     const int64_t rb_end = std::min(a.m, rb + kRowBlock);
-    for (int64_t c = c0; c < c1; c += 2 * kCols) {
+    for (int64_t c = c0; c < c1;) {
+      const int64_t groups_left = (c1 - c + kCols - 1) / kCols;
+      const int np = groups_left == 3 ? 3 : std::min<int64_t>(groups_left, 2);
       const int n_cols = static_cast<int>(std::min<int64_t>(kCols, c1 - c));
       // Weights come from DRAM on the first row block only.
       float* yc = y + c;
       int64_t r = rb;
-      if (c + kCols < c1) {
-        const int64_t cb = c + kCols;
-        const int n_cols_b = static_cast<int>(std::min<int64_t>(kCols, c1 - cb));
-        build_panel<F>(w.data, row_bytes, c, n_cols, nb, Prefetch{nullptr, 0}, panel);
-        build_panel<F>(w.data, row_bytes, cb, n_cols_b, nb, Prefetch{nullptr, 0}, panel_b);
-        // The next pair's weight rows (first row block only: later ones find
+      if (np > 1) {
+        int n_cols_last = kCols;
+        for (int h = 0; h < np; ++h) {
+          const int64_t ch = c + h * kCols;
+          n_cols_last = static_cast<int>(std::min<int64_t>(kCols, c1 - ch));
+          build_panel<F>(w.data, row_bytes, ch, n_cols_last, nb, Prefetch{nullptr, 0},
+                         panel + h * nb);
+        }
+        const int64_t width = np * kCols;
+        // The next groups' weight rows (first row block only: later ones find
         // them in cache), requested over every (row group, block) step of
-        // this pair's arithmetic, which is where the time goes: issued
+        // this pass's arithmetic, which is where the time goes: issued
         // during the short panel build instead, they came in a burst and
         // the build still waited on DRAM.
         Prefetch next{nullptr, 0};
@@ -530,19 +630,29 @@ KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t 
           // Past c1 too (up to the matrix's end): a thread's next grain
           // usually starts there (matmul.cpp claims each share front to back).
           const int64_t n_next =
-              std::max<int64_t>(0, std::min<int64_t>(2 * kCols, w.n_out - (c + 2 * kCols)));
-          next = Prefetch{reinterpret_cast<const char*>(w.data + (c + 2 * kCols) * row_bytes),
+              std::max<int64_t>(0, std::min<int64_t>(2 * kCols, w.n_out - (c + width)));
+          next = Prefetch{reinterpret_cast<const char*>(w.data + (c + width) * row_bytes),
                           n_next * static_cast<int64_t>(row_bytes)};
         }
         // Over the 4-row groups only (a first row block has at least one: m >= 4).
         const int64_t n_steps = (rb_end - rb) / 4 * nb;
-        const __mmask16 cmask_b = static_cast<__mmask16>((1u << n_cols_b) - 1);
+        const __mmask16 cmask_last = static_cast<__mmask16>((1u << n_cols_last) - 1);
+        const Prefetch none{nullptr, 0};
         for (int64_t step = 0; r + 4 <= rb_end; r += 4, step += nb) {
-          panel_rows2<F, 4>(panel, panel_b, nb, a, r, cmask_b, yc, ldy, next, step, n_steps);
+          if (np == 3) {
+            panel_rows_n<F, 4, 3>(panel, nb, a, r, cmask_last, yc, ldy, next, step, n_steps);
+          } else {
+            panel_rows_n<F, 4, 2>(panel, nb, a, r, cmask_last, yc, ldy, next, step, n_steps);
+          }
         }
         for (; r < rb_end; ++r) {
-          panel_rows2<F, 1>(panel, panel_b, nb, a, r, cmask_b, yc, ldy, Prefetch{nullptr, 0}, 0, 1);
+          if (np == 3) {
+            panel_rows_n<F, 1, 3>(panel, nb, a, r, cmask_last, yc, ldy, none, 0, 1);
+          } else {
+            panel_rows_n<F, 1, 2>(panel, nb, a, r, cmask_last, yc, ldy, none, 0, 1);
+          }
         }
+        c += width;
         continue;
       }
       const Prefetch next = rb == 0 ? group_after_next(w, row_bytes, c) : Prefetch{nullptr, 0};
@@ -550,6 +660,7 @@ KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t 
       const __mmask16 cmask = static_cast<__mmask16>((1u << n_cols) - 1);
       for (; r + 4 <= rb_end; r += 4) panel_rows<F, 4>(panel, nb, a, r, cmask, yc, ldy);
       for (; r < rb_end; ++r) panel_rows<F, 1>(panel, nb, a, r, cmask, yc, ldy);
+      c += kCols;
     }
   }
 }

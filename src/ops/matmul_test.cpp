@@ -626,6 +626,38 @@ TEST(Matmul, Avx512DecodeFullAndPartialGroupsBitIdentical) {
   }
 }
 
+// The panel path (4 or more rows) builds full 16-column groups apart from
+// a partial one (headers from scalar loads, Q4_1 four blocks at a time with
+// the rest one by one) and runs two or three panels at once where the range
+// has them: n_out = 16 (one panel), 48 (three at once), 64 (two pairs) and
+// 71 (a pair, then three with a partial group last), n_in of 4, 7 and 18
+// blocks, rows 4, 16 and 21, split over 0 and 3 threads; every output bit
+// equals the scalar reference's.
+TEST(Matmul, Avx512PanelFullAndPartialGroupsBitIdentical) {
+  if (const char* miss = missing_avx512_vnni()) GTEST_SKIP() << "CPU lacks " << miss;
+  uint32_t seed = 700;
+  for (GgmlType type :
+       {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kQ8_0}) {
+    for (int64_t m : {4, 16, 21}) {
+      for (int64_t n_out : {16, 48, 64, 71}) {
+        for (int64_t n_in : {32 * 4, 32 * 7, 32 * 18}) {
+          SCOPED_TRACE(std::string(ggml_type_traits(static_cast<uint32_t>(type))->name) +
+                       " m=" + std::to_string(m) + " n_out=" + std::to_string(n_out) +
+                       " n_in=" + std::to_string(n_in));
+          const auto w = random_weights(type, n_in, n_out, ++seed);
+          const auto x = random_acts(m * n_in, ++seed);
+          const auto ref = run_matmul(type, w, n_in, n_out, x, m, Isa::kScalar, 0);
+          for (int threads : {0, 3}) {
+            const auto y = run_matmul(type, w, n_in, n_out, x, m, Isa::kAvx512, threads);
+            ASSERT_EQ(first_bit_mismatch(y.data(), ref.data(), std::ssize(y)), -1)
+                << "threads " << threads;
+          }
+        }
+      }
+    }
+  }
+}
+
 // KVSTACK_ISA-style caps change what runs, and the report follows them.
 TEST(Matmul, KernelNameFollowsDispatch) {
   for (GgmlType t : kAllTypes) expect_path(t, Isa::kScalar, "scalar");

@@ -136,7 +136,7 @@ BENCHMARK(BM_Matmul)
 //   Gemma 3 270M Q4_K_M: q Q5_0 640->1024, gate/up Q5_0 640->2048, attn_output
 //   Q4_K 1024->640, ffn_down Q4_K / Q6_K 2048->640, tied output Q8_0 640->262144;
 //   SmolLM2 135M Q4_1: gate/up 576->1536, down 1536->576, q/o 576->576, tied
-//   output Q8_0 576->49152.
+//   k/v 576->192, tied output Q8_0 576->49152.
 // The label names the kernel that ran; KVSTACK_ISA=scalar|avx2 caps it, so
 //   KVSTACK_ISA=avx2 ops_bench --benchmark_filter=BM_MatmulModel
 // against the default run compares the paths.
@@ -145,10 +145,10 @@ void model_shapes(benchmark::internal::Benchmark* b) {
     GgmlType type;
     int64_t n_in, n_out;
   } shapes[] = {
-      {GgmlType::kQ8_0, 640, 262144}, {GgmlType::kQ5_0, 640, 2048}, {GgmlType::kQ5_0, 640, 1024},
-      {GgmlType::kQ4_K, 1024, 640},   {GgmlType::kQ4_K, 2048, 640}, {GgmlType::kQ6_K, 2048, 640},
-      {GgmlType::kQ4_1, 576, 1536},   {GgmlType::kQ4_1, 1536, 576}, {GgmlType::kQ4_1, 576, 576},
-      {GgmlType::kQ8_0, 576, 49152},
+      {GgmlType::kQ8_0, 640, 262144}, {GgmlType::kQ5_0, 640, 2048},  {GgmlType::kQ5_0, 640, 1024},
+      {GgmlType::kQ4_K, 1024, 640},   {GgmlType::kQ4_K, 2048, 640},  {GgmlType::kQ6_K, 2048, 640},
+      {GgmlType::kQ4_1, 576, 1536},   {GgmlType::kQ4_1, 1536, 576},  {GgmlType::kQ4_1, 576, 576},
+      {GgmlType::kQ4_1, 576, 192},    {GgmlType::kQ8_0, 576, 49152},
   };
   for (const auto& s : shapes) {
     // 1: one decode row; 4, 16: batched decode steps; 64: a prefill tile.
