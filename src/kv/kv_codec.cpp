@@ -224,17 +224,77 @@ void fp8_encode_row(const float* x, int d, float scale, uint8_t* codes) {
   for (int i = 0; i < d; ++i) codes[i] = fp8_e4m3_from_f32(x[i] * inv);
 }
 
-void int8_encode_row(const float* x, int d, uint8_t* codes, uint8_t* meta) {
-  float amax = 0.0f;
-  for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+namespace {
+
+// The row's f16 scale: amax / 127 rounded up (at least the smallest f16
+// step for a nonzero row).
+uint16_t int8_row_scale(float amax) {
   uint16_t s16 = f16_round_up(amax / 127.0f);
   if (amax > 0.0f && s16 == 0) s16 = 1;
+  return s16;
+}
+
+void int8_encode_row_scalar(const float* x, int d, uint8_t* codes, uint8_t* meta) {
+  float amax = 0.0f;
+  for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const uint16_t s16 = int8_row_scale(amax);
   const float s = f16_to_f32(s16);
   store_u16(meta, s16);
   for (int i = 0; i < d; ++i) {
     const float q = s > 0.0f ? std::nearbyint(x[i] / s) : 0.0f;
     codes[i] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f)));
   }
+}
+
+// int8_encode_row_scalar with 8 lanes: the maximum does not depend on the
+// order, vdivps and vroundps (nearest even) round like x / s and
+// std::nearbyint, and the clamp is exact, so the same bits. A row holding a
+// NaN (std::max skips it; the lanes would not) or an infinity, or d % 8 != 0,
+// goes the scalar way (returns false).
+__attribute__((target("avx2,fma"))) bool int8_encode_row_avx2(const float* x, int d, uint8_t* codes,
+                                                              uint8_t* meta) {
+  if (d % 8 != 0) return false;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mx = _mm256_setzero_ps();
+  __m256 nan = _mm256_setzero_ps();
+  for (int i = 0; i < d; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, _mm256_and_ps(v, abs_mask));
+  }
+  if (_mm256_movemask_ps(nan) != 0) return false;
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float amax = _mm_cvtss_f32(m4);
+  if (!std::isfinite(amax)) return false;  // an infinite element: the scalar way too
+  const uint16_t s16 = int8_row_scale(amax);
+  const float s = f16_to_f32(s16);
+  store_u16(meta, s16);
+  if (!(s > 0.0f)) {
+    std::memset(codes, 0, static_cast<size_t>(d));
+    return true;
+  }
+  const __m256 sv = _mm256_set1_ps(s);
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  for (int i = 0; i < d; i += 8) {
+    __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+    const __m256i w = _mm256_cvtps_epi32(q);
+    const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packs_epi16(h, h));
+  }
+  return true;
+}
+
+}  // namespace
+
+void int8_encode_row(const float* x, int d, uint8_t* codes, uint8_t* meta) {
+  if (best_isa() >= Isa::kAvx2 && cpu_features().avx2 && int8_encode_row_avx2(x, d, codes, meta)) {
+    return;
+  }
+  int8_encode_row_scalar(x, d, codes, meta);
 }
 
 namespace {
