@@ -5,6 +5,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include <immintrin.h>
@@ -132,7 +133,27 @@ Status validate_float_values(KvDtype dtype, const float* x, int64_t n) {
 
 }  // namespace
 
+namespace {
+
+// True when every |x[i]| <= bound (false for a NaN): one branch-free pass,
+// the common case of the per-step check.
+bool all_within(const float* x, int64_t n, float bound) {
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) ok &= std::fabs(x[i]) <= bound;
+  return ok;
+}
+
+}  // namespace
+
 Status kv_validate_values(KvDtype dtype, const float* x, int64_t n) {
+  // Values no larger than the bound pass every check below (finite, within
+  // the format's finite range or its metadata's); the rest take the checks.
+  const float bound = kv_dtype_is_kivi(dtype) || dtype == KvDtype::kF16 ? kF16Max
+                      : dtype == KvDtype::kBF16                         ? kBf16Max
+                      : dtype == KvDtype::kInt8                         ? kF16Max * 127.0f
+                      : dtype == KvDtype::kInt4                         ? kF16Max
+                                                : std::numeric_limits<float>::max();
+  if (all_within(x, n, bound)) return {};
   // KIVI rows enter the cache as f16 (the residual) before their group is
   // quantized: f16 range, checked like f16.
   if (kv_dtype_is_kivi(dtype)) return validate_float_values(KvDtype::kF16, x, n);
