@@ -15,20 +15,22 @@
 namespace kvstack {
 namespace {
 
-// Steps of at least this many rows run their per-row elementwise work
-// (norms, residual adds, SwiGLU, key centring, the KV rotation, K/V checks)
-// on the pool, in chunks of rows; fewer rows run it on the calling thread.
-// Every row goes through the same functions with the same inputs either way
-// (none of them reads another row), so a row's bits do not depend on the
-// chunking or on which thread ran it (batch invariance).
-constexpr int64_t kPoolRows = 4;
+// Per-row elementwise work of a step (norms, residual adds, SwiGLU, key
+// centring, the KV rotation, K/V checks) runs on the pool, in chunks of
+// rows, when it is at least this much work (row_work units per row, about
+// a float add each: a pool call costs ~1 us, a 16-row add + RMSNorm of 576
+// floats ~3 us on one core); less runs on the calling thread. Every row
+// goes through the same functions with the same inputs either way (none of
+// them reads another row), so a row's bits do not depend on the chunking or
+// on which thread ran it (batch invariance).
+constexpr int64_t kPoolWork = 16384;
 
 // Calls fn(r0, r1) over [0, n) in contiguous chunks of rows, claimed by the
 // pool's threads (run_shared: the calling thread alone finishes what no
-// worker claimed), or fn(0, n) on the calling thread for small n.
+// worker claimed), or fn(0, n) on the calling thread for small work.
 template <class Fn>
-void for_row_chunks(ThreadPool& pool, int64_t n, const Fn& fn) {
-  if (n < kPoolRows || pool.n_threads() == 1) {
+void for_row_chunks(ThreadPool& pool, int64_t n, int64_t row_work, const Fn& fn) {
+  if (n < 2 || n * row_work < kPoolWork || pool.n_threads() == 1) {
     if (n > 0) fn(0, n);
     return;
   }
@@ -37,7 +39,7 @@ void for_row_chunks(ThreadPool& pool, int64_t n, const Fn& fn) {
     int64_t n;
     int64_t chunk;
     const Fn* fn;
-  } sh{.n = n, .chunk = std::max<int64_t>(1, n / (4 * pool.n_threads())), .fn = &fn};
+  } sh{.n = n, .chunk = std::max<int64_t>(1, n / (2 * pool.n_threads())), .fn = &fn};
   Shared* p = &sh;  // one captured pointer: std::function stores it inline
   pool.run_shared([p](int) {
     for (int64_t c = p->next.fetch_add(1, std::memory_order_relaxed); c * p->chunk < p->n;
@@ -149,7 +151,7 @@ Status Forward::step(std::span<const StepSeq> batch, std::vector<float>* logits)
   }
   if (logits != nullptr) {
     const auto n_rows = static_cast<int64_t>(rows.size());
-    for_row_chunks(threads_, n_rows, [&](int64_t r0, int64_t r1) {
+    for_row_chunks(threads_, n_rows, c.n_embd, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         rms_norm(x_.data() + rows[r] * c.n_embd, model_.output_norm(), c.n_embd, c.norm_eps,
                  h_.data() + r * c.n_embd);
@@ -233,25 +235,28 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   // (a failure is found again below, in entry order, for its message).
   const PagedKvLayerView view = batch.front().table->pool().layer_view(kl);
   std::atomic<bool> any_bad{false};
-  for_row_chunks(threads_, n_tok, [&](int64_t r0, int64_t r1) {
-    const int64_t k0 = std::min(r0, n_kv_tok), k1 = std::min(r1, n_kv_tok);
-    if (key_center_ != nullptr) {
-      const float* mu = key_center_->layer(l);
-      for (int64_t t = k0; t < k1; ++t) {
-        float* kr = k_.data() + t * kv_dim;
-        for (int64_t i = 0; i < kv_dim; ++i) kr[i] -= mu[i];
-      }
-    }
-    kv_rotate(rotation_, q_.data() + r0 * q_dim, (r1 - r0) * c.n_heads, c.head_dim);
-    kv_rotate(rotation_, k_.data() + k0 * kv_dim, (k1 - k0) * c.n_kv_heads, c.head_dim);
-    kv_rotate(rotation_, v_.data() + k0 * kv_dim, (k1 - k0) * c.n_kv_heads, c.head_dim);
-    for (int64_t t = k0; t < k1; ++t) {
-      if (!kv_validate_rows(view, pos_[t], k_.data() + t * kv_dim, v_.data() + t * kv_dim, 1)
-               .ok()) {
-        any_bad.store(true, std::memory_order_relaxed);
-      }
-    }
-  });
+  // Work per row: the K/V checks, and ~4 units per rotated float.
+  const int64_t rot_work = rotation_ != KvRotation::kNone ? 4 : 0;
+  for_row_chunks(
+      threads_, n_tok, 2 * kv_dim + rot_work * (q_dim + 2 * kv_dim), [&](int64_t r0, int64_t r1) {
+        const int64_t k0 = std::min(r0, n_kv_tok), k1 = std::min(r1, n_kv_tok);
+        if (key_center_ != nullptr) {
+          const float* mu = key_center_->layer(l);
+          for (int64_t t = k0; t < k1; ++t) {
+            float* kr = k_.data() + t * kv_dim;
+            for (int64_t i = 0; i < kv_dim; ++i) kr[i] -= mu[i];
+          }
+        }
+        kv_rotate(rotation_, q_.data() + r0 * q_dim, (r1 - r0) * c.n_heads, c.head_dim);
+        kv_rotate(rotation_, k_.data() + k0 * kv_dim, (k1 - k0) * c.n_kv_heads, c.head_dim);
+        kv_rotate(rotation_, v_.data() + k0 * kv_dim, (k1 - k0) * c.n_kv_heads, c.head_dim);
+        for (int64_t t = k0; t < k1; ++t) {
+          if (!kv_validate_rows(view, pos_[t], k_.data() + t * kv_dim, v_.data() + t * kv_dim, 1)
+                   .ok()) {
+            any_bad.store(true, std::memory_order_relaxed);
+          }
+        }
+      });
 
   // Check every sequence's rows before writing any of them.
   int64_t row = 0;
@@ -380,7 +385,7 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   KV_CHECK(st.ok(), "paged_attention rejected arguments the forward pass built");
   // attn_ [n_tok, n_heads, head_dim] = sum_j p_j (R v_j) per head: back to R^T.
   if (rotation_ != KvRotation::kNone) {
-    for_row_chunks(threads_, n_tok, [&](int64_t r0, int64_t r1) {
+    for_row_chunks(threads_, n_tok, 4 * q_dim, [&](int64_t r0, int64_t r1) {
       kv_unrotate(rotation_, attn_.data() + r0 * q_dim, (r1 - r0) * c.n_heads, c.head_dim);
     });
   }
@@ -388,7 +393,7 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
 
   matmul(w.wo, attn_.data(), n_tok, h_.data(), &threads_);
   // Residual add and the feed-forward norm, per row.
-  for_row_chunks(threads_, n_tok, [&](int64_t r0, int64_t r1) {
+  for_row_chunks(threads_, n_tok, c.n_embd, [&](int64_t r0, int64_t r1) {
     const int64_t n = r1 - r0;
     float* xr = x_.data() + r0 * c.n_embd;
     float* hr = h_.data() + r0 * c.n_embd;
@@ -411,7 +416,7 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
     matmul(w.w_up, h_.data(), n_tok, up_.data(), &threads_);
   }
   const bool gelu = c.ffn_act == ModelConfig::FfnAct::kGeluTanh;
-  for_row_chunks(threads_, n_tok, [&](int64_t r0, int64_t r1) {
+  for_row_chunks(threads_, n_tok, 2 * c.n_ff, [&](int64_t r0, int64_t r1) {
     float* g = gate_.data() + r0 * c.n_ff;
     const float* u = up_.data() + r0 * c.n_ff;
     (gelu ? geglu : swiglu)(g, u, g, (r1 - r0) * c.n_ff);
@@ -419,7 +424,7 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   matmul(w.w_down, gate_.data(), n_tok, h_.data(), &threads_);
   // Residual add, and the next layer's attention norm in the same pass.
   const LayerWeights* next = l + 1 < c.n_layers ? &model_.layers()[l + 1] : nullptr;
-  for_row_chunks(threads_, n_tok, [&](int64_t r0, int64_t r1) {
+  for_row_chunks(threads_, n_tok, c.n_embd, [&](int64_t r0, int64_t r1) {
     const int64_t n = r1 - r0;
     float* xr = x_.data() + r0 * c.n_embd;
     float* hr = h_.data() + r0 * c.n_embd;
