@@ -237,26 +237,26 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   std::atomic<bool> any_bad{false};
   // Work per row: the K/V checks, and ~4 units per rotated float.
   const int64_t rot_work = rotation_ != KvRotation::kNone ? 4 : 0;
-  for_row_chunks(
-      threads_, n_tok, 2 * kv_dim + rot_work * (q_dim + 2 * kv_dim), [&](int64_t r0, int64_t r1) {
-        const int64_t k0 = std::min(r0, n_kv_tok), k1 = std::min(r1, n_kv_tok);
-        if (key_center_ != nullptr) {
-          const float* mu = key_center_->layer(l);
-          for (int64_t t = k0; t < k1; ++t) {
-            float* kr = k_.data() + t * kv_dim;
-            for (int64_t i = 0; i < kv_dim; ++i) kr[i] -= mu[i];
-          }
-        }
-        kv_rotate(rotation_, q_.data() + r0 * q_dim, (r1 - r0) * c.n_heads, c.head_dim);
-        kv_rotate(rotation_, k_.data() + k0 * kv_dim, (k1 - k0) * c.n_kv_heads, c.head_dim);
-        kv_rotate(rotation_, v_.data() + k0 * kv_dim, (k1 - k0) * c.n_kv_heads, c.head_dim);
-        for (int64_t t = k0; t < k1; ++t) {
-          if (!kv_validate_rows(view, pos_[t], k_.data() + t * kv_dim, v_.data() + t * kv_dim, 1)
-                   .ok()) {
-            any_bad.store(true, std::memory_order_relaxed);
-          }
-        }
-      });
+  const int64_t chain_work = 2 * kv_dim + rot_work * (q_dim + 2 * kv_dim);
+  for_row_chunks(threads_, n_tok, chain_work, [&](int64_t r0, int64_t r1) {
+    const int64_t k0 = std::min(r0, n_kv_tok), k1 = std::min(r1, n_kv_tok);
+    if (key_center_ != nullptr) {
+      const float* mu = key_center_->layer(l);
+      for (int64_t t = k0; t < k1; ++t) {
+        float* kr = k_.data() + t * kv_dim;
+        for (int64_t i = 0; i < kv_dim; ++i) kr[i] -= mu[i];
+      }
+    }
+    kv_rotate(rotation_, q_.data() + r0 * q_dim, (r1 - r0) * c.n_heads, c.head_dim);
+    kv_rotate(rotation_, k_.data() + k0 * kv_dim, (k1 - k0) * c.n_kv_heads, c.head_dim);
+    kv_rotate(rotation_, v_.data() + k0 * kv_dim, (k1 - k0) * c.n_kv_heads, c.head_dim);
+    for (int64_t t = k0; t < k1; ++t) {
+      if (!kv_validate_rows(view, pos_[t], k_.data() + t * kv_dim, v_.data() + t * kv_dim, 1)
+               .ok()) {
+        any_bad.store(true, std::memory_order_relaxed);
+      }
+    }
+  });
 
   // Check every sequence's rows before writing any of them.
   int64_t row = 0;
