@@ -35,6 +35,13 @@ constexpr int32_t kPrefillSplitKeys = 4096;
 // the heads of a block lie next to each other, so the tile streams whole
 // blocks.
 constexpr int32_t kMergeHeadsKeys = 2 * kDecodeSplitKeys;
+// A call with at least this many decode rows per thread takes all KV heads
+// of every decode row in one tile, whatever its length: the rows alone give
+// every thread several tiles, and one tile per row computes its slot lists
+// once for all heads. A decode tile's heads are computed one after the other
+// with the same chunks and the same arithmetic as one-head tiles, so this
+// changes no bits (scheduler_test BatchInvariance, paged_attention_test).
+constexpr int kMergeHeadsRowsPerThread = 2;
 
 struct WorkItem {
   int32_t seq;
@@ -119,8 +126,11 @@ float kv_element(const PagedKvLayerView& kv, const uint8_t* head_base, const int
 // only on the sequence itself (see run_attention's contract): the thread
 // count only changes who runs which item.
 void make_plan(Plan& plan, const AttnParams& p, std::span<const AttnSeq> seqs,
-               const attn_detail::KernelChoice& kc) {
+               const attn_detail::KernelChoice& kc, int n_threads) {
   const int g = p.n_q_heads / p.n_kv_heads;
+  int64_t n_decode = 0;
+  for (const AttnSeq& s : seqs) n_decode += s.n_new == 1 ? 1 : 0;
+  const bool many_decodes = n_decode >= int64_t{kMergeHeadsRowsPerThread} * n_threads;
   plan.items.clear();
   plan.merges.clear();
   int64_t offset = 0;
@@ -139,10 +149,10 @@ void make_plan(Plan& plan, const AttnParams& p, std::span<const AttnSeq> seqs,
       // so a prompt row gives the same bits in any chunking with entries of
       // at least 2 tokens (a 1-row tile of a chunk stays on the prefill path).
       const bool decode = s.n_new == 1;
-      const int n_heads =
-          kc.decode != attn_detail::KernelPath::kScalar && decode && len >= kMergeHeadsKeys
-              ? p.n_kv_heads
-              : 1;
+      const int n_heads = kc.decode != attn_detail::KernelPath::kScalar && decode &&
+                                  (len >= kMergeHeadsKeys || many_decodes)
+                              ? p.n_kv_heads
+                              : 1;
       const int32_t piece = decode ? kDecodeSplitKeys : kPrefillSplitKeys;
       const int64_t slot_floats = int64_t{n_rows} * g * n_heads * (p.head_dim + 2);
       for (int32_t h = 0; h < p.n_kv_heads; h += n_heads) {
@@ -334,7 +344,7 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
   const int d = p.head_dim;
   const int64_t row_stride = int64_t{p.n_q_heads} * d;
   Plan& plan = thread_plan();  // a reference: workers must see this thread's plan
-  make_plan(plan, p, seqs, kc);
+  make_plan(plan, p, seqs, kc, pool == nullptr ? 1 : pool->n_threads());
   float* partials = plan.partials.get(1);
   float* mass = plan.mass.get(1);
 

@@ -13,6 +13,43 @@
 #include "ops/elementwise.h"
 
 namespace kvstack {
+namespace {
+
+// Per-row elementwise work of a step (norms, residual adds, SwiGLU, key
+// centring, the KV rotation, K/V checks) runs on the pool, in chunks of
+// rows, when it is at least this much work (row_work units per row, about
+// a float add each: a pool call costs ~1 us, a 16-row add + RMSNorm of 576
+// floats ~3 us on one core); less runs on the calling thread. Every row
+// goes through the same functions with the same inputs either way (none of
+// them reads another row), so a row's bits do not depend on the chunking or
+// on which thread ran it (batch invariance).
+constexpr int64_t kPoolWork = 16384;
+
+// Calls fn(r0, r1) over [0, n) in contiguous chunks of rows, claimed by the
+// pool's threads (run_shared: the calling thread alone finishes what no
+// worker claimed), or fn(0, n) on the calling thread for small work.
+template <class Fn>
+void for_row_chunks(ThreadPool& pool, int64_t n, int64_t row_work, const Fn& fn) {
+  if (n < 2 || n * row_work < kPoolWork || pool.n_threads() == 1) {
+    if (n > 0) fn(0, n);
+    return;
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    int64_t n;
+    int64_t chunk;
+    const Fn* fn;
+  } sh{.n = n, .chunk = std::max<int64_t>(1, n / (2 * pool.n_threads())), .fn = &fn};
+  Shared* p = &sh;  // one captured pointer: std::function stores it inline
+  pool.run_shared([p](int) {
+    for (int64_t c = p->next.fetch_add(1, std::memory_order_relaxed); c * p->chunk < p->n;
+         c = p->next.fetch_add(1, std::memory_order_relaxed)) {
+      (*p->fn)(c * p->chunk, std::min(p->n, (c + 1) * p->chunk));
+    }
+  });
+}
+
+}  // namespace
 
 Forward::Forward(const Model& model, ThreadPool& threads, KvRotation rotation)
     : model_(model), threads_(threads), rotation_(rotation) {
@@ -87,6 +124,7 @@ Status Forward::step(std::span<const StepSeq> batch, std::vector<float>* logits)
   }
 
   if (layer_hook_) layer_hook_(0, batch);
+  attn_normed_ = false;
   for (int l = 0; l < c.n_layers; ++l) {
     // A rejected K/V row fails the whole step: drop its reservations. Layers
     // before l wrote only uncommitted slots, except that an fp8 layer may
@@ -113,10 +151,12 @@ Status Forward::step(std::span<const StepSeq> batch, std::vector<float>* logits)
   }
   if (logits != nullptr) {
     const auto n_rows = static_cast<int64_t>(rows.size());
-    for (int64_t r = 0; r < n_rows; ++r) {
-      rms_norm(x_.data() + rows[r] * c.n_embd, model_.output_norm(), c.n_embd, c.norm_eps,
-               h_.data() + r * c.n_embd);
-    }
+    for_row_chunks(threads_, n_rows, c.n_embd, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        rms_norm(x_.data() + rows[r] * c.n_embd, model_.output_norm(), c.n_embd, c.norm_eps,
+                 h_.data() + r * c.n_embd);
+      }
+    });
     logits->resize(static_cast<size_t>(n_rows) * c.n_vocab);
     if (n_rows > 0) matmul(model_.output(), h_.data(), n_rows, logits->data(), &threads_);
   }
@@ -135,8 +175,10 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   const bool shared = !c.stores_kv(l);
   const int kl = c.kv_index(l);
 
-  // Attention block.
-  rms_norm(x_.data(), w.attn_norm, n_tok, c.n_embd, c.norm_eps, h_.data());
+  // Attention block (the previous layer's last pool call may have written
+  // this norm already: attn_normed_).
+  if (!attn_normed_) rms_norm(x_.data(), w.attn_norm, n_tok, c.n_embd, c.norm_eps, h_.data());
+  attn_normed_ = false;
   // deepseek2 with a latent KV layer (--kv-mla latent): forward_deepseek2.cpp.
   if (deepseek2_ && batch.front().table->pool().layer_view(kl).v == nullptr) {
     return mla_latent_layer(l, batch, n_tok);
@@ -187,23 +229,38 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   }
   // --kv-center: every key of a head moves by the same mu, so each query's
   // scores shift by one constant (q.mu), which softmax removes.
-  if (key_center_ != nullptr) {
-    const float* mu = key_center_->layer(l);
-    for (int64_t t = 0; t < n_kv_tok; ++t) {
-      float* kr = k_.data() + t * kv_dim;
-      for (int64_t i = 0; i < kv_dim; ++i) kr[i] -= mu[i];
-    }
-  }
   // --kv-rotate: q.k is unchanged; K and V are stored (quantized) in the
   // rotated basis, and the attention output is rotated back below.
-  kv_rotate(rotation_, q_.data(), n_tok * c.n_heads, c.head_dim);
-  kv_rotate(rotation_, k_.data(), n_kv_tok * c.n_kv_heads, c.head_dim);
-  kv_rotate(rotation_, v_.data(), n_kv_tok * c.n_kv_heads, c.head_dim);
+  // Both per row, on the pool for many rows, with each row's K/V check
+  // (a failure is found again below, in entry order, for its message).
+  const PagedKvLayerView view = batch.front().table->pool().layer_view(kl);
+  std::atomic<bool> any_bad{false};
+  // Work per row: the K/V checks, and ~4 units per rotated float.
+  const int64_t rot_work = rotation_ != KvRotation::kNone ? 4 : 0;
+  const int64_t chain_work = 2 * kv_dim + rot_work * (q_dim + 2 * kv_dim);
+  for_row_chunks(threads_, n_tok, chain_work, [&](int64_t r0, int64_t r1) {
+    const int64_t k0 = std::min(r0, n_kv_tok), k1 = std::min(r1, n_kv_tok);
+    if (key_center_ != nullptr) {
+      const float* mu = key_center_->layer(l);
+      for (int64_t t = k0; t < k1; ++t) {
+        float* kr = k_.data() + t * kv_dim;
+        for (int64_t i = 0; i < kv_dim; ++i) kr[i] -= mu[i];
+      }
+    }
+    kv_rotate(rotation_, q_.data() + r0 * q_dim, (r1 - r0) * c.n_heads, c.head_dim);
+    kv_rotate(rotation_, k_.data() + k0 * kv_dim, (k1 - k0) * c.n_kv_heads, c.head_dim);
+    kv_rotate(rotation_, v_.data() + k0 * kv_dim, (k1 - k0) * c.n_kv_heads, c.head_dim);
+    for (int64_t t = k0; t < k1; ++t) {
+      if (!kv_validate_rows(view, pos_[t], k_.data() + t * kv_dim, v_.data() + t * kv_dim, 1)
+               .ok()) {
+        any_bad.store(true, std::memory_order_relaxed);
+      }
+    }
+  });
 
   // Check every sequence's rows before writing any of them.
-  const PagedKvLayerView view = batch.front().table->pool().layer_view(kl);
   int64_t row = 0;
-  for (size_t i = 0; i < batch.size() && !shared; ++i) {
+  for (size_t i = 0; i < batch.size() && any_bad.load(std::memory_order_relaxed); ++i) {
     const auto n = static_cast<int64_t>(batch[i].tokens.size());
     const Status st = kv_validate_rows(view, batch[i].table->length(), k_.data() + row * kv_dim,
                                        v_.data() + row * kv_dim, n);
@@ -214,6 +271,7 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
     }
     row += n;
   }
+  KV_CHECK(!any_bad.load(std::memory_order_relaxed), "a K/V row failed its check only on the pool");
 
   // Write this layer's K/V for every sequence, then attend through the tables.
   // Many entries: the writes run on the pool, one entry per claim (each
@@ -326,17 +384,23 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   }
   KV_CHECK(st.ok(), "paged_attention rejected arguments the forward pass built");
   // attn_ [n_tok, n_heads, head_dim] = sum_j p_j (R v_j) per head: back to R^T.
-  kv_unrotate(rotation_, attn_.data(), n_tok * c.n_heads, c.head_dim);
+  if (rotation_ != KvRotation::kNone) {
+    for_row_chunks(threads_, n_tok, 4 * q_dim, [&](int64_t r0, int64_t r1) {
+      kv_unrotate(rotation_, attn_.data() + r0 * q_dim, (r1 - r0) * c.n_heads, c.head_dim);
+    });
+  }
   if (deepseek2_) deepseek2_->compact_attention(attn_.data(), n_tok);  // [n_tok, H * v]
 
   matmul(w.wo, attn_.data(), n_tok, h_.data(), &threads_);
-  if (w.attn_post_norm != nullptr) {
-    rms_norm(h_.data(), w.attn_post_norm, n_tok, c.n_embd, c.norm_eps, h_.data());
-  }
-  add(x_.data(), h_.data(), x_.data(), n_tok * c.n_embd);
-
-  // Feed-forward block.
-  rms_norm(x_.data(), w.ffn_norm, n_tok, c.n_embd, c.norm_eps, h_.data());
+  // Residual add and the feed-forward norm, per row.
+  for_row_chunks(threads_, n_tok, c.n_embd, [&](int64_t r0, int64_t r1) {
+    const int64_t n = r1 - r0;
+    float* xr = x_.data() + r0 * c.n_embd;
+    float* hr = h_.data() + r0 * c.n_embd;
+    if (w.attn_post_norm != nullptr) rms_norm(hr, w.attn_post_norm, n, c.n_embd, c.norm_eps, hr);
+    add(xr, hr, xr, n * c.n_embd);
+    rms_norm(xr, w.ffn_norm, n, c.n_embd, c.norm_eps, hr);
+  });
   if (deepseek2_ && c.is_moe_layer(l)) {
     // Routed + shared experts into attn_ (free here; sized for it).
     deepseek2_->moe(l, h_.data(), n_tok, attn_.data());
@@ -351,16 +415,24 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
     matmul(w.w_gate, h_.data(), n_tok, gate_.data(), &threads_);
     matmul(w.w_up, h_.data(), n_tok, up_.data(), &threads_);
   }
-  if (c.ffn_act == ModelConfig::FfnAct::kGeluTanh) {
-    geglu(gate_.data(), up_.data(), gate_.data(), n_tok * c.n_ff);
-  } else {
-    swiglu(gate_.data(), up_.data(), gate_.data(), n_tok * c.n_ff);
-  }
+  const bool gelu = c.ffn_act == ModelConfig::FfnAct::kGeluTanh;
+  for_row_chunks(threads_, n_tok, 2 * c.n_ff, [&](int64_t r0, int64_t r1) {
+    float* g = gate_.data() + r0 * c.n_ff;
+    const float* u = up_.data() + r0 * c.n_ff;
+    (gelu ? geglu : swiglu)(g, u, g, (r1 - r0) * c.n_ff);
+  });
   matmul(w.w_down, gate_.data(), n_tok, h_.data(), &threads_);
-  if (w.ffn_post_norm != nullptr) {
-    rms_norm(h_.data(), w.ffn_post_norm, n_tok, c.n_embd, c.norm_eps, h_.data());
-  }
-  add(x_.data(), h_.data(), x_.data(), n_tok * c.n_embd);
+  // Residual add, and the next layer's attention norm in the same pass.
+  const LayerWeights* next = l + 1 < c.n_layers ? &model_.layers()[l + 1] : nullptr;
+  for_row_chunks(threads_, n_tok, c.n_embd, [&](int64_t r0, int64_t r1) {
+    const int64_t n = r1 - r0;
+    float* xr = x_.data() + r0 * c.n_embd;
+    float* hr = h_.data() + r0 * c.n_embd;
+    if (w.ffn_post_norm != nullptr) rms_norm(hr, w.ffn_post_norm, n, c.n_embd, c.norm_eps, hr);
+    add(xr, hr, xr, n * c.n_embd);
+    if (next != nullptr) rms_norm(xr, next->attn_norm, n, c.n_embd, c.norm_eps, hr);
+  });
+  attn_normed_ = next != nullptr;
   return {};
 }
 

@@ -102,6 +102,9 @@ class Forward {
   const KeyCenter* key_center_ = nullptr;
   std::unique_ptr<Deepseek2Layers> deepseek2_;  // MLA + MoE math (arch deepseek2), else null
   int64_t rejected_entry_ = -1;
+  // h_ holds the next layer's attention RMSNorm of x_ (the previous layer's
+  // residual pass wrote it); reset by every layer and every step.
+  bool attn_normed_ = false;
   LayerHook layer_hook_;
   // Workspace, grown on demand ([n_tok, ...] float32 each).
   int64_t capacity_ = 0;

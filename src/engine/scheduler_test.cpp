@@ -20,6 +20,7 @@
 
 #include "attention/paged_attention.h"
 #include "engine/testing/model_files.h"
+#include "kv/rotation.h"
 #include "ops/elementwise.h"
 
 namespace kvstack {
@@ -1029,8 +1030,13 @@ TEST(BatchInvariance, BatchedDecodeOf1To32WithMixedPrefill) {
 // (forks of the same prefilled contexts); steps 2 and 3 read the K/V the
 // earlier steps wrote, so every logits row bit-identical to the lone run
 // shows the parallel writes stored what the serial ones store.
+// The second pass adds the CLI's defaults for these formats (--kv-rotate and
+// --kv-center), whose per-row work runs on the pool for 4 or more rows.
 TEST(BatchInvariance, QuantizedKvWrittenOnThePoolMatchesAlone) {
-  for (KvDtype dt : {KvDtype::kInt8, KvDtype::kInt4}) {
+  for (int variant = 0; variant < 4; ++variant) {
+    const KvDtype dt = variant % 2 == 0 ? KvDtype::kInt8 : KvDtype::kInt4;
+    const bool rotate_center = variant >= 2;
+    SCOPED_TRACE(std::string(kv_dtype_name(dt)) + (rotate_center ? " rotated, centred" : ""));
     const std::string path = default_model_path();
     if (path.empty() || !std::filesystem::exists(path)) GTEST_SKIP() << "default model not found";
     EngineConfig c;
@@ -1039,6 +1045,10 @@ TEST(BatchInvariance, QuantizedKvWrittenOnThePoolMatchesAlone) {
     c.block_size = 16;
     c.kv_cache_tokens = 4096;
     c.kv_dtype = dt;
+    if (rotate_center) {
+      c.kv_rotation = KvRotation::kHadamard;
+      c.kv_center = true;
+    }
     auto created = Engine::create(c);
     ASSERT_TRUE(created.ok()) << created.error().message;
     Engine& e = **created;

@@ -5,6 +5,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include <immintrin.h>
@@ -132,7 +133,27 @@ Status validate_float_values(KvDtype dtype, const float* x, int64_t n) {
 
 }  // namespace
 
+namespace {
+
+// True when every |x[i]| <= bound (false for a NaN): one branch-free pass,
+// the common case of the per-step check.
+bool all_within(const float* x, int64_t n, float bound) {
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) ok &= std::fabs(x[i]) <= bound;
+  return ok;
+}
+
+}  // namespace
+
 Status kv_validate_values(KvDtype dtype, const float* x, int64_t n) {
+  // Values no larger than the bound pass every check below (finite, within
+  // the format's finite range or its metadata's); the rest take the checks.
+  const float bound = kv_dtype_is_kivi(dtype) || dtype == KvDtype::kF16 ? kF16Max
+                      : dtype == KvDtype::kBF16                         ? kBf16Max
+                      : dtype == KvDtype::kInt8                         ? kF16Max * 127.0f
+                      : dtype == KvDtype::kInt4                         ? kF16Max
+                                                : std::numeric_limits<float>::max();
+  if (all_within(x, n, bound)) return {};
   // KIVI rows enter the cache as f16 (the residual) before their group is
   // quantized: f16 range, checked like f16.
   if (kv_dtype_is_kivi(dtype)) return validate_float_values(KvDtype::kF16, x, n);
@@ -224,17 +245,77 @@ void fp8_encode_row(const float* x, int d, float scale, uint8_t* codes) {
   for (int i = 0; i < d; ++i) codes[i] = fp8_e4m3_from_f32(x[i] * inv);
 }
 
-void int8_encode_row(const float* x, int d, uint8_t* codes, uint8_t* meta) {
-  float amax = 0.0f;
-  for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+namespace {
+
+// The row's f16 scale: amax / 127 rounded up (at least the smallest f16
+// step for a nonzero row).
+uint16_t int8_row_scale(float amax) {
   uint16_t s16 = f16_round_up(amax / 127.0f);
   if (amax > 0.0f && s16 == 0) s16 = 1;
+  return s16;
+}
+
+void int8_encode_row_scalar(const float* x, int d, uint8_t* codes, uint8_t* meta) {
+  float amax = 0.0f;
+  for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const uint16_t s16 = int8_row_scale(amax);
   const float s = f16_to_f32(s16);
   store_u16(meta, s16);
   for (int i = 0; i < d; ++i) {
     const float q = s > 0.0f ? std::nearbyint(x[i] / s) : 0.0f;
     codes[i] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f)));
   }
+}
+
+// int8_encode_row_scalar with 8 lanes: the maximum does not depend on the
+// order, vdivps and vroundps (nearest even) round like x / s and
+// std::nearbyint, and the clamp is exact, so the same bits. A row holding a
+// NaN (std::max skips it; the lanes would not) or an infinity, or d % 8 != 0,
+// goes the scalar way (returns false).
+__attribute__((target("avx2,fma"))) bool int8_encode_row_avx2(const float* x, int d, uint8_t* codes,
+                                                              uint8_t* meta) {
+  if (d % 8 != 0) return false;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mx = _mm256_setzero_ps();
+  __m256 nan = _mm256_setzero_ps();
+  for (int i = 0; i < d; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, _mm256_and_ps(v, abs_mask));
+  }
+  if (_mm256_movemask_ps(nan) != 0) return false;
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float amax = _mm_cvtss_f32(m4);
+  if (!std::isfinite(amax)) return false;  // an infinite element: the scalar way too
+  const uint16_t s16 = int8_row_scale(amax);
+  const float s = f16_to_f32(s16);
+  store_u16(meta, s16);
+  if (!(s > 0.0f)) {
+    std::memset(codes, 0, static_cast<size_t>(d));
+    return true;
+  }
+  const __m256 sv = _mm256_set1_ps(s);
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  for (int i = 0; i < d; i += 8) {
+    __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+    const __m256i w = _mm256_cvtps_epi32(q);
+    const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packs_epi16(h, h));
+  }
+  return true;
+}
+
+}  // namespace
+
+void int8_encode_row(const float* x, int d, uint8_t* codes, uint8_t* meta) {
+  if (best_isa() >= Isa::kAvx2 && cpu_features().avx2 && int8_encode_row_avx2(x, d, codes, meta)) {
+    return;
+  }
+  int8_encode_row_scalar(x, d, codes, meta);
 }
 
 namespace {

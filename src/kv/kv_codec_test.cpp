@@ -271,6 +271,38 @@ INSTANTIATE_TEST_SUITE_P(Formats, CodecRoundTrip,
 // The AVX2 loops of asym_quant_fit give the scalar loops' bits: every
 // group size up to kAsymQuantMaxN (vector body and scalar tail), strided
 // input, Gaussian, outlier, constant and tiny-range groups.
+// int8 rows: the AVX2 encoder against the scalar one (forced with the ISA
+// override), codes and scale, on random rows of several sizes and scales,
+// exact halves of the scale (ties), zeros, and rows with a NaN or an
+// infinity (which take the scalar way).
+TEST(Int8EncodeRow, Avx2MatchesScalarBitForBit) {
+  if (best_isa() < Isa::kAvx2) GTEST_SKIP() << "no AVX2 on this CPU";
+  std::mt19937 rng(23);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int d : {8, 16, 20, 64, 128, 256}) {
+    for (int rep = 0; rep < 200; ++rep) {
+      std::vector<float> x(static_cast<size_t>(d));
+      const float sc = std::ldexp(1.0f, rep % 40 - 20);
+      for (auto& e : x) e = nd(rng) * sc;
+      if (rep % 7 == 1) std::fill(x.begin(), x.end(), 0.0f);
+      if (rep % 7 == 2) {  // ties: multiples of half the scale the row gets
+        for (int i = 0; i < d; ++i) x[i] = static_cast<float>(i % 9 - 4) * 0.5f * sc;
+      }
+      if (rep % 7 == 3) x[rep % d] = std::numeric_limits<float>::quiet_NaN();
+      if (rep % 7 == 4) x[rep % d] = -std::numeric_limits<float>::infinity();
+      if (rep % 7 == 5) x[rep % d] = -0.0f;
+      std::vector<uint8_t> ca(static_cast<size_t>(d)), cb(static_cast<size_t>(d));
+      uint8_t ma[2], mb[2];
+      int8_encode_row(x.data(), d, ca.data(), ma);
+      set_isa_override(Isa::kScalar);
+      int8_encode_row(x.data(), d, cb.data(), mb);
+      set_isa_override(Isa::kAvx512);  // clamped back to what the CPU has
+      ASSERT_EQ(0, std::memcmp(ma, mb, 2)) << "d " << d << " rep " << rep;
+      ASSERT_EQ(0, std::memcmp(ca.data(), cb.data(), ca.size())) << "d " << d << " rep " << rep;
+    }
+  }
+}
+
 TEST(AsymQuantFit, Avx2MatchesScalarBitForBit) {
   if (!cpu_features().avx2 || !cpu_features().fma) GTEST_SKIP() << "no AVX2/FMA";
   std::mt19937 rng(9);

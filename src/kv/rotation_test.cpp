@@ -89,7 +89,7 @@ TEST(Rotation, SimdEqualsScalarBitForBit) {
   if (best_isa() < Isa::kAvx2) GTEST_SKIP() << "no AVX2 on this CPU";
   std::mt19937 rng(5);
   std::normal_distribution<float> nd(0.0f, 3.0f);
-  for (int d : {2, 4, 8, 16, 64, 256}) {
+  for (int d : {2, 4, 8, 16, 32, 64, 128, 256, 1024}) {
     std::vector<float> x(static_cast<size_t>(d) * 7);
     for (auto& e : x) e = nd(rng);
     std::vector<float> a = x, b = x;
@@ -98,6 +98,13 @@ TEST(Rotation, SimdEqualsScalarBitForBit) {
     hadamard_rotate(b.data(), 7, d);
     set_isa_override(Isa::kAvx512);  // clamped back to what the CPU has
     EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << d;
+    a = x;
+    b = x;
+    hadamard_unrotate(a.data(), 7, d);
+    set_isa_override(Isa::kScalar);
+    hadamard_unrotate(b.data(), 7, d);
+    set_isa_override(Isa::kAvx512);
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "unrotate " << d;
   }
 }
 
