@@ -763,14 +763,22 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
       v4 ? pv_fn<KvDtype::kInt4>(g / n_sub + 1) : pv_fn<KvDtype::kInt8>(g / n_sub + 1)};
   int cur = 0;
   thread_local LinePrefetch pf;  // 66 KiB: not on the stack
-  // The first chunk's lines are requested before the queries are packed,
+  // Prefetch distance in (chunk, KV head) units: enough units that about
+  // 8 KiB of K/V is in flight (int8 K and V at d = 64: one unit of 8.4 KiB;
+  // int4: two of 5 KiB), at most the tile's heads (the next chunk's slots
+  // are the only ones computed ahead).
+  const int unit_bytes = kChunk * (k_row_bytes + v_row_bytes + 2 * (n_kfields + n_vfields));
+  const int ahead = std::clamp((8192 + unit_bytes - 1) / unit_bytes, 1, a.n_heads);
+  // The first units' lines are requested before the queries are packed,
   // so that the packing overlaps their latency.
   if (t_begin < t_end) {
     const int n0 = std::min<int32_t>(kChunk, t_end - t_begin);
     chunk_slots(a, t_begin, n0, base[0], slot[0]);
     pf.clear();
-    pf.add(a, a.k, 0, base[0], slot[0], n0, k_row_bytes);
-    pf.add(a, a.v, 0, base[0], slot[0], n0, v_row_bytes);
+    for (int hh = 0; hh < ahead; ++hh) {
+      pf.add(a, a.k, hh, base[0], slot[0], n0, k_row_bytes);
+      pf.add(a, a.v, hh, base[0], slot[0], n0, v_row_bytes);
+    }
     pf.flush();
   }
   for (int h = 0; h < n_vec; ++h) {
@@ -795,25 +803,26 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
     if (nn > 0) chunk_slots(a, c1, nn, base[nxt], slot[nxt]);
     for (int hh = 0; hh < a.n_heads; ++hh) {
       const int64_t koff = hh * a.k.head_stride, voff = hh * a.v.head_stride;
-      // Prefetch distance: one (chunk, KV head) unit, as in the f16 kernel.
-      // While KV head hh of this chunk is computed, head hh + 1 of it (or
-      // head 0 of the next chunk) is requested, a share per step (one step
-      // per 16 keys of q . K and per key pair of p . V, per sub-group): the
-      // lines in flight stay in L1 beside the unit in use. A whole chunk of
-      // every head ahead (this kernel's earlier distance) measured int8 at
-      // 0.64 of f16's time at 32K against 0.60 with this one (int4 about
-      // the same). Tried and slower still: prefetching each row from the
-      // chunk's row pointers instead of this list (a chunk or a unit
-      // ahead), and software-pipelining q . K of the next unit
-      // before p . V of this one (benchmarks.md, "VNNI kernel, session 14").
+      // Prefetch distance: `ahead` (chunk, KV head) units. While KV head hh
+      // of this chunk is computed, head hh + ahead of it (or of the next
+      // chunk) is requested, a share per step (one step per 16 keys of
+      // q . K and per key pair of p . V, per sub-group): the lines in flight
+      // stay in L1 beside the unit in use. A whole chunk of every head ahead
+      // (this kernel's earlier distance) measured int8 at 0.64 of f16's time
+      // at 32K against 0.60 with one unit; int4's unit is 5 KiB, too little
+      // in flight to cover the memory latency at the stream rate, so it runs
+      // two units ahead (benchmarks.md, session 15). Tried and slower: prefetching each
+      // row from the chunk's row pointers instead of this list (a chunk or a
+      // unit ahead), and software-pipelining q . K of the next unit before
+      // p . V of this one (benchmarks.md, "VNNI kernel, session 14").
       pf.flush();
       pf.clear();
-      if (hh + 1 < a.n_heads) {
-        pf.add(a, a.k, hh + 1, base[cur], slot[cur], n, k_row_bytes);
-        pf.add(a, a.v, hh + 1, base[cur], slot[cur], n, v_row_bytes);
+      if (hh + ahead < a.n_heads) {
+        pf.add(a, a.k, hh + ahead, base[cur], slot[cur], n, k_row_bytes);
+        pf.add(a, a.v, hh + ahead, base[cur], slot[cur], n, v_row_bytes);
       } else if (nn > 0) {
-        pf.add(a, a.k, 0, base[nxt], slot[nxt], nn, k_row_bytes);
-        pf.add(a, a.v, 0, base[nxt], slot[nxt], nn, v_row_bytes);
+        pf.add(a, a.k, hh + ahead - a.n_heads, base[nxt], slot[nxt], nn, k_row_bytes);
+        pf.add(a, a.v, hh + ahead - a.n_heads, base[nxt], slot[nxt], nn, v_row_bytes);
       }
       const int n_steps = n_sub * ((n + 15) / 16 + (n + 1) / 2);
       const int per_step = pf.pace(n_steps);
