@@ -89,10 +89,15 @@ inline int32_t load_i32(const void* p) {
   return v;
 }
 
-// Software prefetch of the next chunk's K/V lines, spread over the current
-// chunk's work as the AVX2 kernel's KvPrefetch does (a burst of tens of
+// Software prefetch of the next unit's K/V lines, spread over the current
+// unit's work as the AVX2 kernel's KvPrefetch does (a burst of tens of
 // prefetches fills the miss buffers and the kernel stalls behind them):
-// add() queues lines, step(k) issues the next k, flush() the rest.
+// add() queues lines, pace(steps) pads the queue so that `steps` steps of
+// the returned count each read queued (or padding) entries, step(k) issues
+// the next k, flush() the queued rest. The hot loops (p . V) issue their
+// share from a local cursor (cursor(), advance()): no member stores and no
+// bound check per line, which in session 14's build cost the p . V pair loop
+// a store per line and a copy of all its accumulators per key pair.
 class LinePrefetch {
  public:
   void clear() {
@@ -102,8 +107,8 @@ class LinePrefetch {
   // Queues the rows and metadata of the chunk's positions (base, slot) in
   // one stream of KV head hh: one range per stretch of consecutive slots of
   // a block.
-  void add(const TileArgs& a, const HeadStream& s, int hh, const int64_t* base, const int32_t* slot,
-           int n, int row_bytes) {
+  KV_AVX512 void add(const TileArgs& a, const HeadStream& s, int hh, const int64_t* base,
+                     const int32_t* slot, int n, int row_bytes) {
     const uint8_t* data = s.data + hh * s.head_stride;
     const uint8_t* meta = s.meta + hh * s.meta_head_stride;
     for (int j0 = 0; j0 < n;) {
@@ -115,25 +120,49 @@ class LinePrefetch {
       j0 = j1;
     }
   }
-  KV_AVX512 void step(int k) {
-    const int end = std::min(n_, next_ + k);
-    for (; next_ < end; ++next_) _mm_prefetch(lines_[next_], _MM_HINT_T0);
+  // Lines per step for `steps` steps over the queue (>= 1 step), the queue
+  // padded with a dummy line up to steps * that count.
+  int pace(int steps) {
+    KV_CHECK(steps >= 1 && steps <= kMaxPad, "LinePrefetch: too many steps per unit");
+    const int per = (queued() + steps - 1) / steps;
+    for (int i = n_; i < next_ + steps * per; ++i) lines_[i] = dummy_;
+    return per;
   }
-  KV_AVX512 void flush() { step(n_); }
-  int queued() const { return n_ - next_; }
+  KV_AVX512 void step(int k) {
+    for (int t = 0; t < k; ++t) _mm_prefetch(lines_[next_ + t], _MM_HINT_T0);
+    next_ += k;
+  }
+  const char* const* cursor() const { return lines_ + next_; }
+  void advance(const char* const* p) { next_ = static_cast<int>(p - lines_); }
+  KV_AVX512 void flush() {
+    for (; next_ < n_; ++next_) _mm_prefetch(lines_[next_], _MM_HINT_T0);
+  }
+  int queued() const { return std::max(0, n_ - next_); }
 
  private:
-  void push(const uint8_t* p, const uint8_t* end) {
-    for (auto x = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
-         x < reinterpret_cast<uintptr_t>(end) && n_ < kMaxLines; x += 64) {
-      lines_[n_++] = reinterpret_cast<const char*>(x);
+  // The 64-byte lines of [p, end), eight pointers per vector store.
+  KV_AVX512 void push(const uint8_t* p, const uint8_t* end) {
+    const auto x = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+    const auto e = reinterpret_cast<uintptr_t>(end);
+    if (e <= x) return;
+    const int nl = std::min(static_cast<int>((e - x + 63) / 64), kMaxLines - n_);
+    __m512i v = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(x)),
+                                 _mm512_setr_epi64(0, 64, 128, 192, 256, 320, 384, 448));
+    for (int i = 0; i < nl; i += 8) {
+      const __mmask8 k = nl - i >= 8 ? 0xFF : static_cast<__mmask8>((1u << (nl - i)) - 1);
+      _mm512_mask_storeu_epi64(lines_ + n_ + i, k, v);
+      v = _mm512_add_epi64(v, _mm512_set1_epi64(512));
     }
+    n_ += nl;
   }
   // K and V of one chunk of 8 KV heads: 2 x 32 rows of at most 4 lines
   // (int8, d = 256) and each stretch's metadata lines; lines past it (more
-  // heads) are not prefetched.
+  // heads) are not prefetched. Then the padding of pace(): fewer than one
+  // entry per step.
   static constexpr int kMaxLines = 8 * (2 * kChunk * 4 + 4 * kChunk);
-  const char* lines_[kMaxLines];
+  static constexpr int kMaxPad = 64 * (kChunk / 16 + kChunk / 2);
+  alignas(64) static inline const char dummy_[64] = {};
+  const char* lines_[kMaxLines + kMaxPad];
   int n_ = 0;
   int next_ = 0;
 };
@@ -482,6 +511,16 @@ KV_AVX512 inline void round_weights(const __m512* wv, int16_t* wq, float* ws) {
   *ws = _mm512_cvtss_f32(mxv) * (1.0f / 32767.0f);
 }
 
+// acc + the int16 pair products of a and b (vpdpwssd) in place. GCC 12
+// does not keep the intrinsic's accumulator in its register across the p . V
+// pair loop: it kept two copies of all SG x 4 accumulators and moved every
+// one of them per key pair (24 extra moves per pair on 3 query vectors);
+// the tied operand of the asm keeps each in one register.
+KV_AVX512 inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
 // Byte-permute indices that pair two keys' V codes as int16 words for
 // vpdpwssd: dword i of the result holds (code e of key j, code e of key
 // j + 1) for 16 consecutive elements e, in element order. vpermt2b picks
@@ -511,7 +550,8 @@ KV_AVX512 inline __m512i pair_index(int sel) {
 // (k < 4), each of which feeds SG vpdpwssd against the pair's weights.
 template <KvDtype F, int SG>
 KV_AVX512 void pv_chunk(const ChunkWeights* cw, const uint8_t* const* vp, int64_t voff, int n,
-                        const float* alpha, float* acc, int d, LinePrefetch* pf, int per_step) {
+                        const float* alpha, float* acc, int d, const char* const* pf,
+                        int per_step) {
   const int n2 = (n + 1) / 2 * 2;
   constexpr bool k4 = F == KvDtype::kInt4;
   constexpr __mmask64 kWordMask = k4 ? 0x5555555555555555ull : 0xAAAAAAAAAAAAAAAAull;
@@ -520,14 +560,20 @@ KV_AVX512 void pv_chunk(const ChunkWeights* cw, const uint8_t* const* vp, int64_
   for (int s = 0; s < (k4 ? 2 : 4); ++s) ix[s] = pair_index<F>(s);
   const __m512i nib = _mm512_set1_epi16(0x0f);
   for (int b = 0; b < d / 64; ++b) {
-    __m512i ia[SG][4];  // ia[h][k]: elements 64 b + 16 k + (0..15)
+    const int ps = b == 0 ? per_step : 0;  // prefetches per key pair (first block only)
+    __m512i ia[SG][4];                     // ia[h][k]: elements 64 b + 16 k + (0..15)
 #pragma GCC unroll 4
     for (int h = 0; h < SG; ++h) {
 #pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) ia[h][k] = _mm512_setzero_si512();
     }
-    for (int j = 0; j < n2; j += 2) {
-      if (b == 0) pf->step(per_step);
+    // A do-while (n >= 1): with a loop that may run zero times GCC 12 kept
+    // two register copies of the accumulators and moved all SG x 4 of them
+    // every key pair.
+    int j = 0;
+    do {
+      for (int t = 0; t < ps; ++t) _mm_prefetch(pf[t], _MM_HINT_T0);
+      pf += ps;
       __m512i v[4];
       if constexpr (k4) {
         const __m512i x = _mm512_castsi256_si512(
@@ -553,12 +599,13 @@ KV_AVX512 void pv_chunk(const ChunkWeights* cw, const uint8_t* const* vp, int64_
         // int8 V: one weight per key; int4: group 2b for k < 2, 2b + 1 after.
         const __m512i w0 = _mm512_set1_epi32(load_i32(&cw[h].wq[k4 ? 2 * b : 0][j]));
         const __m512i w1 = k4 ? _mm512_set1_epi32(load_i32(&cw[h].wq[2 * b + 1][j])) : w0;
-        ia[h][0] = _mm512_dpwssd_epi32(ia[h][0], v[0], w0);
-        ia[h][1] = _mm512_dpwssd_epi32(ia[h][1], v[1], w0);
-        ia[h][2] = _mm512_dpwssd_epi32(ia[h][2], v[2], w1);
-        ia[h][3] = _mm512_dpwssd_epi32(ia[h][3], v[3], w1);
+        ia[h][0] = dpwssd(ia[h][0], v[0], w0);
+        ia[h][1] = dpwssd(ia[h][1], v[1], w0);
+        ia[h][2] = dpwssd(ia[h][2], v[2], w1);
+        ia[h][3] = dpwssd(ia[h][3], v[3], w1);
       }
-    }
+      j += 2;
+    } while (j < n2);
     // Back to float, scaled once per chunk and group.
 #pragma GCC unroll 4
     for (int h = 0; h < SG; ++h) {
@@ -606,7 +653,7 @@ KV_AVX512 void chunk_weights(const float* p, const ChunkMeta* vm, int d, ChunkWe
 using QkFn = void (*)(const PackedQuery*, int, const uint8_t* const*, int64_t, const ChunkMeta*,
                       int, float*);
 using PvFn = void (*)(const ChunkWeights*, const uint8_t* const*, int64_t, int, const float*,
-                      float*, int, LinePrefetch*, int);
+                      float*, int, const char* const*, int);
 
 template <KvDtype F>
 QkFn qk_fn(int sg) {
@@ -715,15 +762,23 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
       v4 ? pv_fn<KvDtype::kInt4>(g / n_sub) : pv_fn<KvDtype::kInt8>(g / n_sub),
       v4 ? pv_fn<KvDtype::kInt4>(g / n_sub + 1) : pv_fn<KvDtype::kInt8>(g / n_sub + 1)};
   int cur = 0;
-  thread_local LinePrefetch pf;  // 24 KiB: not on the stack
-  // The first chunk's lines are requested before the queries are packed,
+  thread_local LinePrefetch pf;  // 66 KiB: not on the stack
+  // Prefetch distance in (chunk, KV head) units: enough units that about
+  // 8 KiB of K/V is in flight (int8 K and V at d = 64: one unit of 8.4 KiB;
+  // int4: two of 5 KiB), at most the tile's heads (the next chunk's slots
+  // are the only ones computed ahead).
+  const int unit_bytes = kChunk * (k_row_bytes + v_row_bytes + 2 * (n_kfields + n_vfields));
+  const int ahead = std::clamp((8192 + unit_bytes - 1) / unit_bytes, 1, a.n_heads);
+  // The first units' lines are requested before the queries are packed,
   // so that the packing overlaps their latency.
   if (t_begin < t_end) {
     const int n0 = std::min<int32_t>(kChunk, t_end - t_begin);
     chunk_slots(a, t_begin, n0, base[0], slot[0]);
     pf.clear();
-    pf.add(a, a.k, 0, base[0], slot[0], n0, k_row_bytes);
-    pf.add(a, a.v, 0, base[0], slot[0], n0, v_row_bytes);
+    for (int hh = 0; hh < ahead; ++hh) {
+      pf.add(a, a.k, hh, base[0], slot[0], n0, k_row_bytes);
+      pf.add(a, a.v, hh, base[0], slot[0], n0, v_row_bytes);
+    }
     pf.flush();
   }
   for (int h = 0; h < n_vec; ++h) {
@@ -748,28 +803,29 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
     if (nn > 0) chunk_slots(a, c1, nn, base[nxt], slot[nxt]);
     for (int hh = 0; hh < a.n_heads; ++hh) {
       const int64_t koff = hh * a.k.head_stride, voff = hh * a.v.head_stride;
-      // Prefetch distance: one (chunk, KV head) unit, as in the f16 kernel.
-      // While KV head hh of this chunk is computed, head hh + 1 of it (or
-      // head 0 of the next chunk) is requested, a share per step (one step
-      // per 16 keys of q . K and per key pair of p . V, per sub-group): the
-      // lines in flight stay in L1 beside the unit in use. A whole chunk of
-      // every head ahead (this kernel's earlier distance) measured int8 at
-      // 0.64 of f16's time at 32K against 0.60 with this one (int4 about
-      // the same). Tried and slower still: prefetching each row from the
-      // chunk's row pointers instead of this list (a chunk or a unit
-      // ahead), and software-pipelining q . K of the next unit
-      // before p . V of this one (benchmarks.md, "VNNI kernel, session 14").
+      // Prefetch distance: `ahead` (chunk, KV head) units. While KV head hh
+      // of this chunk is computed, head hh + ahead of it (or of the next
+      // chunk) is requested, a share per step (one step per 16 keys of
+      // q . K and per key pair of p . V, per sub-group): the lines in flight
+      // stay in L1 beside the unit in use. A whole chunk of every head ahead
+      // (this kernel's earlier distance) measured int8 at 0.64 of f16's time
+      // at 32K against 0.60 with one unit; int4's unit is 5 KiB, too little
+      // in flight to cover the memory latency at the stream rate, so it runs
+      // two units ahead (benchmarks.md, session 15). Tried and slower: prefetching each
+      // row from the chunk's row pointers instead of this list (a chunk or a
+      // unit ahead), and software-pipelining q . K of the next unit before
+      // p . V of this one (benchmarks.md, "VNNI kernel, session 14").
       pf.flush();
       pf.clear();
-      if (hh + 1 < a.n_heads) {
-        pf.add(a, a.k, hh + 1, base[cur], slot[cur], n, k_row_bytes);
-        pf.add(a, a.v, hh + 1, base[cur], slot[cur], n, v_row_bytes);
+      if (hh + ahead < a.n_heads) {
+        pf.add(a, a.k, hh + ahead, base[cur], slot[cur], n, k_row_bytes);
+        pf.add(a, a.v, hh + ahead, base[cur], slot[cur], n, v_row_bytes);
       } else if (nn > 0) {
-        pf.add(a, a.k, 0, base[nxt], slot[nxt], nn, k_row_bytes);
-        pf.add(a, a.v, 0, base[nxt], slot[nxt], nn, v_row_bytes);
+        pf.add(a, a.k, hh + ahead - a.n_heads, base[nxt], slot[nxt], nn, k_row_bytes);
+        pf.add(a, a.v, hh + ahead - a.n_heads, base[nxt], slot[nxt], nn, v_row_bytes);
       }
       const int n_steps = n_sub * ((n + 15) / 16 + (n + 1) / 2);
-      const int per_step = (pf.queued() + n_steps - 1) / n_steps;
+      const int per_step = pf.pace(n_steps);
       gather_meta(km, hh * a.k.meta_head_stride, n, n_kfields, &kmeta);
       const int v0 = hh * g;
       for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
@@ -806,8 +862,9 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
             chunk_weights<KvDtype::kInt8>(s + (h0 + x) * kChunk, &vmeta, d, cw + x);
           }
         }
-        pv_sub[big](cw, vp, voff, n, alpha + h0, acc + static_cast<size_t>(h0) * d, d, &pf,
+        pv_sub[big](cw, vp, voff, n, alpha + h0, acc + static_cast<size_t>(h0) * d, d, pf.cursor(),
                     per_step);
+        pf.advance(pf.cursor() + (n + 1) / 2 * per_step);
         if (v4) {
           for (int x = 0; x < sg; ++x) {
             float* wm = wmin + (h0 + x) * ng * 16;
