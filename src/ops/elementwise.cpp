@@ -10,6 +10,12 @@
 #include "ops/simd_avx2.h"
 
 #if defined(__x86_64__)
+// GCC 12's AVX-512 intrinsics pass _mm512_undefined_*() as the merge source
+// of unmasked operations, which -Wmaybe-uninitialized reports inside the
+// system header (GCC bug 105593); the values are never read.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 // SIMD functions opt in per function (the build baseline is generic x86-64).
 #define KV_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -266,8 +272,71 @@ int64_t argmax(const float* x, int64_t n) {
   return std::max_element(x, x + n) - x;
 }
 
+#if defined(__x86_64__)
+namespace {
+
+#define KV_AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+// simd::exp8 on 16 lanes: the same operations in the same order (round to
+// nearest, the two-step reduction, the degree-7 Horner polynomial, the
+// split 2^k scaling, the overflow and underflow selects), so each lane's
+// bits are exp8's.
+KV_AVX512 inline __m512 exp16(__m512 x) {
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.4286068203094172e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512 kc = _mm512_min_ps(_mm512_max_ps(k, _mm512_set1_ps(-126.f)), _mm512_set1_ps(127.f));
+  const __m512 kr =
+      _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(k, kc), _mm512_set1_ps(-1.f)), _mm512_set1_ps(1.f));
+  const __m512i bias = _mm512_set1_epi32(127);
+  const __m512 s1 =
+      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(kc), bias), 23));
+  const __m512 s2 =
+      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(kr), bias), 23));
+  __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72f), _CMP_GT_OQ), y,
+                           _mm512_set1_ps(INFINITY));
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33f), _CMP_LT_OQ), y,
+                           _mm512_setzero_ps());
+  return y;
+}
+
+KV_AVX512 inline __m512 swiglu16(__m512 g, __m512 u) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
+}
+
+// swiglu_avx2 on 16 lanes (the same bits per element); the tail is one
+// masked 16-lane step.
+KV_AVX512 void swiglu_avx512(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(out + i, swiglu16(_mm512_loadu_ps(gate + i), _mm512_loadu_ps(up + i)));
+  }
+  if (i < n) {
+    const auto m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(
+        out + i, m, swiglu16(_mm512_maskz_loadu_ps(m, gate + i), _mm512_maskz_loadu_ps(m, up + i)));
+  }
+}
+
+}  // namespace
+#endif
+
 void swiglu(const float* gate, const float* up, float* out, int64_t n) {
 #if defined(__x86_64__)
+  if (best_isa() >= Isa::kAvx512 && cpu_features().avx512f) {
+    return swiglu_avx512(gate, up, out, n);
+  }
   if (best_isa() >= Isa::kAvx2) return swiglu_avx2(gate, up, out, n);
 #endif
   swiglu_scalar(gate, up, out, n);

@@ -267,6 +267,32 @@ TEST(Elementwise, SwigluWideRangeAndPositionIndependent) {
   }
 }
 
+// The AVX-512 SwiGLU against the AVX2 one (ISA override): the same bits for
+// every element, over the whole range, the exp overflow/underflow corners,
+// NaN and infinities, at lengths with and without a tail.
+TEST(Elementwise, SwigluAvx512MatchesAvx2BitForBit) {
+  if (!cpu_features().avx512f || best_isa() < Isa::kAvx512) {
+    GTEST_SKIP() << "no AVX-512F on this CPU";
+  }
+  std::vector<float> g;
+  for (float v = -100.f; v <= 100.f; v += 0.0137f) g.push_back(v);
+  for (float v : {-88.72f, -88.71f, -88.5f, -88.38f, -88.3f, -87.33f, -87.34f, 87.3f, 87.4f, 88.72f,
+                  88.73f, 0.f, -0.f, 1e-20f, -1e-40f, INFINITY, -INFINITY, NAN}) {
+    g.push_back(v);
+  }
+  const auto u = randn(g.size(), 11);
+  for (int64_t n : {std::ssize(g), std::ssize(g) - 5, int64_t{15}, int64_t{16}, int64_t{1}}) {
+    std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(n));
+    const int64_t off = std::ssize(g) - n;  // the corner values sit at the end
+    swiglu(g.data() + off, u.data() + off, a.data(), n);
+    {
+      IsaOverride avx2(Isa::kAvx2);
+      swiglu(g.data() + off, u.data() + off, b.data(), n);
+    }
+    ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "n " << n;
+  }
+}
+
 // Batch invariance: a token's row gives the same bits alone or inside a batch
 // of any size at any position (rms_norm, rope and the element-wise ops have no
 // reduction across rows).

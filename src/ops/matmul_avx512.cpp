@@ -17,7 +17,7 @@
 // row count, row position, column split or thread count (batch invariant).
 //
 // A group's transposed blocks (a "panel") are built once per block of up to
-// kRowBlock activation rows and reused by every row; fewer than 4 rows
+// kLegacyRowBlock activation rows and reused by every row; fewer than 4 rows
 // (decode) skip the panel and reduce per-column partial sums instead
 // (decode_rows), which gives the same integers.
 #include <algorithm>
@@ -46,8 +46,14 @@
 namespace kvstack::ops_detail {
 namespace {
 
-constexpr int64_t kRowBlock = 64;  // activation rows per panel (their Q8 data stays in L2)
-constexpr int kCols = 16;          // columns per group (zmm lanes)
+constexpr int64_t kRowBlock =
+    64;  // activation rows per k-quant panel (their Q8_K data stays in L2)
+// Activation rows per legacy-format panel: 256 rows of Q8 data are 144-384
+// KB for SmolLM2's 576 and 1536-element rows, still in the 1 MB L2, and a
+// 512-token prefill chunk builds each panel twice instead of 8 times
+// (m = 512: 5-7% faster than 64 rows on one core; m <= 64 unchanged).
+constexpr int64_t kLegacyRowBlock = 256;
+constexpr int kCols = 16;  // columns per group (zmm lanes)
 
 // One 32-block of a 16-column group: the transposed quants and per-column
 // scales (f32), aligned for full-width loads. Plain arrays (not vector types) so that code outside
@@ -578,32 +584,23 @@ PanelBlock* panel_buffer(int64_t nb) {
   return buf.data();
 }
 
+// The panel path of legacy_kernel (4 or more rows). Kept out of line: inlined
+// into legacy_kernel next to the one-row loops, it cost those loops 7-14%
+// (ops_bench BM_MatmulModel m:1, 1 thread), through the shared function's
+// register allocation.
 template <class F>
-KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t c0, int64_t c1,
-                             float* y, int64_t ldy) {
+__attribute__((noinline)) KV_AVX512 void legacy_panels(const WeightView& w, const PreparedAct& a,
+                                                       int64_t c0, int64_t c1, float* y,
+                                                       int64_t ldy) {
   const size_t row_bytes = ggml_row_bytes(w.type, w.n_in);
   const int64_t nb = a.n_in / kQK;
-  if (a.m < 4) {
-    switch (a.m) {
-      case 1:
-        decode_range<F, 1>(w, row_bytes, a, c0, c1, y, ldy);
-        break;
-      case 2:
-        decode_range<F, 2>(w, row_bytes, a, c0, c1, y, ldy);
-        break;
-      default:
-        decode_range<F, 3>(w, row_bytes, a, c0, c1, y, ldy);
-        break;
-    }
-    return;
-  }
   // Two or three panels (32 or 48 columns) at a time where the range has
   // them: the later groups' rows share the first's activation broadcasts
   // (panel_rows_n). A range of 3 groups runs as one triple; otherwise pairs,
   // then a last triple or a single panel for an odd count.
   PanelBlock* panel = panel_buffer(3 * nb);
-  for (int64_t rb = 0; rb < a.m; rb += kRowBlock) {
-    const int64_t rb_end = std::min(a.m, rb + kRowBlock);
+  for (int64_t rb = 0; rb < a.m; rb += kLegacyRowBlock) {
+    const int64_t rb_end = std::min(a.m, rb + kLegacyRowBlock);
     for (int64_t c = c0; c < c1;) {
       const int64_t groups_left = (c1 - c + kCols - 1) / kCols;
       const int np = groups_left == 3 ? 3 : std::min<int64_t>(groups_left, 2);
@@ -662,6 +659,24 @@ KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t 
       for (; r < rb_end; ++r) panel_rows<F, 1>(panel, nb, a, r, cmask, yc, ldy);
       c += kCols;
     }
+  }
+}
+
+template <class F>
+KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t c0, int64_t c1,
+                             float* y, int64_t ldy) {
+  if (a.m >= 4) return legacy_panels<F>(w, a, c0, c1, y, ldy);
+  const size_t row_bytes = ggml_row_bytes(w.type, w.n_in);
+  switch (a.m) {
+    case 1:
+      decode_range<F, 1>(w, row_bytes, a, c0, c1, y, ldy);
+      break;
+    case 2:
+      decode_range<F, 2>(w, row_bytes, a, c0, c1, y, ldy);
+      break;
+    default:
+      decode_range<F, 3>(w, row_bytes, a, c0, c1, y, ldy);
+      break;
   }
 }
 

@@ -631,8 +631,8 @@ TEST(Matmul, Avx512DecodeFullAndPartialGroupsBitIdentical) {
 // the rest one by one) and runs two or three panels at once where the range
 // has them: n_out = 16 (one panel), 48 (three at once), 64 (two pairs) and
 // 71 (a pair, then three with a partial group last), n_in of 4, 7 and 18
-// blocks, rows 4, 16 and 21, split over 0 and 3 threads; every output bit
-// equals the scalar reference's.
+// blocks, rows 4, 16 and 21, split over 0 and 3 threads, and 300 rows (two
+// row blocks); every output bit equals the scalar reference's.
 TEST(Matmul, Avx512PanelFullAndPartialGroupsBitIdentical) {
   if (const char* miss = missing_avx512_vnni()) GTEST_SKIP() << "CPU lacks " << miss;
   uint32_t seed = 700;
@@ -655,6 +655,14 @@ TEST(Matmul, Avx512PanelFullAndPartialGroupsBitIdentical) {
         }
       }
     }
+    // 300 rows: past the first 256-row block, whose panels are rebuilt.
+    SCOPED_TRACE(std::string(ggml_type_traits(static_cast<uint32_t>(type))->name) + " m=300");
+    const int64_t m = 300, n_in = 32 * 7, n_out = 48;
+    const auto w = random_weights(type, n_in, n_out, ++seed);
+    const auto x = random_acts(m * n_in, ++seed);
+    const auto ref = run_matmul(type, w, n_in, n_out, x, m, Isa::kScalar, 0);
+    const auto y = run_matmul(type, w, n_in, n_out, x, m, Isa::kAvx512, 0);
+    ASSERT_EQ(first_bit_mismatch(y.data(), ref.data(), std::ssize(y)), -1);
   }
 }
 
