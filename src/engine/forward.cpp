@@ -49,6 +49,21 @@ void for_row_chunks(ThreadPool& pool, int64_t n, int64_t row_work, const Fn& fn)
   });
 }
 
+// The residual pass after attention and after the feed-forward block, per
+// row of [n_tok, n_embd]: h through post_norm where the model has one, then
+// x += h, then h = norm(x) when norm is given (the next norm fused in).
+void residual_add_norm(ThreadPool& pool, int64_t n_tok, const ModelConfig& c, float* x, float* h,
+                       const float* post_norm, const float* norm) {
+  for_row_chunks(pool, n_tok, c.n_embd, [&](int64_t r0, int64_t r1) {
+    const int64_t n = r1 - r0;
+    float* xr = x + r0 * c.n_embd;
+    float* hr = h + r0 * c.n_embd;
+    if (post_norm != nullptr) rms_norm(hr, post_norm, n, c.n_embd, c.norm_eps, hr);
+    add(xr, hr, xr, n * c.n_embd);
+    if (norm != nullptr) rms_norm(xr, norm, n, c.n_embd, c.norm_eps, hr);
+  });
+}
+
 }  // namespace
 
 Forward::Forward(const Model& model, ThreadPool& threads, KvRotation rotation)
@@ -393,14 +408,7 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
 
   matmul(w.wo, attn_.data(), n_tok, h_.data(), &threads_);
   // Residual add and the feed-forward norm, per row.
-  for_row_chunks(threads_, n_tok, c.n_embd, [&](int64_t r0, int64_t r1) {
-    const int64_t n = r1 - r0;
-    float* xr = x_.data() + r0 * c.n_embd;
-    float* hr = h_.data() + r0 * c.n_embd;
-    if (w.attn_post_norm != nullptr) rms_norm(hr, w.attn_post_norm, n, c.n_embd, c.norm_eps, hr);
-    add(xr, hr, xr, n * c.n_embd);
-    rms_norm(xr, w.ffn_norm, n, c.n_embd, c.norm_eps, hr);
-  });
+  residual_add_norm(threads_, n_tok, c, x_.data(), h_.data(), w.attn_post_norm, w.ffn_norm);
   if (deepseek2_ && c.is_moe_layer(l)) {
     // Routed + shared experts into attn_ (free here; sized for it).
     deepseek2_->moe(l, h_.data(), n_tok, attn_.data());
@@ -424,14 +432,8 @@ Status Forward::layer(int l, std::span<const StepSeq> batch, int64_t n_tok) {
   matmul(w.w_down, gate_.data(), n_tok, h_.data(), &threads_);
   // Residual add, and the next layer's attention norm in the same pass.
   const LayerWeights* next = l + 1 < c.n_layers ? &model_.layers()[l + 1] : nullptr;
-  for_row_chunks(threads_, n_tok, c.n_embd, [&](int64_t r0, int64_t r1) {
-    const int64_t n = r1 - r0;
-    float* xr = x_.data() + r0 * c.n_embd;
-    float* hr = h_.data() + r0 * c.n_embd;
-    if (w.ffn_post_norm != nullptr) rms_norm(hr, w.ffn_post_norm, n, c.n_embd, c.norm_eps, hr);
-    add(xr, hr, xr, n * c.n_embd);
-    if (next != nullptr) rms_norm(xr, next->attn_norm, n, c.n_embd, c.norm_eps, hr);
-  });
+  residual_add_norm(threads_, n_tok, c, x_.data(), h_.data(), w.ffn_post_norm,
+                    next != nullptr ? next->attn_norm : nullptr);
   attn_normed_ = next != nullptr;
   return {};
 }
