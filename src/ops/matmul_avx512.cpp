@@ -46,12 +46,14 @@
 namespace kvstack::ops_detail {
 namespace {
 
-constexpr int64_t kRowBlock =
-    64;  // activation rows per k-quant panel (their Q8_K data stays in L2)
-// Activation rows per legacy-format panel: 256 rows of Q8 data are 144-384
-// KB for SmolLM2's 576 and 1536-element rows, still in the 1 MB L2, and a
-// 512-token prefill chunk builds each panel twice instead of 8 times
-// (m = 512: 5-7% faster than 64 rows on one core; m <= 64 unchanged).
+// Activation rows per k-quant panel (their Q8_K data stays in L2).
+constexpr int64_t kRowBlock = 64;
+// Activation rows per legacy-format panel: 256 rows of Q8_0 data are 157-418
+// KB for SmolLM2's 576- and 1536-element rows, within a 1 MB L2, and a
+// 512-token prefill chunk builds each panel twice instead of 8 times. SmolLM2
+// prefill of 512 tokens against 64 rows: 5-7% faster on one core (AMD host,
+// session 15, under load), +2% in medians of 6 alternated rounds on 1 and 2
+// threads (Intel host, session 16, within its noise); m <= 64 unchanged.
 constexpr int64_t kLegacyRowBlock = 256;
 constexpr int kCols = 16;  // columns per group (zmm lanes)
 
