@@ -92,8 +92,8 @@ inline int32_t load_i32(const void* p) {
 // Software prefetch of the next unit's K/V lines, spread over the current
 // unit's work as the AVX2 kernel's KvPrefetch does (a burst of tens of
 // prefetches fills the miss buffers and the kernel stalls behind them):
-// add() queues lines, pace(steps) pads the queue so that `steps` steps of
-// the returned count each read queued (or padding) entries, step(k) issues
+// add() queues lines, pace(heavy, light) pads the queue so that the steps,
+// each with its returned count, read queued (or padding) entries, step(k) issues
 // the next k, flush() the queued rest. The hot loops (p . V) issue their
 // share from a local cursor (cursor(), advance()): no member stores and no
 // bound check per line, which in session 14's build cost the p . V pair loop
@@ -120,13 +120,26 @@ class LinePrefetch {
       j0 = j1;
     }
   }
-  // Lines per step for `steps` steps over the queue (>= 1 step), the queue
-  // padded with a dummy line up to steps * that count.
-  int pace(int steps) {
-    KV_CHECK(steps >= 1 && steps <= kMaxPad, "LinePrefetch: too many steps per unit");
-    const int per = (queued() + steps - 1) / steps;
-    for (int i = n_; i < next_ + steps * per; ++i) lines_[i] = dummy_;
-    return per;
+  // Lines per step over the queue for `heavy` steps (a q . K call on 16
+  // keys, a softmax or weight rounding of one query vector, a metadata
+  // gather) and `light` ones (a p . V key pair), a heavy step taking
+  // kHeavy times a light step's share; the queue padded with a dummy line
+  // up to the steps' total. Equal shares per step issued most lines in the
+  // short p . V steps, faster than the miss buffers drain (the prefetches
+  // stalled there) and left them idle over the rest of the unit
+  // (benchmarks.md, session 17).
+  struct Pace {
+    int heavy;
+    int light;
+  };
+  Pace pace(int heavy, int light) {
+    KV_CHECK(heavy >= 1 && light >= 0 && heavy * kHeavy + light <= kMaxPad,
+             "LinePrefetch: too many steps per unit");
+    const int slots = heavy * kHeavy + light;
+    const int per = (queued() + slots - 1) / slots;
+    const Pace p{kHeavy * per, per};
+    for (int i = n_; i < next_ + slots * per; ++i) lines_[i] = dummy_;
+    return p;
   }
   KV_AVX512 void step(int k) {
     for (int t = 0; t < k; ++t) _mm_prefetch(lines_[next_ + t], _MM_HINT_T0);
@@ -158,7 +171,8 @@ class LinePrefetch {
   // K and V of one chunk of 8 KV heads: 2 x 32 rows of at most 4 lines
   // (int8, d = 256) and each stretch's metadata lines; lines past it (more
   // heads) are not prefetched. Then the padding of pace(): fewer than one
-  // entry per step.
+  // entry per light-step slot.
+  static constexpr int kHeavy = 2;
   static constexpr int kMaxLines = 8 * (2 * kChunk * 4 + 4 * kChunk);
   static constexpr int kMaxPad = 64 * (kChunk / 16 + kChunk / 2);
   alignas(64) static inline const char dummy_[64] = {};
@@ -805,8 +819,9 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
       const int64_t koff = hh * a.k.head_stride, voff = hh * a.v.head_stride;
       // Prefetch distance: `ahead` (chunk, KV head) units. While KV head hh
       // of this chunk is computed, head hh + ahead of it (or of the next
-      // chunk) is requested, a share per step (one step per 16 keys of
-      // q . K and per key pair of p . V, per sub-group): the lines in flight
+      // chunk) is requested, a share per step (pace(): a double share per 16
+      // keys of q . K, per query vector's softmax and weights and per
+      // metadata gather, a single one per key pair of p . V): the lines in flight
       // stay in L1 beside the unit in use. A whole chunk of every head ahead
       // (this kernel's earlier distance) measured int8 at 0.64 of f16's time
       // at 32K against 0.60 with one unit; int4's unit is 5 KiB, too little
@@ -824,21 +839,24 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
         pf.add(a, a.k, hh + ahead - a.n_heads, base[nxt], slot[nxt], nn, k_row_bytes);
         pf.add(a, a.v, hh + ahead - a.n_heads, base[nxt], slot[nxt], nn, v_row_bytes);
       }
-      const int n_steps = n_sub * ((n + 15) / 16 + (n + 1) / 2);
-      const int per_step = pf.pace(n_steps);
+      const LinePrefetch::Pace pc =
+          pf.pace(n_sub * ((n + 15) / 16) + 2 + 2 * g, n_sub * ((n + 1) / 2));
+      pf.step(pc.heavy);
       gather_meta(km, hh * a.k.meta_head_stride, n, n_kfields, &kmeta);
       const int v0 = hh * g;
       for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
         const int big = sub < g % n_sub ? 1 : 0;
         const int sg = g / n_sub + big;
         for (int j0 = 0; j0 < n; j0 += 16) {
-          pf.step(per_step);
+          pf.step(pc.heavy);
           qk_sub[big](pq + h0, d, kp + j0, koff, &kmeta, j0, s + h0 * kChunk + j0);
         }
         h0 += sg;
       }
-      for (int h = v0; h < v0 + g; ++h)
+      for (int h = v0; h < v0 + g; ++h) {
+        pf.step(pc.heavy);
         alpha[h] = softmax_update(s + h * kChunk, n, m + h, lsum + h * 16);
+      }
       if (a.mass_p != nullptr) {  // H2O key mass: this chunk's p (0-padded) and max
         uint16_t* mp = a.mass_p + (c0 / kChunk) * a.mass_stride;
         for (int h = v0; h < v0 + g; ++h) {
@@ -851,11 +869,13 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
           a.mass_m[(c0 / kChunk) * a.mass_m_stride + h] = m[h];
         }
       }
+      pf.step(pc.heavy);
       gather_meta(vm, hh * a.v.meta_head_stride, n, n_vfields, &vmeta);
       for (int sub = 0, h0 = v0; sub < n_sub; ++sub) {
         const int big = sub < g % n_sub ? 1 : 0;
         const int sg = g / n_sub + big;
         for (int x = 0; x < sg; ++x) {
+          pf.step(pc.heavy);
           if (v4) {
             chunk_weights<KvDtype::kInt4>(s + (h0 + x) * kChunk, &vmeta, d, cw + x);
           } else {
@@ -863,8 +883,8 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
           }
         }
         pv_sub[big](cw, vp, voff, n, alpha + h0, acc + static_cast<size_t>(h0) * d, d, pf.cursor(),
-                    per_step);
-        pf.advance(pf.cursor() + (n + 1) / 2 * per_step);
+                    pc.light);
+        pf.advance(pf.cursor() + (n + 1) / 2 * pc.light);
         if (v4) {
           for (int x = 0; x < sg; ++x) {
             float* wm = wmin + (h0 + x) * ng * 16;
