@@ -128,6 +128,7 @@ class LinePrefetch {
   // short p . V steps, faster than the miss buffers drain (the prefetches
   // stalled there) and left them idle over the rest of the unit
   // (benchmarks.md, session 17).
+  static constexpr int kHeavy = 2;  // a heavy step's share, in light steps' shares
   struct Pace {
     int heavy;
     int light;
@@ -172,7 +173,6 @@ class LinePrefetch {
   // (int8, d = 256) and each stretch's metadata lines; lines past it (more
   // heads) are not prefetched. Then the padding of pace(): fewer than one
   // entry per light-step slot.
-  static constexpr int kHeavy = 2;
   static constexpr int kMaxLines = 8 * (2 * kChunk * 4 + 4 * kChunk);
   static constexpr int kMaxPad = 64 * (kChunk / 16 + kChunk / 2);
   alignas(64) static inline const char dummy_[64] = {};
@@ -839,8 +839,11 @@ KV_AVX512 void decode_tile_avx512_vnni(const TileArgs& a) {
         pf.add(a, a.k, hh + ahead - a.n_heads, base[nxt], slot[nxt], nn, k_row_bytes);
         pf.add(a, a.v, hh + ahead - a.n_heads, base[nxt], slot[nxt], nn, v_row_bytes);
       }
-      const LinePrefetch::Pace pc =
-          pf.pace(n_sub * ((n + 15) / 16) + 2 + 2 * g, n_sub * ((n + 1) / 2));
+      // The steps below: heavy, one per q . K call, the K and the V
+      // metadata gathers, and per query vector its softmax and its weights;
+      // light, one per p . V key pair and sub-group.
+      const int heavy_steps = n_sub * ((n + 15) / 16) + 2 + 2 * g;
+      const LinePrefetch::Pace pc = pf.pace(heavy_steps, n_sub * ((n + 1) / 2));
       pf.step(pc.heavy);
       gather_meta(km, hh * a.k.meta_head_stride, n, n_kfields, &kmeta);
       const int v0 = hh * g;
