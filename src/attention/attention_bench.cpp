@@ -9,9 +9,12 @@
 //   - f16:    paged f16 (only for fmt != f16), the quantized formats' yardstick;
 //   - memory: a streaming read of a buffer much larger than the LLC on the
 //             same pool and thread count (the machine's read bandwidth).
-// Each timed step starts with its KV out of cache (MemReader::evict first):
-// before session 14 a step followed another over the same blocks, so a
-// 12 MiB int8 context (and part of a 24 MiB f16 one) came from L3.
+// Each timed step starts with its KV out of every cache level (flush_lines
+// over its bytes): before session 14 a step followed another over the same
+// blocks, so a 12 MiB int8 context (and part of a 24 MiB f16 one) came from
+// L3, and until session 18 the eviction was a 64 MiB read, which a host
+// with a 480 MiB L3 (the Intel Xeon of session 18) did not evict: f16 at
+// 32K took 1.10 ms there instead of 1.46 ms from memory.
 // The reported time is the paged median; counters (medians of the runs):
 //   paged/contig   contiguous time / paged time (>= 0.9 is the target)
 //   kv_GB/s        KV bytes the step reads (codes + metadata) / paged time
@@ -34,6 +37,7 @@
 #include <immintrin.h>
 #include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -111,6 +115,7 @@ int64_t align64(int64_t x) {
 // one block as long as the context, so each head's K and V are one run each.
 struct KvSetup {
   Bytes pool;
+  size_t pool_bytes = 0;  // the bytes of `pool` the layout uses
   PagedKvLayerView view;
   std::vector<int32_t> table;
   int64_t payload_bytes = 0;  // K + V codes and metadata the step reads
@@ -124,7 +129,8 @@ KvSetup make_kv(const Shape& sh, KvDtype dtype, int ctx, bool paged) {
   PagedKvLayerView& v = s.view;
   if (paged) {
     const KvLayout layout = *KvLayout::uniform(1, sh.n_kv_heads, sh.head_dim, dtype, block_size);
-    s.pool = alloc_bytes(static_cast<size_t>(layout.block_bytes()) * n_blocks);
+    s.pool_bytes = static_cast<size_t>(layout.block_bytes()) * n_blocks;
+    s.pool = alloc_bytes(s.pool_bytes);
     v = layout.layer_view(0, s.pool.get());
   } else {
     const int64_t tile = geo.row_bytes * block_size;
@@ -138,7 +144,8 @@ KvSetup make_kv(const Shape& sh, KvDtype dtype, int ctx, bool paged) {
     v.slot_stride = geo.row_bytes;
     v.head_stride = 2 * tile;
     v.block_stride = data_bytes + (kv_dtype_is_quantized(dtype) ? 2 * meta_bytes : 0);
-    s.pool = alloc_bytes(static_cast<size_t>(v.block_stride) * n_blocks);
+    s.pool_bytes = static_cast<size_t>(v.block_stride) * n_blocks;
+    s.pool = alloc_bytes(s.pool_bytes);
     v.k = s.pool.get();
     v.v = s.pool.get() + tile;
     if (kv_dtype_is_quantized(dtype)) {
@@ -170,6 +177,27 @@ KvSetup make_kv(const Shape& sh, KvDtype dtype, int ctx, bool paged) {
   return s;
 }
 
+// Writes back and drops every cache line of [p, p + n) from every level,
+// so that the next step over them reads memory, whatever the size of the
+// LLC (clflush, in every x86-64 CPU; 24 MiB in ~13 ms on session 18's
+// host). Not clflushopt, 13x faster there: its invalidations were still
+// under way when the step began, and int8 at 32K measured 0.60x f16's time
+// after it against 0.50x after clflush, after clflushopt and a 5 ms wait,
+// and after a 1 GiB read.
+void flush_lines(const uint8_t* p, size_t n) {
+  for (size_t off = 0; off < n; off += 64) _mm_clflush(p + off);
+  _mm_mfence();
+}
+
+// The last-level cache's size as the OS reports it (glibc's sysconf), or
+// 32 MiB where it reports none.
+int64_t llc_bytes() {
+  const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  const long llc = l3 > 0 ? l3 : l2;
+  return llc > 0 ? llc : int64_t{32} << 20;
+}
+
 __attribute__((target("avx2"))) float read_sum_avx2(const float* p, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t i = 0; i + 32 <= n; i += 32) {
@@ -183,24 +211,19 @@ __attribute__((target("avx2"))) float read_sum_avx2(const float* p, int64_t n) {
   return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
 }
 
-// Streaming read of a 256 MiB buffer (far beyond any LLC) split evenly
-// across the pool's threads; seconds per pass.
+// Streaming read of a buffer of 4x the LLC, at least 256 MiB (256 MiB was
+// within the 480 MiB L3 of session 18's host), split evenly across the
+// pool's threads; seconds per pass.
 class MemReader {
  public:
-  static constexpr int64_t kBytes = 256LL << 20;
-  MemReader() : buf_(alloc_bytes(kBytes)) {
-    std::memset(buf_.get(), 0, kBytes);  // touch every page
+  MemReader()
+      : bytes_(std::max<int64_t>(int64_t{256} << 20, 4 * llc_bytes())),
+        buf_(alloc_bytes(static_cast<size_t>(bytes_))) {
+    std::memset(buf_.get(), 0, static_cast<size_t>(bytes_));  // touch every page
   }
   // One streaming read of the whole buffer, timed.
-  Timing pass_seconds(ThreadPool& pool) { return read(pool, kBytes); }
-  // Reads kEvictBytes of this buffer (untimed), more than the L2s and the
-  // L3 together (32 MiB on the machines here), so that a timed step after
-  // it finds none of its KV in cache, as in a model's decode step, where
-  // the other layers' weights and KV pass through the cache in between.
-  // Without it a step right after another step over the same blocks reads
-  // a 12 MiB int8 or 24 MiB f16 context partly from L3.
-  static constexpr int64_t kEvictBytes = 64LL << 20;
-  void evict(ThreadPool& pool) { (void)read(pool, kEvictBytes); }
+  Timing pass_seconds(ThreadPool& pool) { return read(pool, bytes_); }
+  int64_t bytes() const { return bytes_; }
 
  private:
   // The first `bytes` of the buffer, split over the pool's threads.
@@ -222,6 +245,7 @@ class MemReader {
     return tm;
   }
 
+  int64_t bytes_;
   Bytes buf_;
 };
 
@@ -259,7 +283,7 @@ void BM_DecodeAttention(benchmark::State& state) {
   for (float& x : q) x = nd(rng);
   const AttnParams p = attn_params(sh);
   auto step = [&](const KvSetup& kv) {
-    mem.evict(pool);  // every timed step starts with its KV out of cache
+    flush_lines(kv.pool.get(), kv.pool_bytes);  // every timed step starts with its KV out of cache
     const AttnSeq seq{.block_table = kv.table.data(),
                       .n_blocks = static_cast<int32_t>(kv.table.size()),
                       .n_past = ctx - 1,
@@ -313,7 +337,7 @@ void BM_DecodeAttention(benchmark::State& state) {
   for (int c = 0; c < 2; ++c) {
     const std::string sfx = c == 0 ? "" : "_cpu";
     const double mp = median(t[0][c]);
-    const double mem_bps = MemReader::kBytes / median(t[3][c]);
+    const double mem_bps = static_cast<double>(mem.bytes()) / median(t[3][c]);
     const double kv_bps = static_cast<double>(paged.payload_bytes) / mp;
     state.counters["paged/contig" + sfx] = median(t[1][c]) / mp;
     state.counters["kv_GB/s" + sfx] = kv_bps * 1e-9;
@@ -334,8 +358,8 @@ void decode_args(benchmark::internal::Benchmark* b) {
       for (int fmt : {1, 4, 5, 3, 0, 2}) {
         for (int ctx : {512, 1024, 4096, 16384, 32768}) b->Args({ctx, shape, fmt, threads});
       }
-      // 128K: one layer of f16 KV (96 MiB on the SmolLM2 shape) well beyond
-      // the LLC, so the step streams from memory as a whole model's step does.
+      // 128K: one layer of f16 KV (96 MiB on the SmolLM2 shape), the size
+      // of a whole model's step at 4K.
       if (shape == 0) b->Args({131072, shape, 1, threads});
     }
   }
@@ -346,7 +370,8 @@ BENCHMARK(BM_DecodeAttention)->Apply(decode_args)->Unit(benchmark::kMicrosecond)
 // BM_DecodeLayers/ctx/threads: one decode step's attention over every layer
 // of the SmolLM2 shape (30 layers, f16 KV, blocks of 16 tokens holding all
 // layers, in table order, as the engine's block pool lays out a sequence),
-// i.e. what a whole-model decode step reads (4K: 90 MiB, beyond the LLC).
+// i.e. what a whole-model decode step reads (4K: 90 MiB), flushed from
+// the caches before each step (within a 480 MiB L3 otherwise).
 // The reported time is the default kernels' median; counter vs_avx2 = that
 // over the same step with the attention capped at AVX2, interleaved step by
 // step (and _cpu from process CPU time).
@@ -359,7 +384,8 @@ void BM_DecodeLayers(benchmark::State& state) {
   const int n_blocks = (ctx + block_size - 1) / block_size;
   const KvLayout layout =
       *KvLayout::uniform(kLayers, sh.n_kv_heads, sh.head_dim, KvDtype::kF16, block_size);
-  Bytes mem = alloc_bytes(static_cast<size_t>(layout.block_bytes()) * n_blocks);
+  const size_t mem_bytes = static_cast<size_t>(layout.block_bytes()) * n_blocks;
+  Bytes mem = alloc_bytes(mem_bytes);
   std::vector<int32_t> table(n_blocks);
   std::iota(table.begin(), table.end(), 0);
   std::mt19937 rng(5);
@@ -376,6 +402,7 @@ void BM_DecodeLayers(benchmark::State& state) {
   const Isa best = best_isa();
   auto step = [&](Isa isa) {
     set_isa_override(isa);
+    flush_lines(mem.get(), mem_bytes);  // the KV from memory, as a long context's step finds it
     const double c0 = process_cpu_seconds();
     const auto t0 = Clock::now();
     bool ok = true;
@@ -431,7 +458,8 @@ BENCHMARK(BM_DecodeLayers)
 // pool as the engine's block pool hands them out), each sequence at `ctx`
 // cached tokens: the attention half of `kvstack bench --batch 16` (whose
 // 512-token prompts put each tile at 513..528 keys: two split-K pieces, the
-// second 1..16 keys). Reported: fmt's median; counter vs_f16 = that over
+// second 1..16 keys), its KV flushed from the caches before each step
+// (97-189 MB, within a 480 MiB L3 otherwise). Reported: fmt's median; counter vs_f16 = that over
 // the same step on f16 KV, interleaved step by step; kv_GB/s the fmt's KV
 // bytes (codes + metadata) over its time.
 void BM_DecodeBatch(benchmark::State& state) {
@@ -446,6 +474,7 @@ void BM_DecodeBatch(benchmark::State& state) {
   struct Pool {
     KvLayout layout;
     Bytes mem;
+    size_t bytes = 0;
   };
   std::vector<int32_t> perm(static_cast<size_t>(per_seq) * kSeqs);
   std::iota(perm.begin(), perm.end(), 0);
@@ -463,7 +492,8 @@ void BM_DecodeBatch(benchmark::State& state) {
   auto make_pool = [&](KvDtype dt) {
     Pool pl{*KvLayout::uniform(kLayers, sh.n_kv_heads, sh.head_dim, dt, block_size),
             Bytes(nullptr, Unmap{0})};
-    pl.mem = alloc_bytes(static_cast<size_t>(pl.layout.block_bytes()) * per_seq * kSeqs);
+    pl.bytes = static_cast<size_t>(pl.layout.block_bytes()) * per_seq * kSeqs;
+    pl.mem = alloc_bytes(pl.bytes);
     for (int l = 0; l < kLayers; ++l) {
       for (int s = 0; s < kSeqs; ++s)
         write_kv(pl.layout.layer_view(l, pl.mem.get()), tables[s], 0, k.data(), v.data(), ctx);
@@ -477,6 +507,7 @@ void BM_DecodeBatch(benchmark::State& state) {
   for (float& x : q) x = nd(rng);
   const AttnParams p = attn_params(sh);
   auto step = [&](const Pool& pl) {
+    flush_lines(pl.mem.get(), pl.bytes);  // KV from memory (it would fit a large LLC)
     const auto t0 = Clock::now();
     bool ok = true;
     AttnSeq seqs[kSeqs];
