@@ -3,11 +3,10 @@
 # --target, another of its programs, e.g. llama-bench) from the llama.cpp
 # source vendored in the llama-cpp-python sdist pinned in requirements.txt
 # (the same llama.cpp the correctness tests compare against), CPU only,
-# tuned for this machine (GGML_NATIVE). On a CPU with AMX, GGML_NATIVE also
-# compiles ggml's AMX matmul, which crashed on the first prompt on session
-# 18's Intel Xeon (SIGSEGV in ggml_backend_amx_mul_mat); there the build
-# names this CPU's AVX/AVX-512 features one by one, AMX off. Nothing is
-# installed; the binary is left at build/llama-server/bin/<target>.
+# tuned for this machine (GGML_NATIVE; on a CPU with AMX, its AVX/AVX-512
+# features named one by one and AMX off: scripts/ggml_cpu_flags.sh says
+# why). Nothing is installed; the binary is left at
+# build/llama-server/bin/<target>.
 #
 #   bench/build_llama_server.sh [--jobs N] [--target NAME]
 #
@@ -27,18 +26,10 @@ while [ $# -gt 0 ]; do
 done
 [[ "$jobs" =~ ^[1-9][0-9]*$ ]] || { echo "build_llama_server.sh: --jobs needs a positive number, not '$jobs'" >&2; exit 2; }
 [[ "$target" =~ ^llama-[a-z0-9-]+$ ]] || { echo "build_llama_server.sh: --target names a llama.cpp program (llama-server, llama-bench, ...), not '$target'" >&2; exit 2; }
-# The CPU flags: GGML_NATIVE, or without AMX the features named one by one.
-isa_flags=(-DGGML_NATIVE=ON)
-if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
-  has() { grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; }
-  isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)"
-    -DGGML_FMA="$(has fma)" -DGGML_F16C="$(has f16c)" -DGGML_BMI2="$(has bmi2)"
-    -DGGML_AVX_VNNI="$(has avx_vnni)" -DGGML_AVX512="$(has avx512f)"
-    -DGGML_AVX512_VBMI="$(has avx512vbmi)" -DGGML_AVX512_VNNI="$(has avx512_vnni)"
-    -DGGML_AVX512_BF16="$(has avx512_bf16)" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
-    -DGGML_AMX_BF16=OFF)
+# GGML_NATIVE, or on a CPU with AMX its features named one by one.
+read -r -a isa_flags <<<"$(scripts/ggml_cpu_flags.sh)"
+[ "${isa_flags[0]}" = -DGGML_NATIVE=ON ] ||
   echo "build_llama_server.sh: this CPU has AMX; building without ggml's AMX matmul (${isa_flags[*]})" >&2
-fi
 pin=$(grep -E '^llama-cpp-python' requirements.txt | sed -E 's/.*==//')
 [ -n "$pin" ] || { echo "build_llama_server.sh: no llama-cpp-python pin in requirements.txt" >&2; exit 1; }
 py=.venv/bin/python

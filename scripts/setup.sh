@@ -42,14 +42,24 @@ test_deps() { apt_install "${APT_PACKAGES[@]}" "${APT_TEST_PACKAGES[@]}"; }
 
 venv() {
   local stamp=.venv/.requirements.sha256
-  local want
-  want=$(sha256sum requirements.txt | cut -d' ' -f1)
+  local want ggml_flags
+  # On a CPU with AMX, llama-cpp-python is built without ggml's AMX matmul
+  # (it crashed the parity tests there; scripts/ggml_cpu_flags.sh). The
+  # flags are part of the stamp, so a venv built with others is rebuilt, and
+  # pip's wheel cache (keyed by the sdist, not by CMAKE_ARGS) is bypassed.
+  ggml_flags=$(scripts/ggml_cpu_flags.sh --amx-only)
+  want=$( (cat requirements.txt; echo "$ggml_flags") | sha256sum | cut -d' ' -f1)
   if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return 0
   fi
   log "creating .venv (llama-cpp-python is compiled from source: several minutes the first time)"
   [ -x .venv/bin/python ] || python3 -m venv .venv
   .venv/bin/pip install -q --upgrade pip >/dev/null
+  if [ -n "$ggml_flags" ]; then
+    log "this CPU has AMX: llama-cpp-python without ggml's AMX matmul ($ggml_flags)"
+    CMAKE_ARGS="$ggml_flags" .venv/bin/pip install -q --no-cache-dir --force-reinstall \
+      --no-deps "$(grep -E '^llama-cpp-python' requirements.txt)"
+  fi
   .venv/bin/pip install -q -r requirements.txt
   echo "$want" >"$stamp"
 }
