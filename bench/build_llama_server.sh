@@ -20,7 +20,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --jobs) jobs=${2:?--jobs needs a number}; shift 2 ;;
     --target) target=${2:?--target needs a program name, e.g. llama-bench}; shift 2 ;;
-    -h | --help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "build_llama_server.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
 done

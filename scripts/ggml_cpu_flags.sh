@@ -15,7 +15,7 @@
 set -euo pipefail
 case "${1:-}" in
   "" | --amx-only) ;;
-  -h | --help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h | --help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
   *) echo "ggml_cpu_flags.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
 esac
 if ! grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
