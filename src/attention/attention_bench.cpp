@@ -89,7 +89,8 @@ constexpr KvDtype kFormats[] = {KvDtype::kF32, KvDtype::kF16,  KvDtype::kBF16,
 // Buffers are anonymous mappings with transparent huge pages requested, as a
 // block pool's should be (KVSTACK_BENCH_NO_HUGEPAGES=1 to compare).
 struct Unmap {
-  size_t bytes;
+  size_t bytes;     // the mapping (whole 2 MiB pages)
+  size_t used = 0;  // the bytes asked for, which the caller fills
   void operator()(uint8_t* p) const { munmap(p, bytes); }
 };
 using Bytes = std::unique_ptr<uint8_t, Unmap>;
@@ -102,7 +103,7 @@ Bytes alloc_bytes(size_t n) {
     std::abort();
   }
   if (std::getenv("KVSTACK_BENCH_NO_HUGEPAGES") == nullptr) madvise(p, bytes, MADV_HUGEPAGE);
-  return Bytes(static_cast<uint8_t*>(p), Unmap{bytes});
+  return Bytes(static_cast<uint8_t*>(p), Unmap{bytes, n});
 }
 
 int64_t align64(int64_t x) {
@@ -115,7 +116,6 @@ int64_t align64(int64_t x) {
 // one block as long as the context, so each head's K and V are one run each.
 struct KvSetup {
   Bytes pool;
-  size_t pool_bytes = 0;  // the bytes of `pool` the layout uses
   PagedKvLayerView view;
   std::vector<int32_t> table;
   int64_t payload_bytes = 0;  // K + V codes and metadata the step reads
@@ -129,8 +129,7 @@ KvSetup make_kv(const Shape& sh, KvDtype dtype, int ctx, bool paged) {
   PagedKvLayerView& v = s.view;
   if (paged) {
     const KvLayout layout = *KvLayout::uniform(1, sh.n_kv_heads, sh.head_dim, dtype, block_size);
-    s.pool_bytes = static_cast<size_t>(layout.block_bytes()) * n_blocks;
-    s.pool = alloc_bytes(s.pool_bytes);
+    s.pool = alloc_bytes(static_cast<size_t>(layout.block_bytes()) * n_blocks);
     v = layout.layer_view(0, s.pool.get());
   } else {
     const int64_t tile = geo.row_bytes * block_size;
@@ -144,8 +143,7 @@ KvSetup make_kv(const Shape& sh, KvDtype dtype, int ctx, bool paged) {
     v.slot_stride = geo.row_bytes;
     v.head_stride = 2 * tile;
     v.block_stride = data_bytes + (kv_dtype_is_quantized(dtype) ? 2 * meta_bytes : 0);
-    s.pool_bytes = static_cast<size_t>(v.block_stride) * n_blocks;
-    s.pool = alloc_bytes(s.pool_bytes);
+    s.pool = alloc_bytes(static_cast<size_t>(v.block_stride) * n_blocks);
     v.k = s.pool.get();
     v.v = s.pool.get() + tile;
     if (kv_dtype_is_quantized(dtype)) {
@@ -177,15 +175,15 @@ KvSetup make_kv(const Shape& sh, KvDtype dtype, int ctx, bool paged) {
   return s;
 }
 
-// Writes back and drops every cache line of [p, p + n) from every level,
+// Writes back and drops every cache line of b's used bytes from every level,
 // so that the next step over them reads memory, whatever the size of the
 // LLC (clflush, in every x86-64 CPU; 24 MiB in ~13 ms on session 18's
 // host). Not clflushopt, 13x faster there: its invalidations were still
 // under way when the step began, and int8 at 32K measured 0.60x f16's time
 // after it against 0.50x after clflush, after clflushopt and a 5 ms wait,
 // and after a 1 GiB read.
-void flush_lines(const uint8_t* p, size_t n) {
-  for (size_t off = 0; off < n; off += 64) _mm_clflush(p + off);
+void flush_lines(const Bytes& b) {
+  for (size_t off = 0; off < b.get_deleter().used; off += 64) _mm_clflush(b.get() + off);
   _mm_mfence();
 }
 
@@ -283,7 +281,7 @@ void BM_DecodeAttention(benchmark::State& state) {
   for (float& x : q) x = nd(rng);
   const AttnParams p = attn_params(sh);
   auto step = [&](const KvSetup& kv) {
-    flush_lines(kv.pool.get(), kv.pool_bytes);  // every timed step starts with its KV out of cache
+    flush_lines(kv.pool);  // every timed step starts with its KV out of cache
     const AttnSeq seq{.block_table = kv.table.data(),
                       .n_blocks = static_cast<int32_t>(kv.table.size()),
                       .n_past = ctx - 1,
@@ -384,8 +382,7 @@ void BM_DecodeLayers(benchmark::State& state) {
   const int n_blocks = (ctx + block_size - 1) / block_size;
   const KvLayout layout =
       *KvLayout::uniform(kLayers, sh.n_kv_heads, sh.head_dim, KvDtype::kF16, block_size);
-  const size_t mem_bytes = static_cast<size_t>(layout.block_bytes()) * n_blocks;
-  Bytes mem = alloc_bytes(mem_bytes);
+  Bytes mem = alloc_bytes(static_cast<size_t>(layout.block_bytes()) * n_blocks);
   std::vector<int32_t> table(n_blocks);
   std::iota(table.begin(), table.end(), 0);
   std::mt19937 rng(5);
@@ -402,7 +399,7 @@ void BM_DecodeLayers(benchmark::State& state) {
   const Isa best = best_isa();
   auto step = [&](Isa isa) {
     set_isa_override(isa);
-    flush_lines(mem.get(), mem_bytes);  // the KV from memory, as a long context's step finds it
+    flush_lines(mem);  // the KV from memory, as a long context's step finds it
     const double c0 = process_cpu_seconds();
     const auto t0 = Clock::now();
     bool ok = true;
@@ -474,7 +471,6 @@ void BM_DecodeBatch(benchmark::State& state) {
   struct Pool {
     KvLayout layout;
     Bytes mem;
-    size_t bytes = 0;
   };
   std::vector<int32_t> perm(static_cast<size_t>(per_seq) * kSeqs);
   std::iota(perm.begin(), perm.end(), 0);
@@ -492,8 +488,7 @@ void BM_DecodeBatch(benchmark::State& state) {
   auto make_pool = [&](KvDtype dt) {
     Pool pl{*KvLayout::uniform(kLayers, sh.n_kv_heads, sh.head_dim, dt, block_size),
             Bytes(nullptr, Unmap{0})};
-    pl.bytes = static_cast<size_t>(pl.layout.block_bytes()) * per_seq * kSeqs;
-    pl.mem = alloc_bytes(pl.bytes);
+    pl.mem = alloc_bytes(static_cast<size_t>(pl.layout.block_bytes()) * per_seq * kSeqs);
     for (int l = 0; l < kLayers; ++l) {
       for (int s = 0; s < kSeqs; ++s)
         write_kv(pl.layout.layer_view(l, pl.mem.get()), tables[s], 0, k.data(), v.data(), ctx);
@@ -507,7 +502,7 @@ void BM_DecodeBatch(benchmark::State& state) {
   for (float& x : q) x = nd(rng);
   const AttnParams p = attn_params(sh);
   auto step = [&](const Pool& pl) {
-    flush_lines(pl.mem.get(), pl.bytes);  // KV from memory (it would fit a large LLC)
+    flush_lines(pl.mem);  // KV from memory (it would fit a large LLC)
     const auto t0 = Clock::now();
     bool ok = true;
     AttnSeq seqs[kSeqs];
