@@ -24,6 +24,11 @@ std::vector<OptionSpec> engine_options() {
   return {
       model_option(),
       {"threads", 't', "N", "worker threads (default: all cores)"},
+      {"load-mode", 0, "MODE",
+       "how the model file gets into memory: copy (read once into anonymous memory on "
+       "transparent huge pages: faster decode, a private copy of the file's size; the "
+       "default) or mmap (map the file's page cache: nothing read until used, shared "
+       "between processes)"},
       {"block-size", 0, "P", "tokens per KV block, a power of two 1..256 (default 16)"},
       {"kv-cache-mem", 0, "SIZE", "KV pool size in bytes, e.g. 512MiB, 2GiB (default: see tokens)"},
       {"kv-cache-tokens", 0, "N", "KV pool size in tokens (default: the model's context length)"},
@@ -169,6 +174,10 @@ Result<EngineConfig> engine_config_from(const Args& args) {
                         std::string("--") + side + ": " + t.error().message);
     (side[9] == 'k' ? c.kv_dtype_k : c.kv_dtype_v) = *t;
   }
+  auto load_mode = parse_load_mode(args.get_or("load-mode", "copy"));
+  if (!load_mode)
+    return make_error(Errc::kInvalidArgument, "--load-mode: " + load_mode.error().message);
+  c.load_mode = *load_mode;
   auto residual = args.get_int("kv-residual", 128, 0, 1 << 20);
   if (!residual) return residual.error();
   c.kv_residual = static_cast<int>(*residual);
@@ -315,12 +324,19 @@ Result<std::unique_ptr<Engine>> load_engine(const Args& args, bool quiet) {
                             : attention_kernel_summary((*engine)->layout()));
     if (model.config().arch == "deepseek2")
       kernels += "; " + deepseek2_kernel_summary(model.config(), cfg->kv_mla_latent);
+    // --load-mode copy: how much of the copy the kernel put on huge pages.
+    const MappedFile& map = model.file().mapping();
+    const std::string load = map.mode() == LoadMode::kCopy
+                                 ? "copied, " +
+                                       format_bytes(static_cast<double>(map.huge_page_bytes())) +
+                                       " in huge pages"
+                                 : std::string("mmap");
     std::fprintf(stderr,
-                 "kvstack: loaded %s (%s weights) in %.0f ms; %d threads, kernels (%s); KV pool "
-                 "%lld blocks x %d tokens (%s, %s)\n",
+                 "kvstack: loaded %s (%s weights, %s) in %.0f ms; %d threads, kernels (%s); KV "
+                 "pool %lld blocks x %d tokens (%s, %s)\n",
                  cfg->model_path.c_str(),
-                 format_bytes(static_cast<double>((*engine)->model().weight_bytes())).c_str(), ms,
-                 (*engine)->threads().n_threads(), kernels.c_str(),
+                 format_bytes(static_cast<double>((*engine)->model().weight_bytes())).c_str(),
+                 load.c_str(), ms, (*engine)->threads().n_threads(), kernels.c_str(),
                  static_cast<long long>(st.n_blocks_total), cfg->block_size,
                  (std::string(kv_dtype_name(cfg->key_dtype())) +
                   (cfg->value_dtype() != cfg->key_dtype()

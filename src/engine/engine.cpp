@@ -112,7 +112,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   if (config.prefill_chunk < 1) {
     return make_error(Errc::kInvalidArgument, "prefill chunk must be at least 1 token");
   }
-  auto model = Model::load(config.model_path);
+  auto model = Model::load(config.model_path, config.load_mode);
   if (!model) return model.error();
   e->model_ = std::move(*model);
   if (!config.layer_windows.empty()) {

@@ -28,6 +28,9 @@ namespace kvstack {
 
 struct EngineConfig {
   std::string model_path;
+  // How the GGUF gets into memory (--load-mode): copied into huge pages by
+  // default (faster decode), or memory-mapped (mapped_file.h).
+  LoadMode load_mode = LoadMode::kCopy;
   int n_threads = 0;    // 0 = all cores
   int block_size = 16;  // tokens per KV block (power of two, 1..256)
   KvDtype kv_dtype = KvDtype::kF16;

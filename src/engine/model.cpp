@@ -7,8 +7,8 @@
 
 namespace kvstack {
 
-Result<std::unique_ptr<Model>> Model::load(const std::string& path) {
-  auto file = GgufFile::open(path);
+Result<std::unique_ptr<Model>> Model::load(const std::string& path, LoadMode mode) {
+  auto file = GgufFile::open(path, mode);
   if (!file) return file.error();
   std::unique_ptr<Model> m(new Model(std::move(*file)));
   auto cfg = load_model_config(m->file_);

@@ -60,7 +60,8 @@ class Model {
  public:
   // Opens, validates and binds every tensor the architecture needs; errors
   // name the file and the missing or mis-shaped tensor.
-  static Result<std::unique_ptr<Model>> load(const std::string& path);
+  static Result<std::unique_ptr<Model>> load(const std::string& path,
+                                             LoadMode mode = LoadMode::kMmap);
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 

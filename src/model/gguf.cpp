@@ -332,8 +332,8 @@ int64_t GgufTensor::n_elements() const {
   return n;
 }
 
-Result<GgufFile> GgufFile::open(const std::string& path) {
-  Result<MappedFile> map = MappedFile::open(path);
+Result<GgufFile> GgufFile::open(const std::string& path, LoadMode mode) {
+  Result<MappedFile> map = MappedFile::open(path, mode);
   if (!map) return map.error();
   Result<GgufFile> file = parse(map->data(), map->size(), path);
   if (!file) return file.error();

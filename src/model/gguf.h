@@ -70,7 +70,7 @@ struct GgufTensor {
 
 class GgufFile {
  public:
-  static Result<GgufFile> open(const std::string& path);
+  static Result<GgufFile> open(const std::string& path, LoadMode mode = LoadMode::kMmap);
   // Parses an in-memory image (used by the fuzzer and tests). The buffer
   // must outlive the returned object.
   static Result<GgufFile> parse(const uint8_t* data, size_t size, const std::string& name);

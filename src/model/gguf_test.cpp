@@ -450,6 +450,68 @@ std::vector<Hostile> hostile_cases() {
   };
 }
 
+// LoadMode::kCopy: the same bytes in a private, read-only anonymous copy
+// (not the file's mapping), tensors pointing into it, surviving a move; a
+// file of 8 MiB so that the kernel may back the copy with huge pages.
+TEST(Gguf, OpenCopiesIntoReadOnlyAnonymousMemory) {
+  Bytes img = all_types_builder().build();
+  img.resize(size_t{8} << 20, 0x5a);  // padding after the data section is allowed
+  char path[] = "/tmp/kvstack_gguf_copy_XXXXXX";
+  const int fd = mkstemp(path);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(write(fd, img.data(), img.size()), static_cast<ssize_t>(img.size()));
+  close(fd);
+  auto copy = GgufFile::open(path, LoadMode::kCopy);
+  ASSERT_TRUE(copy.ok()) << copy.error().message;
+  auto mapped = GgufFile::open(path, LoadMode::kMmap);
+  ASSERT_TRUE(mapped.ok()) << mapped.error().message;
+  unlink(path);
+  EXPECT_EQ(copy->mapping().mode(), LoadMode::kCopy);
+  EXPECT_EQ(mapped->mapping().mode(), LoadMode::kMmap);
+  EXPECT_EQ(mapped->mapping().huge_page_bytes(), 0u);
+  ASSERT_EQ(copy->file_size(), img.size());
+  EXPECT_EQ(std::memcmp(copy->file_data(), img.data(), img.size()), 0);
+  EXPECT_NE(copy->file_data(), mapped->file_data());
+  // Read-only and anonymous: its /proc/self/maps line is "r--p" with no file.
+  std::ifstream maps("/proc/self/maps");
+  const auto begin = reinterpret_cast<uintptr_t>(copy->file_data());
+  std::string line, perms;
+  bool found = false;
+  while (std::getline(maps, line)) {
+    unsigned long lo = 0, hi = 0;
+    char p[5] = {};
+    unsigned long off = 0;
+    char dev[16] = {};
+    unsigned long inode = 1;
+    if (std::sscanf(line.c_str(), "%lx-%lx %4s %lx %15s %lu", &lo, &hi, p, &off, dev, &inode) ==
+            6 &&
+        lo <= begin && begin < hi) {
+      found = true;
+      perms = p;
+      EXPECT_EQ(inode, 0u) << line;
+    }
+  }
+  ASSERT_TRUE(found);
+  EXPECT_EQ(perms, "r--p");
+  EXPECT_LE(copy->mapping().huge_page_bytes(), copy->file_size() + (size_t{2} << 20));
+  std::printf("copy of %zu bytes: %zu bytes in huge pages\n", copy->file_size(),
+              copy->mapping().huge_page_bytes());
+  const GgufTensor* b = copy->find_tensor("w.b");
+  ASSERT_NE(b, nullptr);
+  EXPECT_GE(b->data, copy->file_data());
+  GgufFile moved = std::move(copy).value();
+  float v;
+  std::memcpy(&v, moved.find_tensor("w.b")->data, 4);
+  EXPECT_EQ(v, -1.0f);
+  // A missing file names the path in either mode; an unknown mode is refused.
+  auto missing = GgufFile::open("/nonexistent/model.gguf", LoadMode::kCopy);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.error().message.find("/nonexistent/model.gguf"), std::string::npos);
+  EXPECT_FALSE(parse_load_mode("hugepages").ok());
+  EXPECT_EQ(parse_load_mode("copy").value(), LoadMode::kCopy);
+  EXPECT_EQ(parse_load_mode("mmap").value(), LoadMode::kMmap);
+}
+
 TEST(Gguf, HostileFilesGiveCleanErrors) {
   const auto cases = hostile_cases();
   ASSERT_GE(cases.size(), 15u);

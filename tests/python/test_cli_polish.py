@@ -57,6 +57,23 @@ def test_run_usage_line_lists_every_kv_format():
     assert listed == names, (listed, names)
 
 
+def test_load_mode_copy_and_mmap_generate_the_same_tokens():
+    need_model()
+    out = {}
+    for mode in ["copy", "mmap"]:
+        r = run_kvstack("run", "-m", MODEL, "--load-mode", mode, "-p", "The capital of France is",
+                        "-n", 8, "--temp", 0, "-t", 2)
+        load = re.search(r"weights, ([^)]*)\) in", r.stderr)
+        assert load, r.stderr
+        out[mode] = (r.stdout, load.group(1))
+    assert out["copy"][0] == out["mmap"][0] and out["copy"][0].strip(), out
+    assert re.fullmatch(r"copied, [0-9.]+ [KMG]?i?B in huge pages", out["copy"][1]), out
+    assert out["mmap"][1] == "mmap", out
+    r = run_kvstack("run", "-m", MODEL, "--load-mode", "hugepages", "-p", "x", check=False)
+    assert r.returncode != 0
+    assert "--load-mode: unknown load mode 'hugepages' (expected mmap or copy)" in r.stderr, r.stderr
+
+
 def test_perplexity_progress_on_a_pipe_has_no_carriage_return_and_shows_tokens():
     need_model()
     # One window of 256 tokens in prefill chunks of 64: progress inside it.
