@@ -19,10 +19,6 @@ Result<LoadMode> parse_load_mode(const std::string& s) {
                     "unknown load mode '" + s + "' (expected mmap or copy)");
 }
 
-const char* load_mode_name(LoadMode m) {
-  return m == LoadMode::kCopy ? "copy" : "mmap";
-}
-
 namespace {
 
 // The file's bytes in a fresh anonymous mapping advised MADV_HUGEPAGE, then

@@ -21,9 +21,8 @@ namespace kvstack {
 //     counts the file's size as anonymous memory).
 enum class LoadMode { kMmap, kCopy };
 
-// "mmap" / "copy"; the name for messages.
+// "mmap" or "copy" (--load-mode); anything else is kInvalidArgument.
 Result<LoadMode> parse_load_mode(const std::string& s);
-const char* load_mode_name(LoadMode m);
 
 class MappedFile {
  public:
