@@ -174,10 +174,12 @@ Result<EngineConfig> engine_config_from(const Args& args) {
                         std::string("--") + side + ": " + t.error().message);
     (side[9] == 'k' ? c.kv_dtype_k : c.kv_dtype_v) = *t;
   }
-  auto load_mode = parse_load_mode(args.get_or("load-mode", "copy"));
-  if (!load_mode)
-    return make_error(Errc::kInvalidArgument, "--load-mode: " + load_mode.error().message);
-  c.load_mode = *load_mode;
+  if (args.has("load-mode")) {  // the default is EngineConfig's
+    auto load_mode = parse_load_mode(args.get_or("load-mode", ""));
+    if (!load_mode)
+      return make_error(Errc::kInvalidArgument, "--load-mode: " + load_mode.error().message);
+    c.load_mode = *load_mode;
+  }
   auto residual = args.get_int("kv-residual", 128, 0, 1 << 20);
   if (!residual) return residual.error();
   c.kv_residual = static_cast<int>(*residual);
