@@ -16,7 +16,7 @@ namespace kvstack {
 //   kCopy: read once into an anonymous mapping advised MADV_HUGEPAGE and
 //     made read-only: 2 MiB pages where the kernel grants them (fewer TLB
 //     misses when a decode step streams the weights: Gemma 3 270M at 4K
-//     context decodes 7-14% faster on the session-21 Intel host,
+//     context decodes 7-20% faster on the session-21 Intel host,
 //     docs/benchmarks.md), at the cost of a private copy (the resident set
 //     counts the file's size as anonymous memory).
 enum class LoadMode { kMmap, kCopy };
