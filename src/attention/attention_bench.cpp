@@ -552,6 +552,47 @@ BENCHMARK(BM_DecodeBatch)
     ->Unit(benchmark::kMicrosecond)
     ->UseManualTime();
 
+// BM_CacheRead/mib/threads: a streaming read of `mib` MiB, split over the
+// pool's threads, that the previous read of the same bytes left in the
+// caches: with a large LLC (480 MiB on session 18's host) the rate at which
+// a 16-sequence step's KV (97 MiB int8, 189 MiB f16, at context 520) can be
+// read where it stays cached between steps, the attention half's floor in
+// `kvstack bench --batch 16`. Reported: GB/s (1e9 bytes per second, the
+// median pass) and that pass's time.
+void BM_CacheRead(benchmark::State& state) {
+  const int64_t bytes = state.range(0) << 20;
+  ThreadPool pool(static_cast<int>(state.range(1)));
+  Bytes buf = alloc_bytes(static_cast<size_t>(bytes));
+  std::memset(buf.get(), 1, static_cast<size_t>(bytes));  // touch every page
+  const auto* f = reinterpret_cast<const float*>(buf.get());
+  const int n_threads = pool.n_threads();
+  std::vector<float> sums(static_cast<size_t>(n_threads));
+  auto pass = [&] {
+    const int64_t n = bytes / 4;
+    const auto t0 = Clock::now();
+    pool.run([&](int t) {
+      const int64_t b = n * t / n_threads / 32 * 32;
+      const int64_t e = n * (t + 1) / n_threads / 32 * 32;
+      sums[static_cast<size_t>(t)] = read_sum_avx2(f + b, e - b);
+    });
+    benchmark::DoNotOptimize(sums.data());
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  pass();  // into the caches
+  std::vector<double> t;
+  for (auto _ : state) {
+    t.push_back(pass());
+    state.SetIterationTime(t.back());
+  }
+  state.counters["GB/s"] = static_cast<double>(bytes) / median(t) * 1e-9;
+  state.counters["pass_ms"] = median(t) * 1e3;
+}
+BENCHMARK(BM_CacheRead)
+    ->ArgNames({"mib", "threads"})
+    ->ArgsProduct({{97, 189}, {2, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseManualTime();
+
 // BM_KvEncodeRow/fmt: kv_encode_row on one row of d = 64 (the SmolLM2
 // head), the KV write's per-row cost (a decode step writes K and V of every
 // new token, KV head and layer: 2 x 3 x 30 = 180 rows per token, one after
