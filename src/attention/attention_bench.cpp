@@ -209,14 +209,14 @@ __attribute__((target("avx2"))) float read_sum_avx2(const float* p, int64_t n) {
   return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
 }
 
-// Streaming read of a buffer of 4x the LLC, at least 256 MiB (256 MiB was
-// within the 480 MiB L3 of session 18's host), split evenly across the
-// pool's threads; seconds per pass.
+// Streaming read of a buffer, split evenly across the pool's threads;
+// seconds per pass. By default 4x the LLC, at least 256 MiB (256 MiB was
+// within the 480 MiB L3 of session 18's host): the memory's read rate.
 class MemReader {
  public:
-  MemReader()
-      : bytes_(std::max<int64_t>(int64_t{256} << 20, 4 * llc_bytes())),
-        buf_(alloc_bytes(static_cast<size_t>(bytes_))) {
+  MemReader() : MemReader(std::max<int64_t>(int64_t{256} << 20, 4 * llc_bytes())) {}
+  explicit MemReader(int64_t bytes)
+      : bytes_(bytes), buf_(alloc_bytes(static_cast<size_t>(bytes_))) {
     std::memset(buf_.get(), 0, static_cast<size_t>(bytes_));  // touch every page
   }
   // One streaming read of the whole buffer, timed.
@@ -560,31 +560,15 @@ BENCHMARK(BM_DecodeBatch)
 // `kvstack bench --batch 16`. Reported: GB/s (1e9 bytes per second, the
 // median pass) and that pass's time.
 void BM_CacheRead(benchmark::State& state) {
-  const int64_t bytes = state.range(0) << 20;
   ThreadPool pool(static_cast<int>(state.range(1)));
-  Bytes buf = alloc_bytes(static_cast<size_t>(bytes));
-  std::memset(buf.get(), 1, static_cast<size_t>(bytes));  // touch every page
-  const auto* f = reinterpret_cast<const float*>(buf.get());
-  const int n_threads = pool.n_threads();
-  std::vector<float> sums(static_cast<size_t>(n_threads));
-  auto pass = [&] {
-    const int64_t n = bytes / 4;
-    const auto t0 = Clock::now();
-    pool.run([&](int t) {
-      const int64_t b = n * t / n_threads / 32 * 32;
-      const int64_t e = n * (t + 1) / n_threads / 32 * 32;
-      sums[static_cast<size_t>(t)] = read_sum_avx2(f + b, e - b);
-    });
-    benchmark::DoNotOptimize(sums.data());
-    return std::chrono::duration<double>(Clock::now() - t0).count();
-  };
-  pass();  // into the caches
+  MemReader mem(state.range(0) << 20);
+  mem.pass_seconds(pool);  // into the caches
   std::vector<double> t;
   for (auto _ : state) {
-    t.push_back(pass());
+    t.push_back(mem.pass_seconds(pool).wall);
     state.SetIterationTime(t.back());
   }
-  state.counters["GB/s"] = static_cast<double>(bytes) / median(t) * 1e-9;
+  state.counters["GB/s"] = static_cast<double>(mem.bytes()) / median(t) * 1e-9;
   state.counters["pass_ms"] = median(t) * 1e3;
 }
 BENCHMARK(BM_CacheRead)
