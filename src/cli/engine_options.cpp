@@ -174,8 +174,8 @@ Result<EngineConfig> engine_config_from(const Args& args) {
                         std::string("--") + side + ": " + t.error().message);
     (side[9] == 'k' ? c.kv_dtype_k : c.kv_dtype_v) = *t;
   }
-  if (args.has("load-mode")) {  // the default is EngineConfig's
-    auto load_mode = parse_load_mode(args.get_or("load-mode", ""));
+  if (auto lm = args.get("load-mode")) {  // the default is EngineConfig's
+    auto load_mode = parse_load_mode(*lm);
     if (!load_mode)
       return make_error(Errc::kInvalidArgument, "--load-mode: " + load_mode.error().message);
     c.load_mode = *load_mode;
