@@ -282,6 +282,19 @@ BENCHMARK(BM_MemoryReadBandwidth)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark
   "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
       "xmm11", "xmm12", "xmm13"
 
+// Two instructions interleaved, 7 chains each (registers 0, 2, .. 12 for
+// `a`, 1, 3, .. 13 for `b`): the pair's combined rate, against the two
+// alone, says whether they compete for the same ports (e.g. the weight
+// kernels' float update beside their vpdpbusd).
+#define OPS_PAIR(a, b, r, i, j) \
+  a " %%" r "14, %%" r "15, %%" r #i "\n\t" b " %%" r "14, %%" r "15, %%" r #j "\n\t"
+#define OPS_MIX14(a, b, r) \
+  OPS_PAIR(a, b, r, 0, 1)  \
+  OPS_PAIR(a, b, r, 2, 3)  \
+  OPS_PAIR(a, b, r, 4, 5)  \
+  OPS_PAIR(a, b, r, 6, 7)  \
+  OPS_PAIR(a, b, r, 8, 9) OPS_PAIR(a, b, r, 10, 11) OPS_PAIR(a, b, r, 12, 13)
+
 constexpr int64_t kIssueIters = 1 << 16;
 constexpr int kIssueChains = 14;
 
@@ -321,15 +334,21 @@ void issue_chains() {
 }
 
 // AVX-512 (the weight kernels' VNNI path, the AVX-512 attention kernels).
-// Arg: 0 vpdpbusd (64 int8 multiply-adds), 1 vfmadd231ps (16 f32).
+// Arg: 0 vpdpbusd (64 int8 multiply-adds), 1 vfmadd231ps (16 f32), 2
+// vpdpbusd and vfmadd231ps interleaved, 3 vpdpbusd and vaddps interleaved
+// (2 and 3 count both instructions).
 template <int kOp>
 void issue_chains_zmm() {
   zero_vector_registers();
   for (int64_t n = 0; n < kIssueIters; ++n) {
     if constexpr (kOp == 0) {
       __asm__ volatile(OPS_CHAINS14("vpdpbusd", "zmm")::: OPS_CLOBBER14);
-    } else {
+    } else if constexpr (kOp == 1) {
       __asm__ volatile(OPS_CHAINS14("vfmadd231ps", "zmm")::: OPS_CLOBBER14);
+    } else if constexpr (kOp == 2) {
+      __asm__ volatile(OPS_MIX14("vpdpbusd", "vfmadd231ps", "zmm")::: OPS_CLOBBER14);
+    } else {
+      __asm__ volatile(OPS_MIX14("vpdpbusd", "vaddps", "zmm")::: OPS_CLOBBER14);
     }
   }
   __asm__ volatile("vzeroupper" :::);
@@ -361,12 +380,13 @@ void BM_Avx512IssueRate(benchmark::State& state) {
     return;
   }
   using Fn = void (*)();
-  constexpr Fn kFns[] = {issue_chains_zmm<0>, issue_chains_zmm<1>};
+  constexpr Fn kFns[] = {issue_chains_zmm<0>, issue_chains_zmm<1>, issue_chains_zmm<2>,
+                         issue_chains_zmm<3>};
   const Fn fn = kFns[state.range(0)];
   for (auto _ : state) fn();
   issue_rate_counter(state);
 }
-BENCHMARK(BM_Avx512IssueRate)->ArgName("op")->DenseRange(0, 1)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Avx512IssueRate)->ArgName("op")->DenseRange(0, 3)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace kvstack
