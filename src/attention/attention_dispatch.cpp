@@ -23,6 +23,8 @@ const char* kernel_path_name(KernelPath path) {
       return "avx512-vnni";
     case KernelPath::kAvx512F16:
       return "avx512-f16";
+    case KernelPath::kAvx512:
+      return "avx512";
   }
   return "?";
 }
@@ -57,8 +59,11 @@ KernelChoice select_kernels(Isa isa, KvDtype k, KvDtype v, int head_dim) {
   KernelChoice kc;
   if (cap < Isa::kAvx2 || !f.f16c || !f.fma || head_dim % 8 != 0) return kc;
   kc.decode = kc.prefill = KernelPath::kAvx2;
+  // Prefill: the AVX2 tiles with their q . K and p . V products on 16-lane
+  // vectors (same bits; measured in docs/benchmarks.md, session 23).
+  if (cap >= Isa::kAvx512 && f.avx512f) kc.prefill = KernelPath::kAvx512;
   // Decode over int8/int4 codes: integer dot products (measured in
-  // docs/benchmarks.md); prefill stays on the AVX2 tiles.
+  // docs/benchmarks.md).
   if (cap >= Isa::kAvx512 && cpu_has_avx512_vnni() && avx512_vnni_decode_serves(k, v, head_dim)) {
     kc.decode = KernelPath::kAvx512Vnni;
   }

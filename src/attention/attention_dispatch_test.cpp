@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <tuple>
 
 #include "attention/attention_kernels.h"
 #include "attention/paged_attention.h"
@@ -77,13 +78,15 @@ TEST(AttentionDispatch, Avx512VnniDecodeForInt8AndInt4) {
   for (KvDtype k : q) {
     for (KvDtype v : q) {
       for (int d : {64, 128, 256}) {
-        EXPECT_EQ(attention_kernel_name(k, v, d), "avx512-vnni decode + avx2 prefill")
+        EXPECT_EQ(attention_kernel_name(k, v, d), "avx512-vnni decode + avx512 prefill")
             << kv_dtype_name(k) << "/" << kv_dtype_name(v) << " d " << d;
       }
-      EXPECT_EQ(attention_kernel_name(k, v, 96), "avx2");  // not a multiple of 64
+      // Not a multiple of 64: AVX2 decode, still the AVX-512 prefill products.
+      EXPECT_EQ(attention_kernel_name(k, v, 96), "avx2 decode + avx512 prefill");
     }
   }
-  EXPECT_EQ(attention_kernel_name(KvDtype::kInt8, KvDtype::kF16, 64), "avx2");
+  EXPECT_EQ(attention_kernel_name(KvDtype::kInt8, KvDtype::kF16, 64),
+            "avx2 decode + avx512 prefill");
   // KVSTACK_ISA=avx2 (or the *_isa entry points' cap) keeps AVX2.
   EXPECT_EQ(select_kernels(Isa::kAvx2, KvDtype::kInt8, KvDtype::kInt8, 64).decode,
             KernelPath::kAvx2);
@@ -99,13 +102,21 @@ TEST(AttentionDispatch, Avx512F16DecodeForF16) {
   }
   for (int d : {16, 64, 128, 256}) {
     EXPECT_EQ(attention_kernel_name(KvDtype::kF16, KvDtype::kF16, d),
-              "avx512-f16 decode + avx2 prefill")
+              "avx512-f16 decode + avx512 prefill")
         << "d " << d;
   }
-  EXPECT_EQ(attention_kernel_name(KvDtype::kF16, KvDtype::kF16, 40), "avx2");  // d % 16 != 0
-  EXPECT_EQ(attention_kernel_name(KvDtype::kF32, KvDtype::kF32, 64), "avx2");
-  EXPECT_EQ(attention_kernel_name(KvDtype::kBF16, KvDtype::kBF16, 64), "avx2");
-  EXPECT_EQ(attention_kernel_name(KvDtype::kF16, KvDtype::kInt8, 64), "avx2");
+  // No AVX-512 decode kernel (d % 16 != 0, or the formats): AVX2 decode, the
+  // AVX-512 prefill products.
+  for (auto [k, v, d] : {std::tuple{KvDtype::kF16, KvDtype::kF16, 40},
+                         {KvDtype::kF32, KvDtype::kF32, 64},
+                         {KvDtype::kBF16, KvDtype::kBF16, 64},
+                         {KvDtype::kF16, KvDtype::kInt8, 64}}) {
+    EXPECT_EQ(attention_kernel_name(k, v, d), "avx2 decode + avx512 prefill")
+        << kv_dtype_name(k) << "/" << kv_dtype_name(v) << " d " << d;
+    EXPECT_EQ(select_kernels(Isa::kAvx512, k, v, d).prefill, KernelPath::kAvx512);
+  }
+  EXPECT_EQ(select_kernels(Isa::kAvx2, KvDtype::kF16, KvDtype::kF16, 64).prefill,
+            KernelPath::kAvx2);
   EXPECT_EQ(select_kernels(Isa::kAvx2, KvDtype::kF16, KvDtype::kF16, 64).decode, KernelPath::kAvx2);
   IsaOverride cap(Isa::kAvx2);
   EXPECT_EQ(attention_kernel_name(KvDtype::kF16, KvDtype::kF16, 64), "avx2");

@@ -120,8 +120,9 @@ HeadStream k_stream(const PagedKvLayerView& kv, int h);
 HeadStream v_stream(const PagedKvLayerView& kv, int h);
 
 // The kernel family a tile runs on.
-enum class KernelPath : uint8_t { kScalar, kAvx2, kAvx512Vnni, kAvx512F16 };
-// "scalar", "avx2", "avx512-vnni", "avx512-f16".
+enum class KernelPath : uint8_t { kScalar, kAvx2, kAvx512Vnni, kAvx512F16, kAvx512 };
+// "scalar", "avx2", "avx512-vnni", "avx512-f16", "avx512" (the prefill tiles'
+// AVX-512 F products).
 const char* kernel_path_name(KernelPath path);
 
 // Keys per running-max record of a decode kernel's key-mass output
@@ -187,6 +188,9 @@ void tile_scalar(const TileArgs& a);
 // 0), for the blocks of attention_kivi.cpp's decode rows.
 void decode_tile_avx2(const TileArgs& a);   // REQUIRES: n_rows == 1
 void prefill_tile_avx2(const TileArgs& a);  // any n_rows; REQUIRES n_heads == 1
+// The same tile with its two products (q . K, p . V) on AVX-512 F vectors:
+// the same bits as prefill_tile_avx2. REQUIRES AVX-512 F, n_heads == 1.
+void prefill_tile_avx512(const TileArgs& a);
 
 // Key-mass reduction (run_attention's last pass): dst[j] += sum over r <
 // n_rows, in order, of f16 rows[r][j] * f[r] (fused multiply-adds from 0),

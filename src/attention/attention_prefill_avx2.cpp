@@ -1,5 +1,6 @@
-// AVX2+FMA+F16C prefill tiles (several query rows) for every K/V format; the
-// decode tiles are in attention_kernels_avx2.cpp, the helpers both use in
+// AVX2+FMA+F16C prefill tiles (several query rows) for every K/V format, and
+// their AVX-512 F variant (the two products on 16-lane vectors, same bits);
+// the decode tiles are in attention_kernels_avx2.cpp, the helpers both use in
 // attention_avx2_common.h. Every function that uses these instructions
 // carries the target attribute; the file is compiled for generic x86-64 and
 // only entered after a run-time check (run_attention).
@@ -15,6 +16,10 @@
 
 #include "attention/attention_avx2_common.h"
 #include "attention/attention_kernels.h"
+
+// The AVX-512 F products of prefill_tile_avx512 (entered only where
+// select_kernels found AVX-512 F).
+#define KV_AVX512F __attribute__((target("avx512f,avx2,fma,f16c")))
 
 namespace kvstack::attn_detail {
 namespace {
@@ -82,9 +87,210 @@ inline void chunk_rows(const TileArgs& a, const HeadStream& s, int32_t t0, int n
   }
 }
 
-}  // namespace
+// S = Qs Kt for the n_vp (a multiple of 4) query vectors and the chunk's n
+// keys: s[i * kChunk + j], 4 vectors x 16 keys per register block. Per
+// score, one FMA per element in element order from zero (the lanes are
+// independent, so prefill_scores_avx512 gives the same bits).
+KV_AVX2 void prefill_scores_avx2(const float* qs, const float* kt, int n_vp, int d, int n,
+                                 float* s) {
+  const int n_kb = n > 16 ? 2 : 1;
+  for (int i0 = 0; i0 < n_vp; i0 += 4) {
+    for (int kb = 0; kb < n_kb; ++kb) {
+      __m256 acc[4][2];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      const float* kcol = kt + kb * 16;
+      for (int c = 0; c < d; ++c) {
+        const __m256 k0 = _mm256_loadu_ps(kcol + c * kChunk);
+        const __m256 k1 = _mm256_loadu_ps(kcol + c * kChunk + 8);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const __m256 qb = _mm256_broadcast_ss(qs + (i0 + r) * d + c);
+          acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        _mm256_storeu_ps(s + (i0 + r) * kChunk + kb * 16, acc[r][0]);
+        _mm256_storeu_ps(s + (i0 + r) * kChunk + kb * 16 + 8, acc[r][1]);
+      }
+    }
+  }
+}
 
-KV_AVX2 void prefill_tile_avx2(const TileArgs& a) {
+// O = alpha O + P V for the n_vp query vectors over the chunk's n keys:
+// per output element, its alpha product, then one FMA per key in key order
+// (prefill_pv_avx512 gives the same bits).
+KV_AVX2 void prefill_pv_avx2(const float* s, const float* vc, const float* alpha, int n_vp, int d,
+                             int n, float* o) {
+  // 4 vectors x 16 dims per register block (8 sums, one FMA each per key:
+  // enough to cover the FMA latency), then 8 dims.
+  for (int i0 = 0; i0 < n_vp; i0 += 4) {
+    const float* p0 = s + static_cast<size_t>(i0) * kChunk;
+    int c = 0;
+    for (; c + 16 <= d; c += 16) {
+      __m256 acc[4][2];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        const __m256 al = _mm256_broadcast_ss(alpha + i0 + r);
+        acc[r][0] = _mm256_mul_ps(_mm256_loadu_ps(o + (i0 + r) * d + c), al);
+        acc[r][1] = _mm256_mul_ps(_mm256_loadu_ps(o + (i0 + r) * d + c + 8), al);
+      }
+      for (int j = 0; j < n; ++j) {
+        const __m256 v0 = _mm256_loadu_ps(vc + j * d + c);
+        const __m256 v1 = _mm256_loadu_ps(vc + j * d + c + 8);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const __m256 pb = _mm256_broadcast_ss(p0 + r * kChunk + j);
+          acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        _mm256_storeu_ps(o + (i0 + r) * d + c, acc[r][0]);
+        _mm256_storeu_ps(o + (i0 + r) * d + c + 8, acc[r][1]);
+      }
+    }
+    if (c < d) {  // 8 dims left
+      __m256 acc[4];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        acc[r] = _mm256_mul_ps(_mm256_loadu_ps(o + (i0 + r) * d + c),
+                               _mm256_broadcast_ss(alpha + i0 + r));
+      }
+      for (int j = 0; j < n; ++j) {
+        const __m256 v0 = _mm256_loadu_ps(vc + j * d + c);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + r * kChunk + j), v0, acc[r]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) _mm256_storeu_ps(o + (i0 + r) * d + c, acc[r]);
+    }
+  }
+}
+
+// The same two products on 16-lane vectors (AVX-512 F): per lane the same
+// FMAs in the same order as the AVX2 functions above, so the same bits,
+// with half the instructions. Only the products: the K/V tiles, the
+// softmax and the final division stay the AVX2 code's.
+KV_AVX512F void prefill_scores_avx512(const float* qs, const float* kt, int n_vp, int d, int n,
+                                      float* s) {
+  static_assert(kChunk == 32, "two 16-key vectors per chunk");
+  for (int i0 = 0; i0 < n_vp; i0 += 4) {
+    if (n > 16) {  // 4 vectors x 32 keys: 8 sums cover the FMA latency
+      __m512 acc[4][2];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      for (int c = 0; c < d; ++c) {
+        const __m512 k0 = _mm512_loadu_ps(kt + c * kChunk);
+        const __m512 k1 = _mm512_loadu_ps(kt + c * kChunk + 16);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const __m512 qb = _mm512_set1_ps(qs[(i0 + r) * d + c]);
+          acc[r][0] = _mm512_fmadd_ps(qb, k0, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(qb, k1, acc[r][1]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        _mm512_storeu_ps(s + (i0 + r) * kChunk, acc[r][0]);
+        _mm512_storeu_ps(s + (i0 + r) * kChunk + 16, acc[r][1]);
+      }
+    } else {  // a last chunk of at most 16 keys
+      __m512 acc[4];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) acc[r] = _mm512_setzero_ps();
+      for (int c = 0; c < d; ++c) {
+        const __m512 k0 = _mm512_loadu_ps(kt + c * kChunk);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(i0 + r) * d + c]), k0, acc[r]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) _mm512_storeu_ps(s + (i0 + r) * kChunk, acc[r]);
+    }
+  }
+}
+
+KV_AVX512F void prefill_pv_avx512(const float* s, const float* vc, const float* alpha, int n_vp,
+                                  int d, int n, float* o) {
+  for (int i0 = 0; i0 < n_vp; i0 += 4) {
+    const float* p0 = s + static_cast<size_t>(i0) * kChunk;
+    int c = 0;
+    // 4 vectors x 64 dims per register block (16 sums), then 16, then 8.
+    for (; c + 64 <= d; c += 64) {
+      __m512 acc[4][4];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        const __m512 al = _mm512_set1_ps(alpha[i0 + r]);
+#pragma GCC unroll 4
+        for (int x = 0; x < 4; ++x) {
+          acc[r][x] = _mm512_mul_ps(_mm512_loadu_ps(o + (i0 + r) * d + c + 16 * x), al);
+        }
+      }
+      for (int j = 0; j < n; ++j) {
+        __m512 v[4];
+#pragma GCC unroll 4
+        for (int x = 0; x < 4; ++x) v[x] = _mm512_loadu_ps(vc + j * d + c + 16 * x);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const __m512 pb = _mm512_set1_ps(p0[r * kChunk + j]);
+#pragma GCC unroll 4
+          for (int x = 0; x < 4; ++x) acc[r][x] = _mm512_fmadd_ps(pb, v[x], acc[r][x]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+#pragma GCC unroll 4
+        for (int x = 0; x < 4; ++x) _mm512_storeu_ps(o + (i0 + r) * d + c + 16 * x, acc[r][x]);
+      }
+    }
+    for (; c + 16 <= d; c += 16) {
+      __m512 acc[4];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        acc[r] =
+            _mm512_mul_ps(_mm512_loadu_ps(o + (i0 + r) * d + c), _mm512_set1_ps(alpha[i0 + r]));
+      }
+      for (int j = 0; j < n; ++j) {
+        const __m512 v0 = _mm512_loadu_ps(vc + j * d + c);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p0[r * kChunk + j]), v0, acc[r]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) _mm512_storeu_ps(o + (i0 + r) * d + c, acc[r]);
+    }
+    if (c < d) {  // 8 dims left
+      __m256 acc[4];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        acc[r] = _mm256_mul_ps(_mm256_loadu_ps(o + (i0 + r) * d + c),
+                               _mm256_broadcast_ss(alpha + i0 + r));
+      }
+      for (int j = 0; j < n; ++j) {
+        const __m256 v0 = _mm256_loadu_ps(vc + j * d + c);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + r * kChunk + j), v0, acc[r]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) _mm256_storeu_ps(o + (i0 + r) * d + c, acc[r]);
+    }
+  }
+}
+
+using ScoresFn = void (*)(const float*, const float*, int, int, int, float*);
+using PvFn = void (*)(const float*, const float*, const float*, int, int, int, float*);
+
+KV_AVX2 void prefill_tile(const TileArgs& a, ScoresFn scores, PvFn pv) {
   const int d = a.head_dim;
   const int g = a.group;
   const int n_vec = a.n_rows * g;
@@ -143,31 +349,7 @@ KV_AVX2 void prefill_tile_avx2(const TileArgs& a) {
     k_fn(kp, km, d, kt);
     v_fn(vp, vm, n, d, vc);
 
-    // S = Qs Kt, 4 vectors x 16 keys per register block.
-    const int n_kb = n > 16 ? 2 : 1;
-    for (int i0 = 0; i0 < n_vp; i0 += 4) {
-      for (int kb = 0; kb < n_kb; ++kb) {
-        __m256 acc[4][2];
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-        const float* kcol = kt + kb * 16;
-        for (int c = 0; c < d; ++c) {
-          const __m256 k0 = _mm256_loadu_ps(kcol + c * kChunk);
-          const __m256 k1 = _mm256_loadu_ps(kcol + c * kChunk + 8);
-#pragma GCC unroll 4
-          for (int r = 0; r < 4; ++r) {
-            const __m256 qb = _mm256_broadcast_ss(qs + (i0 + r) * d + c);
-            acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
-          }
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          _mm256_storeu_ps(s + (i0 + r) * kChunk + kb * 16, acc[r][0]);
-          _mm256_storeu_ps(s + (i0 + r) * kChunk + kb * 16 + 8, acc[r][1]);
-        }
-      }
-    }
+    scores(qs, kt, n_vp, d, n, s);
 
     for (int i = 0; i < n_vec; ++i) {
       float* si = s + static_cast<size_t>(i) * kChunk;
@@ -182,56 +364,20 @@ KV_AVX2 void prefill_tile_avx2(const TileArgs& a) {
     }
     for (int i = n_vec; i < n_vp; ++i) std::memset(s + i * kChunk, 0, sizeof(float) * kChunk);
 
-    // O = alpha O + P V, 4 vectors x 16 dims per register block (8 sums,
-    // one FMA each per key: enough to cover the FMA latency), then 8 dims.
-    for (int i0 = 0; i0 < n_vp; i0 += 4) {
-      const float* p0 = s + static_cast<size_t>(i0) * kChunk;
-      int c = 0;
-      for (; c + 16 <= d; c += 16) {
-        __m256 acc[4][2];
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          const __m256 al = _mm256_broadcast_ss(alpha + i0 + r);
-          acc[r][0] = _mm256_mul_ps(_mm256_loadu_ps(o + (i0 + r) * d + c), al);
-          acc[r][1] = _mm256_mul_ps(_mm256_loadu_ps(o + (i0 + r) * d + c + 8), al);
-        }
-        for (int j = 0; j < n; ++j) {
-          const __m256 v0 = _mm256_loadu_ps(vc + j * d + c);
-          const __m256 v1 = _mm256_loadu_ps(vc + j * d + c + 8);
-#pragma GCC unroll 4
-          for (int r = 0; r < 4; ++r) {
-            const __m256 pb = _mm256_broadcast_ss(p0 + r * kChunk + j);
-            acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
-          }
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          _mm256_storeu_ps(o + (i0 + r) * d + c, acc[r][0]);
-          _mm256_storeu_ps(o + (i0 + r) * d + c + 8, acc[r][1]);
-        }
-      }
-      if (c < d) {  // 8 dims left
-        __m256 acc[4];
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          acc[r] = _mm256_mul_ps(_mm256_loadu_ps(o + (i0 + r) * d + c),
-                                 _mm256_broadcast_ss(alpha + i0 + r));
-        }
-        for (int j = 0; j < n; ++j) {
-          const __m256 v0 = _mm256_loadu_ps(vc + j * d + c);
-#pragma GCC unroll 4
-          for (int r = 0; r < 4; ++r) {
-            acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + r * kChunk + j), v0, acc[r]);
-          }
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) _mm256_storeu_ps(o + (i0 + r) * d + c, acc[r]);
-      }
-    }
+    pv(s, vc, alpha, n_vp, d, n, o);
   }
 
   finish_tile(a, n_vec, o, m, l);
+}
+
+}  // namespace
+
+KV_AVX2 void prefill_tile_avx2(const TileArgs& a) {
+  prefill_tile(a, prefill_scores_avx2, prefill_pv_avx2);
+}
+
+KV_AVX2 void prefill_tile_avx512(const TileArgs& a) {
+  prefill_tile(a, prefill_scores_avx512, prefill_pv_avx512);
 }
 
 }  // namespace kvstack::attn_detail

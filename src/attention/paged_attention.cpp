@@ -389,7 +389,11 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
     if (path == KernelPath::kScalar) {
       tile_scalar(a);
     } else if (seqs[it.seq].n_new != 1) {
-      prefill_tile_avx2(a);
+      if (path == KernelPath::kAvx512) {
+        prefill_tile_avx512(a);
+      } else {
+        prefill_tile_avx2(a);
+      }
     } else if (path == KernelPath::kAvx512Vnni) {
       decode_tile_avx512_vnni(a);
     } else if (path == KernelPath::kAvx512F16) {

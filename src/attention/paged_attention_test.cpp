@@ -560,5 +560,60 @@ TEST(PagedAttention, OutputIsBitwiseIndependentOfBatchAndThreads) {
   }
 }
 
+// The AVX-512 prefill tiles (the AVX2 tiles' q . K and p . V on 16-lane
+// vectors) give the AVX2 tiles' bits: prefill rows only (decode rows run
+// different kernels at the two caps), every float format, head dims with
+// 64-, 16- and 8-wide remainders, last chunks of at most 16 keys, windows
+// and split-K lengths.
+TEST(PagedAttention, Avx512PrefillBitwiseEqualsAvx2) {
+  if (!cpu_features().avx512f || !cpu_features().avx2) {
+    GTEST_SKIP() << "avx512 prefill not run: no AVX-512 F on this CPU";
+  }
+  set_isa_override(Isa::kAvx512);
+  const std::string name = attention_kernel_name(KvDtype::kF32, KvDtype::kF32, 64);
+  if (name.find("avx512 prefill") == std::string::npos) {
+    GTEST_SKIP() << "avx512 prefill not run: capped (KVSTACK_ISA / KVSTACK_ATTN_ISA): " << name;
+  }
+  std::mt19937 rng(2312);
+  const int kHeads[][2] = {{9, 3}, {4, 4}, {8, 1}, {5, 1}, {12, 4}, {6, 2}, {7, 7}};
+  const int kDims[] = {8, 16, 24, 48, 64, 80, 128, 136, 256};
+  const KvDtype kTypes[] = {KvDtype::kF32, KvDtype::kF16, KvDtype::kBF16};
+  int n_cases = 0;
+  for (int i = 0; i < 27; ++i) {
+    Case c{.n_q_heads = kHeads[i % 7][0],
+           .n_kv_heads = kHeads[i % 7][1],
+           .head_dim = kDims[i % 9],
+           .block_size = i % 4 == 0 ? 1 : 16 << (i % 3),
+           .dtype = kTypes[i % 3],
+           .window = i % 5 == 2 ? 1 + static_cast<int>(rng() % 90) : 0,
+           .n_threads = 1 + i % 3,
+           .slot_major = i % 2 == 1,
+           .slot_pad = i % 6 == 5 ? 8 : 0,
+           .seqs = {{0, 2 + static_cast<int>(rng() % 70)},
+                    {static_cast<int>(rng() % 300), 2 + static_cast<int>(rng() % 40)},
+                    {i % 2 == 0 ? 1200 : 17, 5},
+                    {31, 33}}};
+    SCOPED_TRACE(describe(c));
+    const World w = build_world(c, rng);
+    ThreadPool pool(c.n_threads);
+    std::vector<std::vector<float>> out[2];
+    for (int k = 0; k < 2; ++k) {
+      set_isa_override(k == 0 ? Isa::kAvx2 : Isa::kAvx512);
+      std::vector<AttnSeq> seqs = make_seqs(c, w, out[k]);
+      ASSERT_TRUE(paged_attention(w.view, w.params, seqs, &pool).ok());
+    }
+    set_isa_override(Isa::kAvx512);
+    for (size_t si = 0; si < c.seqs.size(); ++si) {
+      ASSERT_EQ(out[0][si].size(), out[1][si].size());
+      EXPECT_EQ(
+          std::memcmp(out[0][si].data(), out[1][si].data(), out[0][si].size() * sizeof(float)), 0)
+          << "seq " << si << " (" << c.seqs[si].n_past << "+" << c.seqs[si].n_new << ")";
+    }
+    if (HasFailure()) return;
+    ++n_cases;
+  }
+  std::printf("[ paths    ] avx512 prefill ran on %d batches, bitwise equal to avx2\n", n_cases);
+}
+
 }  // namespace
 }  // namespace kvstack

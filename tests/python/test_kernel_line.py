@@ -50,11 +50,13 @@ def expected_attention(kv, flags):
     ("int8", or "K/V") on SmolLM2 (head_dim 64) with no KVSTACK_ISA cap."""
     if not {"avx2", "fma", "f16c"} <= flags:
         return "scalar"
+    prefill = "avx512" if "avx512f" in flags else "avx2"
+    decode = "avx2"
     if VNNI <= flags and all(f in ("int8", "int4") for f in kv.split("/")):
-        return "avx512-vnni decode + avx2 prefill"
-    if "avx512f" in flags and kv == "f16":
-        return "avx512-f16 decode + avx2 prefill"
-    return "avx2"
+        decode = "avx512-vnni"
+    elif "avx512f" in flags and kv == "f16":
+        decode = "avx512-f16"
+    return decode if decode == prefill else f"{decode} decode + {prefill} prefill"
 
 
 def test_forced_scalar_and_avx2():
