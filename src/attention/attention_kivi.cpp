@@ -167,13 +167,15 @@ void run_item(const KiviOps& ops, const PagedKvLayerView& kv, const AttnParams& 
 
 // One piece of query rows [it.r0, it.r1) of KV head it.head through the
 // shared AVX2 kernels (attention_kernels.h: decode_tile_avx2 for one row,
-// prefill_tile_avx2 for more; every q head of the KV head together, each K/V
+// prefill_tile_avx2 for more, or prefill_tile_avx512 where select_kernels
+// chose it: the same bits; every q head of the KV head together, each K/V
 // row read once per chunk): the blocks' keys [k0, k1), or the f16 residual,
 // addressed as one block of f16 rows with positions relative to its start.
 // Writes the piece's partial state (m, l, acc per query vector) for the
 // merge.
 void run_shared_piece(const PagedKvLayerView& kv, const AttnParams& p, const AttnSeq& s,
-                      const KvResidualView* res, int64_t q_start, const Item& it, float* partials) {
+                      const KvResidualView* res, int64_t q_start, const Item& it,
+                      attn_detail::KernelPath prefill, float* partials) {
   static const int32_t kOneBlock = 0;
   const int d = p.head_dim;
   const int g = p.n_q_heads / p.n_kv_heads;
@@ -223,6 +225,8 @@ void run_shared_piece(const PagedKvLayerView& kv, const AttnParams& p, const Att
   // with q^, so their rows take the prefill kernel.
   if (rows == 1 && a.k.dtype != KvDtype::kInt4) {
     attn_detail::decode_tile_avx2(a);
+  } else if (prefill == attn_detail::KernelPath::kAvx512) {
+    attn_detail::prefill_tile_avx512(a);
   } else {
     attn_detail::prefill_tile_avx2(a);
   }
@@ -312,9 +316,9 @@ Status paged_attention_kivi_isa(Isa isa, const PagedKvLayerView& kv, const AttnP
                                 std::span<const AttnSeq> seqs,
                                 std::span<const KvResidualView> residuals, ThreadPool* pool) {
   KV_TRY_STATUS(validate_kivi_attention_args(kv, p, seqs, residuals));
-  const bool avx2 =
-      attn_detail::select_kernels(isa, kv.dtype, kv.value_dtype(), p.head_dim).decode !=
-      attn_detail::KernelPath::kScalar;
+  const attn_detail::KernelChoice kc =
+      attn_detail::select_kernels(isa, kv.dtype, kv.value_dtype(), p.head_dim);
+  const bool avx2 = kc.decode != attn_detail::KernelPath::kScalar;
   const KiviOps& ops = kivi_detail::scalar_ops();  // rows not on the shared AVX2 kernels
   const int n_rep = p.n_q_heads / p.n_kv_heads;
   const int64_t part_floats = int64_t{n_rep} * (p.head_dim + 2);
@@ -387,7 +391,7 @@ Status paged_attention_kivi_isa(Isa isa, const PagedKvLayerView& kv, const AttnP
       const KvResidualView* res = residuals.empty() ? nullptr : &residuals[it.seq];
       const int64_t q_start = blocks_end(s, residuals, static_cast<size_t>(it.seq));
       if (it.shared) {
-        run_shared_piece(kv, p, s, res, q_start, it, partials.data());
+        run_shared_piece(kv, p, s, res, q_start, it, kc.prefill, partials.data());
       } else {
         run_item(ops, kv, p, s, res, q_start, it, scratch, partials.data());
       }

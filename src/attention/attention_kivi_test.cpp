@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -103,8 +104,8 @@ TEST(KiviAttention, KernelsMatchReferenceOnMixedBatches) {
         auto run = [&](std::vector<std::vector<float>>& outs, int mode) {
           for (int i = 0; i < 3; ++i) seqs[i].out = outs[i].data();
           if (mode == 0) return paged_attention_kivi_reference(view, ap, seqs, res);
-          return paged_attention_kivi_isa(mode == 1 ? Isa::kScalar : Isa::kAvx2, view, ap, seqs,
-                                          res, &threads);
+          const Isa isa = mode == 1 ? Isa::kScalar : mode == 2 ? Isa::kAvx2 : Isa::kAvx512;
+          return paged_attention_kivi_isa(isa, view, ap, seqs, res, &threads);
         };
         ASSERT_TRUE(run(out_r, 0).ok());
         ASSERT_TRUE(run(out_s, 1).ok());
@@ -112,6 +113,16 @@ TEST(KiviAttention, KernelsMatchReferenceOnMixedBatches) {
         for (int i = 0; i < 3; ++i) {
           EXPECT_LT(max_rel_diff(out_s[i], out_r[i]), 2e-5) << "scalar, sequence " << i;
           EXPECT_LT(max_rel_diff(out_a[i], out_r[i]), 2e-5) << "avx2, sequence " << i;
+        }
+        // At the avx512 cap the prefill rows take the AVX-512 prefill tiles
+        // where the CPU has AVX-512 F: the AVX2 bits either way.
+        std::vector<std::vector<float>> out_w(3);
+        for (int i = 0; i < 3; ++i) out_w[i].assign(q[i].size(), 0.0f);
+        ASSERT_TRUE(run(out_w, 3).ok());
+        for (int i = 0; i < 3; ++i) {
+          EXPECT_EQ(std::memcmp(out_w[i].data(), out_a[i].data(), out_a[i].size() * sizeof(float)),
+                    0)
+              << "avx512 cap, sequence " << i;
         }
         // Bad arguments are rejected with the field named, nothing written.
         std::vector<KvResidualView> bad_res = res;
