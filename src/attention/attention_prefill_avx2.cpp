@@ -119,6 +119,27 @@ KV_AVX2 void prefill_scores_avx2(const float* qs, const float* kt, int n_vp, int
   }
 }
 
+// The last 8 dims [c, c + 8) of vectors [i0, i0 + 4) (head_dim % 16 == 8),
+// p0 their weights: both pv functions' tail.
+KV_AVX2 inline void pv_tail8(const float* p0, const float* vc, const float* alpha, int i0, int c,
+                             int d, int n, float* o) {
+  __m256 acc[4];
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+    acc[r] =
+        _mm256_mul_ps(_mm256_loadu_ps(o + (i0 + r) * d + c), _mm256_broadcast_ss(alpha + i0 + r));
+  }
+  for (int j = 0; j < n; ++j) {
+    const __m256 v0 = _mm256_loadu_ps(vc + j * d + c);
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + r * kChunk + j), v0, acc[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) _mm256_storeu_ps(o + (i0 + r) * d + c, acc[r]);
+}
+
 // O = alpha O + P V for the n_vp query vectors over the chunk's n keys:
 // per output element, its alpha product, then one FMA per key in key order
 // (prefill_pv_avx512 gives the same bits).
@@ -153,23 +174,7 @@ KV_AVX2 void prefill_pv_avx2(const float* s, const float* vc, const float* alpha
         _mm256_storeu_ps(o + (i0 + r) * d + c + 8, acc[r][1]);
       }
     }
-    if (c < d) {  // 8 dims left
-      __m256 acc[4];
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) {
-        acc[r] = _mm256_mul_ps(_mm256_loadu_ps(o + (i0 + r) * d + c),
-                               _mm256_broadcast_ss(alpha + i0 + r));
-      }
-      for (int j = 0; j < n; ++j) {
-        const __m256 v0 = _mm256_loadu_ps(vc + j * d + c);
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + r * kChunk + j), v0, acc[r]);
-        }
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) _mm256_storeu_ps(o + (i0 + r) * d + c, acc[r]);
-    }
+    if (c < d) pv_tail8(p0, vc, alpha, i0, c, d, n, o);  // 8 dims left
   }
 }
 
@@ -267,23 +272,7 @@ KV_AVX512F void prefill_pv_avx512(const float* s, const float* vc, const float* 
 #pragma GCC unroll 4
       for (int r = 0; r < 4; ++r) _mm512_storeu_ps(o + (i0 + r) * d + c, acc[r]);
     }
-    if (c < d) {  // 8 dims left
-      __m256 acc[4];
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) {
-        acc[r] = _mm256_mul_ps(_mm256_loadu_ps(o + (i0 + r) * d + c),
-                               _mm256_broadcast_ss(alpha + i0 + r));
-      }
-      for (int j = 0; j < n; ++j) {
-        const __m256 v0 = _mm256_loadu_ps(vc + j * d + c);
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + r * kChunk + j), v0, acc[r]);
-        }
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) _mm256_storeu_ps(o + (i0 + r) * d + c, acc[r]);
-    }
+    if (c < d) pv_tail8(p0, vc, alpha, i0, c, d, n, o);  // 8 dims left
   }
 }
 
