@@ -88,9 +88,9 @@ Status paged_attention_reference(const PagedKvLayerView& kv, const AttnParams& p
 // The kernels paged_attention() runs for keys in k, values in v and
 // head_dim at the current ISA cap (best_isa(), KVSTACK_ISA, and
 // KVSTACK_ATTN_ISA=scalar|avx2, which caps attention alone), from the
-// function that dispatches them: "scalar", "avx2", "avx512-vnni", or
-// "<decode path> decode + <prefill path> prefill" when decode rows (n_new ==
-// 1) and prefill rows run on different paths.
+// function that dispatches them: "scalar", "avx2", or "<decode path> decode
+// + <prefill path> prefill" when decode rows (n_new == 1) and prefill rows
+// run on different paths (e.g. "avx512-vnni decode + avx512 prefill").
 std::string attention_kernel_name(KvDtype k, KvDtype v, int head_dim);
 
 // attention_kernel_name() for each distinct (K dtype, V dtype, head_dim) of
