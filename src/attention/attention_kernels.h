@@ -191,6 +191,14 @@ void prefill_tile_avx2(const TileArgs& a);  // any n_rows; REQUIRES n_heads == 1
 // The same tile with its two products (q . K, p . V) on AVX-512 F vectors:
 // the same bits as prefill_tile_avx2. REQUIRES AVX-512 F, n_heads == 1.
 void prefill_tile_avx512(const TileArgs& a);
+// The prefill tile of select_kernels' prefill path (kAvx512 or kAvx2).
+inline void prefill_tile_on(KernelPath path, const TileArgs& a) {
+  if (path == KernelPath::kAvx512) {
+    prefill_tile_avx512(a);
+  } else {
+    prefill_tile_avx2(a);
+  }
+}
 
 // Key-mass reduction (run_attention's last pass): dst[j] += sum over r <
 // n_rows, in order, of f16 rows[r][j] * f[r] (fused multiply-adds from 0),

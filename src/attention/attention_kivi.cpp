@@ -225,10 +225,8 @@ void run_shared_piece(const PagedKvLayerView& kv, const AttnParams& p, const Att
   // with q^, so their rows take the prefill kernel.
   if (rows == 1 && a.k.dtype != KvDtype::kInt4) {
     attn_detail::decode_tile_avx2(a);
-  } else if (prefill == attn_detail::KernelPath::kAvx512) {
-    attn_detail::prefill_tile_avx512(a);
   } else {
-    attn_detail::prefill_tile_avx2(a);
+    attn_detail::prefill_tile_on(prefill, a);
   }
 }
 

@@ -389,11 +389,7 @@ void run_attention(const KernelChoice& kc, const PagedKvLayerView& kv, const Att
     if (path == KernelPath::kScalar) {
       tile_scalar(a);
     } else if (seqs[it.seq].n_new != 1) {
-      if (path == KernelPath::kAvx512) {
-        prefill_tile_avx512(a);
-      } else {
-        prefill_tile_avx2(a);
-      }
+      prefill_tile_on(path, a);
     } else if (path == KernelPath::kAvx512Vnni) {
       decode_tile_avx512_vnni(a);
     } else if (path == KernelPath::kAvx512F16) {
