@@ -182,43 +182,76 @@ KV_AVX2 void prefill_pv_avx2(const float* s, const float* vc, const float* alpha
 // FMAs in the same order as the AVX2 functions above, so the same bits,
 // with half the instructions. Only the products: the K/V tiles, the
 // softmax and the final division stay the AVX2 code's.
+// Scores of vectors [i0, i0 + 4) against the chunk's first 16 * KB keys
+// (KB = 2: 8 sums cover the FMA latency; KB = 1 for a last chunk of at most
+// 16 keys).
+template <int KB>
+KV_AVX512F void scores_block(const float* qs, const float* kt, int i0, int d, float* s) {
+  __m512 acc[4][KB];
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+#pragma GCC unroll 2
+    for (int b = 0; b < KB; ++b) acc[r][b] = _mm512_setzero_ps();
+  }
+  for (int c = 0; c < d; ++c) {
+    __m512 k[KB];
+#pragma GCC unroll 2
+    for (int b = 0; b < KB; ++b) k[b] = _mm512_loadu_ps(kt + c * kChunk + 16 * b);
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const __m512 qb = _mm512_set1_ps(qs[(i0 + r) * d + c]);
+#pragma GCC unroll 2
+      for (int b = 0; b < KB; ++b) acc[r][b] = _mm512_fmadd_ps(qb, k[b], acc[r][b]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+#pragma GCC unroll 2
+    for (int b = 0; b < KB; ++b) _mm512_storeu_ps(s + (i0 + r) * kChunk + 16 * b, acc[r][b]);
+  }
+}
+
 KV_AVX512F void prefill_scores_avx512(const float* qs, const float* kt, int n_vp, int d, int n,
                                       float* s) {
   static_assert(kChunk == 32, "two 16-key vectors per chunk");
   for (int i0 = 0; i0 < n_vp; i0 += 4) {
-    if (n > 16) {  // 4 vectors x 32 keys: 8 sums cover the FMA latency
-      __m512 acc[4][2];
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-      for (int c = 0; c < d; ++c) {
-        const __m512 k0 = _mm512_loadu_ps(kt + c * kChunk);
-        const __m512 k1 = _mm512_loadu_ps(kt + c * kChunk + 16);
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          const __m512 qb = _mm512_set1_ps(qs[(i0 + r) * d + c]);
-          acc[r][0] = _mm512_fmadd_ps(qb, k0, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(qb, k1, acc[r][1]);
-        }
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) {
-        _mm512_storeu_ps(s + (i0 + r) * kChunk, acc[r][0]);
-        _mm512_storeu_ps(s + (i0 + r) * kChunk + 16, acc[r][1]);
-      }
-    } else {  // a last chunk of at most 16 keys
-      __m512 acc[4];
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) acc[r] = _mm512_setzero_ps();
-      for (int c = 0; c < d; ++c) {
-        const __m512 k0 = _mm512_loadu_ps(kt + c * kChunk);
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(i0 + r) * d + c]), k0, acc[r]);
-        }
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) _mm512_storeu_ps(s + (i0 + r) * kChunk, acc[r]);
+    if (n > 16) {
+      scores_block<2>(qs, kt, i0, d, s);
+    } else {
+      scores_block<1>(qs, kt, i0, d, s);
     }
+  }
+}
+
+// O = alpha O + P V for vectors [i0, i0 + 4), dims [c, c + 16 * X), p0
+// their weights.
+template <int X>
+KV_AVX512F void pv_block(const float* p0, const float* vc, const float* alpha, int i0, int c, int d,
+                         int n, float* o) {
+  __m512 acc[4][X];
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+    const __m512 al = _mm512_set1_ps(alpha[i0 + r]);
+#pragma GCC unroll 4
+    for (int x = 0; x < X; ++x) {
+      acc[r][x] = _mm512_mul_ps(_mm512_loadu_ps(o + (i0 + r) * d + c + 16 * x), al);
+    }
+  }
+  for (int j = 0; j < n; ++j) {
+    __m512 v[X];
+#pragma GCC unroll 4
+    for (int x = 0; x < X; ++x) v[x] = _mm512_loadu_ps(vc + j * d + c + 16 * x);
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const __m512 pb = _mm512_set1_ps(p0[r * kChunk + j]);
+#pragma GCC unroll 4
+      for (int x = 0; x < X; ++x) acc[r][x] = _mm512_fmadd_ps(pb, v[x], acc[r][x]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+#pragma GCC unroll 4
+    for (int x = 0; x < X; ++x) _mm512_storeu_ps(o + (i0 + r) * d + c + 16 * x, acc[r][x]);
   }
 }
 
@@ -228,50 +261,8 @@ KV_AVX512F void prefill_pv_avx512(const float* s, const float* vc, const float* 
     const float* p0 = s + static_cast<size_t>(i0) * kChunk;
     int c = 0;
     // 4 vectors x 64 dims per register block (16 sums), then 16, then 8.
-    for (; c + 64 <= d; c += 64) {
-      __m512 acc[4][4];
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) {
-        const __m512 al = _mm512_set1_ps(alpha[i0 + r]);
-#pragma GCC unroll 4
-        for (int x = 0; x < 4; ++x) {
-          acc[r][x] = _mm512_mul_ps(_mm512_loadu_ps(o + (i0 + r) * d + c + 16 * x), al);
-        }
-      }
-      for (int j = 0; j < n; ++j) {
-        __m512 v[4];
-#pragma GCC unroll 4
-        for (int x = 0; x < 4; ++x) v[x] = _mm512_loadu_ps(vc + j * d + c + 16 * x);
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          const __m512 pb = _mm512_set1_ps(p0[r * kChunk + j]);
-#pragma GCC unroll 4
-          for (int x = 0; x < 4; ++x) acc[r][x] = _mm512_fmadd_ps(pb, v[x], acc[r][x]);
-        }
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) {
-#pragma GCC unroll 4
-        for (int x = 0; x < 4; ++x) _mm512_storeu_ps(o + (i0 + r) * d + c + 16 * x, acc[r][x]);
-      }
-    }
-    for (; c + 16 <= d; c += 16) {
-      __m512 acc[4];
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) {
-        acc[r] =
-            _mm512_mul_ps(_mm512_loadu_ps(o + (i0 + r) * d + c), _mm512_set1_ps(alpha[i0 + r]));
-      }
-      for (int j = 0; j < n; ++j) {
-        const __m512 v0 = _mm512_loadu_ps(vc + j * d + c);
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p0[r * kChunk + j]), v0, acc[r]);
-        }
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) _mm512_storeu_ps(o + (i0 + r) * d + c, acc[r]);
-    }
+    for (; c + 64 <= d; c += 64) pv_block<4>(p0, vc, alpha, i0, c, d, n, o);
+    for (; c + 16 <= d; c += 16) pv_block<1>(p0, vc, alpha, i0, c, d, n, o);
     if (c < d) pv_tail8(p0, vc, alpha, i0, c, d, n, o);  // 8 dims left
   }
 }
