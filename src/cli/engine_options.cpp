@@ -306,33 +306,36 @@ Result<std::unique_ptr<Engine>> load_engine(const Args& args, bool quiet) {
     // The kernels that really run: matmul per weight format and attention
     // per KV format, each named by the function that dispatches them.
     const Model& model = (*engine)->model();
-    std::vector<GgmlType> types;
+    std::vector<const WeightView*> views;
     for (const LayerWeights& l : model.layers()) {
       for (const WeightView* wv : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down,
                                    &l.mla.wq_a, &l.mla.wq_b, &l.mla.wkv_a, &l.mla.wkv_b,
                                    &l.moe.router, &l.moe.sh_gate, &l.moe.sh_up, &l.moe.sh_down}) {
-        if (wv->data != nullptr) types.push_back(wv->type);
+        if (wv->data != nullptr) views.push_back(wv);
       }
       for (const auto* ex : {&l.moe.gate, &l.moe.up, &l.moe.down}) {
-        if (!ex->empty()) types.push_back(ex->front().type);
+        if (!ex->empty()) views.push_back(&ex->front());
       }
     }
-    types.push_back(model.output().type);
+    views.push_back(&model.output());
     // An MLA latent deployment names mla_attention's kernel ("mla-latent
     // f16 avx512"); every other layout what attention's own selection picks.
     std::string kernels =
-        "matmul: " + matmul_kernel_summary(types) + "; attention: " +
+        "matmul: " + matmul_kernel_summary(views) + "; attention: " +
         (cfg->kv_mla_latent ? "mla-latent " + mla_attention_kernel_name(cfg->key_dtype())
                             : attention_kernel_summary((*engine)->layout()));
     if (model.config().arch == "deepseek2")
       kernels += "; " + deepseek2_kernel_summary(model.config(), cfg->kv_mla_latent);
     // --load-mode copy: how much of the copy the kernel put on huge pages.
     const MappedFile& map = model.file().mapping();
-    const std::string load = map.mode() == LoadMode::kCopy
-                                 ? "copied, " +
-                                       format_bytes(static_cast<double>(map.huge_page_bytes())) +
-                                       " in huge pages"
-                                 : std::string("mmap");
+    // And how much of it was packed into 16-column panels (kPanels16).
+    std::string load = map.mode() == LoadMode::kCopy
+                           ? "copied, " + format_bytes(static_cast<double>(map.huge_page_bytes())) +
+                                 " in huge pages"
+                           : std::string("mmap");
+    if (model.packed_bytes() > 0) {
+      load += ", " + format_bytes(static_cast<double>(model.packed_bytes())) + " in panels";
+    }
     std::fprintf(stderr,
                  "kvstack: loaded %s (%s weights, %s) in %.0f ms; %d threads, kernels (%s); KV "
                  "pool %lld blocks x %d tokens (%s, %s)\n",

@@ -134,6 +134,19 @@ size_t MappedFile::huge_page_bytes() const {
   return total;
 }
 
+uint8_t* MappedFile::unseal() {
+  if (mode_ != LoadMode::kCopy || data_ == nullptr) return nullptr;
+  auto* p = const_cast<uint8_t*>(data_);  // our own anonymous copy (copy_to_anonymous)
+  if (::mprotect(p, size_, PROT_READ | PROT_WRITE) != 0) return nullptr;
+  return p;
+}
+
+void MappedFile::seal() {
+  if (mode_ == LoadMode::kCopy && data_ != nullptr) {
+    ::mprotect(const_cast<uint8_t*>(data_), size_, PROT_READ);
+  }
+}
+
 void MappedFile::reset() {
   if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), size_);
   data_ = nullptr;

@@ -45,6 +45,12 @@ class MappedFile {
   // Bytes of the copy in huge pages (AnonHugePages of its range, from
   // /proc/self/smaps); 0 for kMmap or where the kernel granted none.
   size_t huge_page_bytes() const;
+  // kCopy only: makes the whole copy writable and returns it, for rewrites
+  // in place while a model loads (weights packed for the kernels); seal()
+  // makes it read-only again. nullptr for kMmap (the file's page cache is not
+  // this process's to rewrite) or an empty file, or when mprotect fails.
+  uint8_t* unseal();
+  void seal();
 
  private:
   void reset();

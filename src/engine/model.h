@@ -78,6 +78,12 @@ class Model {
   // Bytes of weights as stored (sum of tensor sizes) and bytes dequantized at load.
   uint64_t weight_bytes() const { return weight_bytes_; }
   uint64_t dequantized_bytes() const { return dequantized_bytes_; }
+  // Bytes of weight matrices packed in place into 16-column panels at load
+  // (WeightLayout::kPanels16; the matrices keep their size). Only with
+  // LoadMode::kCopy, where the AVX-512 VNNI kernels run, for Q4_0 / Q4_1 /
+  // Q8_0 matrices (a tied token embedding too: embed() reads its rows back
+  // through weight_row), unless KVSTACK_WEIGHT_PANELS=0.
+  uint64_t packed_bytes() const { return packed_bytes_; }
   // Names of tensor types that had no matmul kernel and were dequantized.
   const std::vector<std::string>& dequantized_types() const { return dequantized_types_; }
 
@@ -93,7 +99,10 @@ class Model {
   Result<std::vector<WeightView>> experts(const std::string& name, int64_t n_in, int64_t n_out,
                                           int64_t n_expert);
   Result<WeightView> mla_kv_b(const std::string& prefix);
-  Result<WeightView> matrix(const std::string& name, int64_t n_in, int64_t n_out);
+  // pack: the matrix is read by matmul alone, so it may be packed (see
+  // packed_bytes()) when bind() made the copy writable.
+  Result<WeightView> matrix(const std::string& name, int64_t n_in, int64_t n_out,
+                            bool pack = false);
   Result<const float*> vector_f32(const std::string& name, int64_t n, bool required = true);
 
   GgufFile file_;
@@ -103,6 +112,8 @@ class Model {
   const float* output_norm_ = nullptr;
   uint64_t weight_bytes_ = 0;
   uint64_t dequantized_bytes_ = 0;
+  uint64_t packed_bytes_ = 0;
+  uint8_t* writable_ = nullptr;  // the file's copy while bind() may pack into it, else null
   std::vector<std::string> dequantized_types_;
   std::vector<std::unique_ptr<float[]>> owned_;  // dequantized tensors
 };

@@ -81,6 +81,7 @@ class GgufFile {
   const uint8_t* file_data() const { return base_; }
   size_t file_size() const { return size_; }
   const MappedFile& mapping() const { return map_; }
+  MappedFile& mapping() { return map_; }
 
   // Metadata, in file order.
   const std::vector<std::pair<std::string, GgufValue>>& metadata() const { return kv_; }

@@ -4,7 +4,9 @@
 #include <array>
 #include <atomic>
 #include <cctype>
+#include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/check.h"
@@ -138,13 +140,47 @@ Selected select_kernel(GgmlType type) {
   if (MatmulKernel k = ops_detail::scalar_kernel(type)) return {k, "scalar"};
   return {};
 }
+Selected select_kernel(const WeightView& w) {
+  if (w.layout == WeightLayout::kPanels16) {
+    return {ops_detail::avx512_panels_kernel(w.type), "avx512-vnni-panels"};
+  }
+  return select_kernel(w.type);
+}
+
+// Writes block b of column c (0..15) of a kPanels16 group-block `gb` (16
+// blocks' bytes) back in GGUF's layout at `blk`, for the three packable
+// formats (layout: matmul.h, WeightLayout). Plain scalar code, apart from the
+// AVX-512 packer (ops_detail::avx512_pack_group), so weight_row also checks
+// it (matmul_test).
+void unpack_block(GgmlType type, const uint8_t* gb, int c, uint8_t* blk) {
+  switch (type) {
+    case GgmlType::kQ4_0:
+    case GgmlType::kQ4_1: {
+      const size_t qs_off = type == GgmlType::kQ4_0 ? 2 : 4;  // after d (and m)
+      for (int k = 0; k < 4; ++k) std::memcpy(blk + qs_off + 4 * k, gb + 64 * k + 4 * c, 4);
+      std::memcpy(blk, gb + 256 + 2 * c, 2);                                   // d
+      if (type == GgmlType::kQ4_1) std::memcpy(blk + 2, gb + 288 + 2 * c, 2);  // m
+      break;
+    }
+    case GgmlType::kQ8_0:
+      for (int k = 0; k < 8; ++k) {
+        for (int i = 0; i < 4; ++i) {
+          blk[2 + 4 * k + i] = static_cast<uint8_t>(gb[64 * k + 4 * c + i] ^ 0x80);  // q + 128 -> q
+        }
+      }
+      std::memcpy(blk, gb + 512 + 2 * c, 2);  // d
+      break;
+    default:
+      KV_CHECK(false, "kPanels16: not a packable weight type");
+  }
+}
 
 // One output of a fused call: weight matrix, its kernel and output [m, n_out].
 struct Part {
   const WeightView* w;
   MatmulKernel kernel;
   float* y;
-  int64_t col0;  // first column of this part in the concatenated column space
+  int64_t col0;  // first column of this part in the concatenated column space (a multiple of 16)
 };
 
 // A thread's share of the concatenated columns: [next, end), claimed from the
@@ -172,8 +208,7 @@ void run_columns(const Part* parts, int n_parts, const PreparedAct& act, int64_t
 // prefetch stays on it) and then steals grains from the other ranges, so a
 // thread slowed by other load does not hold up the call.
 void run_parts(const Part* parts, int n_parts, const PreparedAct& act, ThreadPool* pool) {
-  int64_t n_cols = 0;
-  for (int i = 0; i < n_parts; ++i) n_cols += parts[i].w->n_out;
+  const int64_t n_cols = parts[n_parts - 1].col0 + parts[n_parts - 1].w->n_out;
   const int n_threads = std::min(pool ? pool->n_threads() : 1, kMaxThreads);
   // Grains are multiples of 16 columns (the widest kernel tile, the AVX-512
   // column group). Decode: ~32 per thread, 16 to 256 columns (small enough
@@ -219,6 +254,14 @@ void run_parts(const Part* parts, int n_parts, const PreparedAct& act, ThreadPoo
   });
 }
 
+// "q4_1" for GgmlType::kQ4_1: the type's name in lower case ("?" if unknown).
+std::string lower_type_name(GgmlType t) {
+  const GgmlTypeTraits* traits = ggml_type_traits(static_cast<uint32_t>(t));
+  std::string name = traits ? traits->name : "?";
+  for (char& ch : name) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return name;
+}
+
 }  // namespace
 
 bool matmul_supported(GgmlType type) {
@@ -229,18 +272,75 @@ const char* matmul_kernel_name(GgmlType type) {
   return select_kernel(type).name;
 }
 
+const char* matmul_kernel_name(const WeightView& w) {
+  return select_kernel(w).name;
+}
+
+bool weight_panels_supported(const WeightView& w) {
+  const bool packable_type =
+      w.type == GgmlType::kQ4_0 || w.type == GgmlType::kQ4_1 || w.type == GgmlType::kQ8_0;
+  return w.layout == WeightLayout::kRows && packable_type && w.n_out > 0 && w.n_out % 16 == 0 &&
+         w.n_in > 0 && w.n_in % kQK == 0 && ops_detail::avx512_vnni_usable() &&
+         ops_detail::avx512_panels_kernel(w.type) != nullptr;
+}
+
+WeightView pack_weight_panels(const WeightView& w, uint8_t* bytes) {
+  KV_CHECK(weight_panels_supported(w), "pack_weight_panels: weights not packable here");
+  KV_CHECK(bytes == w.data, "pack_weight_panels: packs the view's own bytes in place");
+  const size_t row_bytes = ggml_row_bytes(w.type, w.n_in);
+  const size_t group_bytes = 16 * row_bytes;
+  const int64_t nb = w.n_in / kQK;
+  std::vector<uint8_t> rows(group_bytes);  // one group's rows, as stored
+  for (int64_t g = 0; g < w.n_out / 16; ++g) {
+    uint8_t* group = bytes + static_cast<size_t>(g) * group_bytes;
+    std::memcpy(rows.data(), group, group_bytes);
+    KV_CHECK(ops_detail::avx512_pack_group(w.type, rows.data(), row_bytes, nb, group),
+             "pack_weight_panels: no packer for this type on this CPU");
+  }
+  WeightView packed = w;
+  packed.layout = WeightLayout::kPanels16;
+  return packed;
+}
+
+void weight_row(const WeightView& w, int64_t row, uint8_t* out) {
+  KV_CHECK(row >= 0 && row < w.n_out, "weight_row: row out of range");
+  const size_t row_bytes = ggml_row_bytes(w.type, w.n_in);
+  if (w.layout == WeightLayout::kRows) {
+    std::memcpy(out, w.data + static_cast<size_t>(row) * row_bytes, row_bytes);
+    return;
+  }
+  const int64_t nb = w.n_in / kQK;
+  const size_t block_bytes = row_bytes / static_cast<size_t>(nb);
+  const uint8_t* group = w.data + static_cast<size_t>(row / 16) * 16 * row_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    unpack_block(w.type, group + static_cast<size_t>(b) * 16 * block_bytes,
+                 static_cast<int>(row % 16), out + b * block_bytes);
+  }
+}
+
 std::string matmul_kernel_summary(std::span<const GgmlType> types) {
   std::vector<GgmlType> seen;
   std::string out;
   for (GgmlType t : types) {
     if (std::find(seen.begin(), seen.end(), t) != seen.end()) continue;
     seen.push_back(t);
-    const GgmlTypeTraits* traits = ggml_type_traits(static_cast<uint32_t>(t));
     const char* name = matmul_kernel_name(t);
-    std::string type_name = traits ? traits->name : "?";
-    for (char& ch : type_name) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
     if (!out.empty()) out += ", ";
-    out += type_name + " " + (name ? name : "none");
+    out += lower_type_name(t) + " " + (name ? name : "none");
+  }
+  return out;
+}
+
+std::string matmul_kernel_summary(std::span<const WeightView* const> views) {
+  std::vector<std::pair<GgmlType, std::string>> seen;
+  std::string out;
+  for (const WeightView* w : views) {
+    const char* name = matmul_kernel_name(*w);
+    std::pair<GgmlType, std::string> key{w->type, name ? name : "none"};
+    if (std::find(seen.begin(), seen.end(), key) != seen.end()) continue;
+    seen.push_back(key);
+    if (!out.empty()) out += ", ";
+    out += lower_type_name(w->type) + " " + key.second;
   }
   return out;
 }
@@ -270,8 +370,13 @@ void matmul_multi(std::span<const WeightView> ws, const float* x, int64_t m,
     KV_CHECK(i == 0 || matmul_can_fuse(ws[0], w),
              "matmul_multi: weights differ in n_in or activation format");
     KV_CHECK(w.n_out >= 0, "matmul: negative n_out");
-    parts[i] = Part{&w, select_kernel(w.type).kernel, ys[i], col0};
-    col0 += w.n_out;
+    const MatmulKernel kernel = select_kernel(w).kernel;
+    KV_CHECK(kernel != nullptr, "matmul: no kernel for kPanels16 weights on this CPU");
+    parts[i] = Part{&w, kernel, ys[i], col0};
+    // Each part starts on a multiple of 16 columns (the gap before it is
+    // empty), so every grain of a part is whole 16-column groups but its
+    // last: kPanels16 kernels read whole groups.
+    col0 += (w.n_out + 15) / 16 * 16;
   }
   if (m <= 0 || col0 == 0) return;
   const PreparedAct act = prepare(ops_detail::act_kind(ws[0].type), x, m, ws[0].n_in, pool);

@@ -19,7 +19,10 @@
 // A group's transposed blocks (a "panel") are built once per block of up to
 // kLegacyRowBlock activation rows and reused by every row; fewer than 4 rows
 // (decode) skip the panel and reduce per-column partial sums instead
-// (decode_rows), which gives the same integers.
+// (decode_rows), which gives the same integers. Weights packed at load into
+// that transposed layout (WeightLayout::kPanels16, matmul.h) skip the
+// transpose: their panel is an unpack (unpack_panel), and decode rows read
+// them directly (packed_decode), with the same integers and float update.
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
@@ -225,9 +228,10 @@ KV_AVX512 inline void prefetch_share(const Prefetch& next, int64_t b, int64_t nb
 // Vector i is loaded as columns (i, 4 + i, 8 + i, 12 + i) in its 128-bit
 // lanes, so that after the in-lane 4 x 4 transpose lane c is column c.
 // The same unsigned bytes as unsigned_quants(), so the same panel.
+// nibble_dwords gives the transposed D[k] (k < 4), nibble_panel_quants the T.
 template <class Block>
-KV_AVX512 inline void nibble_panel_quants(const uint8_t* col0, size_t row_bytes, int64_t b,
-                                          int n_cols, __m512i* t) {
+KV_AVX512 inline void nibble_dwords(const uint8_t* col0, size_t row_bytes, int64_t b, int n_cols,
+                                    __m512i* dq) {
   constexpr size_t kQsOff = offsetof(Block, qs);
   auto ld = [&](int j) {
     return j < n_cols ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(
@@ -245,8 +249,17 @@ KV_AVX512 inline void nibble_panel_quants(const uint8_t* col0, size_t row_bytes,
   const __m512i t1 = _mm512_unpackhi_epi32(r[0], r[1]);  // lane: r0.d2 r1.d2 r0.d3 r1.d3
   const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]);
   const __m512i t3 = _mm512_unpackhi_epi32(r[2], r[3]);
-  const __m512i dq[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
-                         _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+  dq[0] = _mm512_unpacklo_epi64(t0, t2);
+  dq[1] = _mm512_unpackhi_epi64(t0, t2);
+  dq[2] = _mm512_unpacklo_epi64(t1, t3);
+  dq[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+template <class Block>
+KV_AVX512 inline void nibble_panel_quants(const uint8_t* col0, size_t row_bytes, int64_t b,
+                                          int n_cols, __m512i* t) {
+  __m512i dq[4];
+  nibble_dwords<Block>(col0, row_bytes, b, n_cols, dq);
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   for (int k = 0; k < 4; ++k) {
     t[k] = _mm512_and_si512(dq[k], low4);
@@ -586,16 +599,207 @@ PanelBlock* panel_buffer(int64_t nb) {
   return buf.data();
 }
 
+// ---- kPanels16 weights (pack_weight_panels, matmul.h). ----
+//
+// A group-block (16 columns, one 32-block) of packed Q4_0/Q4_1 holds the 4
+// transposed qs dwords per column, so the panel's T[k] = D[k] & 0x0f and
+// T[k + 4] = (D[k] >> 4) & 0x0f (nibble_panel_quants' last step, without its
+// loads and transpose); packed Q8_0 holds T[k] itself (already unsigned).
+// The f16 scales (and mins) of the 16 columns follow. Same unsigned bytes,
+// same scales: the same panel as build_panel's, so the same bits.
+template <class F>
+constexpr size_t kPackedQsBytes = std::is_same_v<F, Q8_0A> ? 512 : 256;
+
+// The 8 transposed unsigned-quant vectors of packed group-block p.
+template <class F>
+KV_AVX512 inline void packed_quants(const uint8_t* p, __m512i* t) {
+  if constexpr (std::is_same_v<F, Q8_0A>) {
+    for (int k = 0; k < 8; ++k) t[k] = _mm512_loadu_si512(p + 64 * k);
+  } else {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i dq = _mm512_loadu_si512(p + 64 * k);
+      t[k] = _mm512_and_si512(dq, low4);
+      t[k + 4] = _mm512_and_si512(_mm512_srli_epi32(dq, 4), low4);
+    }
+  }
+}
+
+// The 16 columns' f16 at byte `off` of packed group-block p, as floats.
+KV_AVX512 inline __m512 packed_f16s(const uint8_t* p, size_t off) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + off)));
+}
+
+// The panel of one packed group (nb group-blocks from `group`), prefetching
+// `next` meanwhile.
+template <class F>
+KV_AVX512 void unpack_panel(const uint8_t* group, int64_t nb, Prefetch next, PanelBlock* panel) {
+  constexpr size_t kBlockBytes = kCols * sizeof(typename F::Block);
+  for (int64_t b = 0; b < nb; ++b) {
+    prefetch_share(next, b, nb);
+    const uint8_t* p = group + b * kBlockBytes;
+    __m512i t[8];
+    packed_quants<F>(p, t);
+    PanelBlock& pb = panel[b];
+    for (int k = 0; k < 8; ++k) _mm512_store_si512(pb.t[k], t[k]);
+    _mm512_store_ps(pb.d, packed_f16s(p, kPackedQsBytes<F>));
+    if constexpr (F::kMin) _mm512_store_ps(pb.m, packed_f16s(p, kPackedQsBytes<F> + 32));
+  }
+}
+
+// Packs the 16 rows at `rows` (GGUF's layout, row_bytes each, nb blocks)
+// into the kPanels16 group at `dst` (must not overlap them): per block the
+// transposed qs dwords (Q4_0/Q4_1: nibble_dwords; Q8_0: build_panel's
+// transpose of the raw quants, then + 128), then the f16 scales (and mins)
+// gathered four to a qword (block_f16s).
+template <class F>
+KV_AVX512 void pack_group(const uint8_t* rows, size_t row_bytes, int64_t nb, uint8_t* dst) {
+  using Block = typename F::Block;
+  constexpr size_t kBlockBytes = kCols * sizeof(Block);
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* p = dst + b * kBlockBytes;
+    if constexpr (std::is_same_v<F, Q8_0A>) {
+      __m512i r[8], t[8];
+      for (int i = 0; i < 8; ++i) {
+        const auto* lo = reinterpret_cast<const Block*>(rows + i * row_bytes) + b;
+        const auto* hi = reinterpret_cast<const Block*>(rows + (i + 8) * row_bytes) + b;
+        r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(unsigned_quants<Q8Raw>(*lo)),
+                                  unsigned_quants<Q8Raw>(*hi), 1);
+      }
+      transpose_16x8(r, t);
+      for (int k = 0; k < 8; ++k) {
+        _mm512_storeu_si512(p + 64 * k,
+                            _mm512_xor_si512(t[k], _mm512_set1_epi8(static_cast<char>(0x80))));
+      }
+    } else {
+      __m512i dq[4];
+      nibble_dwords<Block>(rows, row_bytes, b, kCols, dq);
+      for (int k = 0; k < 4; ++k) _mm512_storeu_si512(p + 64 * k, dq[k]);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + kPackedQsBytes<F>),
+                        block_f16s<Block>(rows, row_bytes, b, 0));
+    if constexpr (F::kMin) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + kPackedQsBytes<F> + 32),
+                          block_f16s<Block>(rows, row_bytes, b, 2));
+    }
+  }
+}
+
+// Decode rows (MR < 4) against NP adjacent packed groups starting at column
+// c, straight from the packed bytes (a panel would serve one use). Per block
+// and row, the integer sums of panel_rows (two chains over the 8 dwords) and
+// its float update, lane by lane: the same bits. NP groups at once give
+// 2 * NP * MR independent vpdpbusd chains and NP * MR float chains, which
+// one group alone (2 and 1 per row) would leave waiting on latency.
+template <class F, int MR, int NP>
+KV_AVX512 void packed_decode(const uint8_t* base, size_t row_bytes, const PreparedAct& a, int64_t c,
+                             Prefetch next, float* y, int64_t ldy) {
+  constexpr size_t kBlockBytes = kCols * sizeof(typename F::Block);
+  const int64_t nb = a.n_in / kQK;
+  const uint8_t* g0 = base + c * row_bytes;
+  PrefetchCursor pc = prefetch_cursor(next, nb);
+  __m512 acc[NP][MR];
+  const int8_t* yq[MR];
+  for (int r = 0; r < MR; ++r) {
+    for (int h = 0; h < NP; ++h) acc[h][r] = _mm512_setzero_ps();
+    yq[r] = a.qs + r * a.n_in;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    prefetch_step(pc);
+    __m512i i0[NP][MR], i1[NP][MR];
+    for (int h = 0; h < NP; ++h) {
+      for (int r = 0; r < MR; ++r) i0[h][r] = i1[h][r] = _mm512_setzero_si512();
+    }
+    for (int k = 0; k < 8; k += 2) {
+      for (int h = 0; h < NP; ++h) {
+        const uint8_t* p = g0 + h * kCols * row_bytes + b * kBlockBytes;
+        __m512i t0, t1;
+        if constexpr (std::is_same_v<F, Q8_0A>) {
+          t0 = _mm512_loadu_si512(p + 64 * k);
+          t1 = _mm512_loadu_si512(p + 64 * (k + 1));
+        } else {
+          // Dwords k and k + 1 of the panel: T[j] for j < 4 is D[j] & 0x0f,
+          // T[j] for j >= 4 is (D[j - 4] >> 4) & 0x0f.
+          const __m512i low4 = _mm512_set1_epi8(0x0f);
+          const __m512i d0 = _mm512_loadu_si512(p + 64 * (k & 3));
+          const __m512i d1 = _mm512_loadu_si512(p + 64 * ((k + 1) & 3));
+          t0 = _mm512_and_si512(k < 4 ? d0 : _mm512_srli_epi32(d0, 4), low4);
+          t1 = _mm512_and_si512(k < 4 ? d1 : _mm512_srli_epi32(d1, 4), low4);
+        }
+        for (int r = 0; r < MR; ++r) {
+          int32_t w0, w1;
+          std::memcpy(&w0, yq[r] + b * kQK + 4 * k, 4);
+          std::memcpy(&w1, yq[r] + b * kQK + 4 * k + 4, 4);
+          i0[h][r] = _mm512_dpbusd_epi32(i0[h][r], t0, _mm512_set1_epi32(w0));
+          i1[h][r] = _mm512_dpbusd_epi32(i1[h][r], t1, _mm512_set1_epi32(w1));
+        }
+      }
+    }
+    for (int h = 0; h < NP; ++h) {
+      const uint8_t* p = g0 + h * kCols * row_bytes + b * kBlockBytes;
+      const __m512 dw = packed_f16s(p, kPackedQsBytes<F>);
+      for (int r = 0; r < MR; ++r) {
+        const int64_t rb = r * nb + b;  // (row, block) index of a.d / a.s / a.qsum
+        __m512i sumi = _mm512_add_epi32(i0[h][r], i1[h][r]);
+        if constexpr (F::kOffset != 0) {
+          sumi = _mm512_sub_epi32(sumi, _mm512_set1_epi32(F::kOffset * a.qsum[rb]));
+        }
+        const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[rb]));
+        acc[h][r] = _mm512_add_ps(acc[h][r], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
+        if constexpr (F::kMin) {
+          const __m512 mw = packed_f16s(p, kPackedQsBytes<F> + 32);
+          acc[h][r] = _mm512_add_ps(acc[h][r], _mm512_mul_ps(mw, _mm512_set1_ps(a.s[rb])));
+        }
+      }
+    }
+  }
+  for (int h = 0; h < NP; ++h) {
+    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy + c + h * kCols, acc[h][r]);
+  }
+}
+
+// Columns [c0, c1) (whole groups) of MR (< 4) decode rows: NP groups at a
+// time (NP * MR float chains: 4 for one row, 4 and 6 for two and three),
+// then the remaining groups one by one; each pass prefetches the groups
+// after it.
+template <class F, int MR>
+KV_AVX512 void packed_decode_range(const WeightView& w, size_t row_bytes, const PreparedAct& a,
+                                   int64_t c0, int64_t c1, float* y, int64_t ldy) {
+  constexpr int NP = MR == 1 ? 4 : 2;
+  auto ahead = [&](int64_t c, int64_t width) {
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(width, w.n_out - (c + width)));
+    return Prefetch{reinterpret_cast<const char*>(w.data + (c + width) * row_bytes),
+                    n * static_cast<int64_t>(row_bytes)};
+  };
+  int64_t c = c0;
+  for (; c + NP * kCols <= c1; c += NP * kCols) {
+    packed_decode<F, MR, NP>(w.data, row_bytes, a, c, ahead(c, NP * kCols), y, ldy);
+  }
+  for (; c < c1; c += kCols) {
+    packed_decode<F, MR, 1>(w.data, row_bytes, a, c, ahead(c, kCols), y, ldy);
+  }
+}
+
 // The panel path of legacy_kernel (4 or more rows). Kept out of line: inlined
 // into legacy_kernel next to the one-row loops, it cost those loops 7-14%
 // (ops_bench BM_MatmulModel m:1, 1 thread), through the shared function's
 // register allocation.
-template <class F>
+template <class F, bool kPacked>
 __attribute__((noinline)) KV_AVX512 void legacy_panels(const WeightView& w, const PreparedAct& a,
                                                        int64_t c0, int64_t c1, float* y,
                                                        int64_t ldy) {
   const size_t row_bytes = ggml_row_bytes(w.type, w.n_in);
   const int64_t nb = a.n_in / kQK;
+  // The panel of columns [ch, ch + n_cols): transposed from the row-major
+  // weights, or (kPanels16) unpacked from the group's packed bytes, which sit
+  // where its rows did, so every prefetch range below is the same.
+  auto make_panel = [&](int64_t ch, int n_cols, Prefetch next, PanelBlock* dst) {
+    if constexpr (kPacked) {
+      unpack_panel<F>(w.data + ch * row_bytes, nb, next, dst);
+    } else {
+      build_panel<F>(w.data, row_bytes, ch, n_cols, nb, next, dst);
+    }
+  };
   // Two or three panels (32 or 48 columns) at a time where the range has
   // them: the later groups' rows share the first's activation broadcasts
   // (panel_rows_n). A range of 3 groups runs as one triple; otherwise pairs,
@@ -615,8 +819,7 @@ __attribute__((noinline)) KV_AVX512 void legacy_panels(const WeightView& w, cons
         for (int h = 0; h < np; ++h) {
           const int64_t ch = c + h * kCols;
           n_cols_last = static_cast<int>(std::min<int64_t>(kCols, c1 - ch));
-          build_panel<F>(w.data, row_bytes, ch, n_cols_last, nb, Prefetch{nullptr, 0},
-                         panel + h * nb);
+          make_panel(ch, n_cols_last, Prefetch{nullptr, 0}, panel + h * nb);
         }
         const int64_t width = np * kCols;
         // The next groups' weight rows (first row block only: later ones find
@@ -655,7 +858,7 @@ __attribute__((noinline)) KV_AVX512 void legacy_panels(const WeightView& w, cons
         continue;
       }
       const Prefetch next = rb == 0 ? group_after_next(w, row_bytes, c) : Prefetch{nullptr, 0};
-      build_panel<F>(w.data, row_bytes, c, n_cols, nb, next, panel);
+      make_panel(c, n_cols, next, panel);
       const __mmask16 cmask = static_cast<__mmask16>((1u << n_cols) - 1);
       for (; r + 4 <= rb_end; r += 4) panel_rows<F, 4>(panel, nb, a, r, cmask, yc, ldy);
       for (; r < rb_end; ++r) panel_rows<F, 1>(panel, nb, a, r, cmask, yc, ldy);
@@ -667,7 +870,7 @@ __attribute__((noinline)) KV_AVX512 void legacy_panels(const WeightView& w, cons
 template <class F>
 KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t c0, int64_t c1,
                              float* y, int64_t ldy) {
-  if (a.m >= 4) return legacy_panels<F>(w, a, c0, c1, y, ldy);
+  if (a.m >= 4) return legacy_panels<F, false>(w, a, c0, c1, y, ldy);
   const size_t row_bytes = ggml_row_bytes(w.type, w.n_in);
   switch (a.m) {
     case 1:
@@ -678,6 +881,26 @@ KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t 
       break;
     default:
       decode_range<F, 3>(w, row_bytes, a, c0, c1, y, ldy);
+      break;
+  }
+}
+
+// kPanels16 weights: columns [c0, c1) in whole groups of 16 (run_parts
+// splits at multiples of 16, and packed matrices have n_out % 16 == 0).
+template <class F>
+KV_AVX512 void panels_kernel(const WeightView& w, const PreparedAct& a, int64_t c0, int64_t c1,
+                             float* y, int64_t ldy) {
+  if (a.m >= 4) return legacy_panels<F, true>(w, a, c0, c1, y, ldy);
+  const size_t row_bytes = ggml_row_bytes(w.type, w.n_in);
+  switch (a.m) {
+    case 1:
+      packed_decode_range<F, 1>(w, row_bytes, a, c0, c1, y, ldy);
+      break;
+    case 2:
+      packed_decode_range<F, 2>(w, row_bytes, a, c0, c1, y, ldy);
+      break;
+    default:
+      packed_decode_range<F, 3>(w, row_bytes, a, c0, c1, y, ldy);
       break;
   }
 }
@@ -1039,10 +1262,46 @@ KV_AVX512 void k_kernel512(const WeightView& w, const PreparedAct& a, int64_t c0
 
 }  // namespace
 
-bool avx512_vnni_usable() {
+bool avx512_vnni_present() {
   const CpuFeatures& f = cpu_features();
-  return best_isa() >= Isa::kAvx512 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni &&
+  return f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni &&
          __builtin_cpu_supports("avx512dq");
+}
+
+bool avx512_vnni_usable() {
+  return best_isa() >= Isa::kAvx512 && avx512_vnni_present();
+}
+
+bool avx512_pack_group(GgmlType type, const uint8_t* rows, size_t row_bytes, int64_t nb,
+                       uint8_t* dst) {
+  if (!avx512_vnni_present()) return false;
+  switch (type) {
+    case GgmlType::kQ4_0:
+      pack_group<Q4_0A>(rows, row_bytes, nb, dst);
+      return true;
+    case GgmlType::kQ4_1:
+      pack_group<Q4_1A>(rows, row_bytes, nb, dst);
+      return true;
+    case GgmlType::kQ8_0:
+      pack_group<Q8_0A>(rows, row_bytes, nb, dst);
+      return true;
+    default:
+      return false;
+  }
+}
+
+MatmulKernel avx512_panels_kernel(GgmlType type) {
+  if (!avx512_vnni_present()) return nullptr;
+  switch (type) {
+    case GgmlType::kQ4_0:
+      return panels_kernel<Q4_0A>;
+    case GgmlType::kQ4_1:
+      return panels_kernel<Q4_1A>;
+    case GgmlType::kQ8_0:
+      return panels_kernel<Q8_0A>;
+    default:
+      return nullptr;
+  }
 }
 
 const char* avx512_kernel_path(GgmlType) {
@@ -1078,7 +1337,16 @@ MatmulKernel avx512_kernel(GgmlType type) {
 #else  // !__x86_64__
 
 namespace kvstack::ops_detail {
+bool avx512_vnni_present() {
+  return false;
+}
 bool avx512_vnni_usable() {
+  return false;
+}
+MatmulKernel avx512_panels_kernel(GgmlType) {
+  return nullptr;
+}
+bool avx512_pack_group(GgmlType, const uint8_t*, size_t, int64_t, uint8_t*) {
   return false;
 }
 const char* avx512_kernel_path(GgmlType) {

@@ -43,5 +43,19 @@ bool avx512_vnni_usable();
 MatmulKernel avx512_kernel(GgmlType type);
 // The path name of avx512_kernel(type).
 const char* avx512_kernel_path(GgmlType type);
+// True when the CPU itself has AVX-512 F/BW/VL/DQ + VNNI, whatever the ISA
+// cap (kPanels16 weights have no other kernel, so a cap lowered after they
+// were packed does not take their kernel away).
+bool avx512_vnni_present();
+// The kernel for kPanels16 weights of a type (Q4_0, Q4_1, Q8_0; columns in
+// whole groups of 16), bit-identical to scalar_kernel(type) on the kRows
+// bytes; nullptr for other types or without avx512_vnni_present().
+MatmulKernel avx512_panels_kernel(GgmlType type);
+// Packs one 16-column group of a packable type from its 16 rows (GGUF's
+// layout, row_bytes each, nb 32-blocks) into `dst` (kPanels16, not
+// overlapping them); false (nothing written) for other types or without
+// avx512_vnni_present().
+bool avx512_pack_group(GgmlType type, const uint8_t* rows, size_t row_bytes, int64_t nb,
+                       uint8_t* dst);
 
 }  // namespace kvstack::ops_detail

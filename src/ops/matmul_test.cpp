@@ -666,6 +666,147 @@ TEST(Matmul, Avx512PanelFullAndPartialGroupsBitIdentical) {
   }
 }
 
+// ---- kPanels16: weights packed in place for the AVX-512 VNNI kernels. ----
+
+// y = x . W^T through a kPanels16 copy of w (packed in place), with n_threads
+// workers (0: the calling thread alone).
+std::vector<float> run_packed(GgmlType type, const std::vector<uint8_t>& w, int64_t n_in,
+                              int64_t n_out, const std::vector<float>& x, int64_t m,
+                              int n_threads) {
+  std::vector<uint8_t> bytes = w;
+  const WeightView rows{type, bytes.data(), n_in, n_out};
+  EXPECT_TRUE(weight_panels_supported(rows));
+  const WeightView packed = pack_weight_panels(rows, bytes.data());
+  EXPECT_EQ(packed.layout, WeightLayout::kPanels16);
+  EXPECT_STREQ(matmul_kernel_name(packed), "avx512-vnni-panels");
+  std::unique_ptr<ThreadPool> pool;
+  if (n_threads > 0) pool = std::make_unique<ThreadPool>(n_threads);
+  std::vector<float> y(m * n_out, std::nanf(""));
+  matmul(packed, x.data(), m, y.data(), pool.get());
+  return y;
+}
+
+// Packing keeps a matrix's size and moves every byte: the packed bytes differ
+// from the rows' yet hold the same multiset of quant and scale bytes (Q8_0's
+// quants offset by 128), so nothing is lost or duplicated.
+TEST(Matmul, PanelsPackInPlaceKeepsEveryByte) {
+  if (const char* miss = missing_avx512_vnni())
+    GTEST_SKIP() << "kPanels16 not run: CPU lacks " << miss;
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0}) {
+    SCOPED_TRACE(ggml_type_traits(static_cast<uint32_t>(type))->name);
+    const int64_t n_in = 32 * 5, n_out = 32;
+    const auto w = random_weights(type, n_in, n_out, 901);
+    std::vector<uint8_t> bytes = w;
+    pack_weight_panels(WeightView{type, bytes.data(), n_in, n_out}, bytes.data());
+    ASSERT_EQ(bytes.size(), w.size());
+    EXPECT_NE(bytes, w);
+    std::vector<uint8_t> want = w;
+    if (type == GgmlType::kQ8_0) {  // each 34-byte block: d (2 bytes), then 32 quants
+      for (size_t i = 0; i < want.size(); ++i) {
+        if (i % sizeof(BlockQ8_0) >= 2) want[i] ^= 0x80;
+      }
+    }
+    // weight_row gives back every row as it was stored.
+    const WeightView packed{type, bytes.data(), n_in, n_out, WeightLayout::kPanels16};
+    const size_t row_bytes = ggml_row_bytes(type, n_in);
+    std::vector<uint8_t> row(row_bytes);
+    for (int64_t r = 0; r < n_out; ++r) {
+      weight_row(packed, r, row.data());
+      ASSERT_EQ(std::memcmp(row.data(), w.data() + r * row_bytes, row_bytes), 0) << "row " << r;
+    }
+    std::sort(want.begin(), want.end());
+    std::sort(bytes.begin(), bytes.end());
+    EXPECT_EQ(bytes, want);
+  }
+}
+
+// Every output bit of the packed kernels equals the scalar reference's on
+// the rows: decode rows 1..3 (four groups at a time, then single groups) and
+// panel rows (pairs and triples of groups, 4-row and single-row tails, a
+// second 256-row block), n_out of 1, 3, 4, 5 and 7 groups, n_in of 1, 7 and
+// 18 blocks, 0 and 3 threads; and a packed matrix fused with row-major ones.
+TEST(Matmul, PanelsBitIdenticalToScalar) {
+  if (const char* miss = missing_avx512_vnni())
+    GTEST_SKIP() << "kPanels16 not run: CPU lacks " << miss;
+  uint32_t seed = 1100;
+  int cases = 0;
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0}) {
+    for (int64_t m : {1, 2, 3, 4, 5, 16, 23, 300}) {
+      for (int64_t n_out : {16, 48, 64, 80, 112}) {
+        for (int64_t n_in : {32, 32 * 7, 32 * 18}) {
+          if (m == 300 && (n_in != 32 * 7 || n_out != 48)) continue;
+          SCOPED_TRACE(std::string(ggml_type_traits(static_cast<uint32_t>(type))->name) +
+                       " m=" + std::to_string(m) + " n_out=" + std::to_string(n_out) +
+                       " n_in=" + std::to_string(n_in));
+          const auto w = random_weights(type, n_in, n_out, ++seed);
+          const auto x = random_acts(m * n_in, ++seed);
+          const auto ref = run_matmul(type, w, n_in, n_out, x, m, Isa::kScalar, 0);
+          for (int threads : {0, 3}) {
+            const auto y = run_packed(type, w, n_in, n_out, x, m, threads);
+            ASSERT_EQ(first_bit_mismatch(y.data(), ref.data(), std::ssize(y)), -1)
+                << "threads " << threads;
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  std::printf(
+      "[ paths    ] avx512-vnni-panels matched the scalar reference bit for bit in %d cases\n",
+      cases);
+  // Fused with row-major parts of the same activation format (Q4_1 packed,
+  // Q5_1 rows, Q4_1 packed), as matmul_multi runs Q/K/V.
+  const int64_t n_in = 576;
+  std::vector<uint8_t> a = random_weights(GgmlType::kQ4_1, n_in, 64, 1200);
+  std::vector<uint8_t> b = random_weights(GgmlType::kQ5_1, n_in, 43, 1201);
+  std::vector<uint8_t> c = random_weights(GgmlType::kQ4_1, n_in, 192, 1202);
+  const std::vector<uint8_t> a_rows = a, c_rows = c;
+  const WeightView views[3] = {
+      pack_weight_panels(WeightView{GgmlType::kQ4_1, a.data(), n_in, 64}, a.data()),
+      WeightView{GgmlType::kQ5_1, b.data(), n_in, 43},
+      pack_weight_panels(WeightView{GgmlType::kQ4_1, c.data(), n_in, 192}, c.data())};
+  for (int64_t m : {1, 16}) {
+    const auto x = random_acts(m * n_in, 1203 + static_cast<uint32_t>(m));
+    std::vector<float> ya(m * 64), yb(m * 43), yc(m * 192);
+    float* const ys[3] = {ya.data(), yb.data(), yc.data()};
+    ThreadPool pool(2);
+    matmul_multi(views, x.data(), m, ys, &pool);
+    const auto ra = run_matmul(GgmlType::kQ4_1, a_rows, n_in, 64, x, m, Isa::kScalar, 0);
+    const auto rb = run_matmul(GgmlType::kQ5_1, b, n_in, 43, x, m, Isa::kScalar, 0);
+    const auto rc = run_matmul(GgmlType::kQ4_1, c_rows, n_in, 192, x, m, Isa::kScalar, 0);
+    EXPECT_EQ(first_bit_mismatch(ya.data(), ra.data(), std::ssize(ra)), -1) << "m " << m;
+    EXPECT_EQ(first_bit_mismatch(yb.data(), rb.data(), std::ssize(rb)), -1) << "m " << m;
+    EXPECT_EQ(first_bit_mismatch(yc.data(), rc.data(), std::ssize(rc)), -1) << "m " << m;
+  }
+}
+
+// What packs: Q4_0, Q4_1 and Q8_0 with whole 16-column groups, where the
+// VNNI kernels run; never other types, partial groups, packed views, or
+// under a cap below AVX-512 (the row kernels run then).
+TEST(Matmul, PanelsSupportedOnlyWhereTheyRun) {
+  uint8_t dummy = 0;
+  const WeightView q41{GgmlType::kQ4_1, &dummy, 64, 32};
+  EXPECT_FALSE(weight_panels_supported(WeightView{GgmlType::kQ5_1, &dummy, 64, 32}));
+  EXPECT_FALSE(weight_panels_supported(WeightView{GgmlType::kQ4_K, &dummy, 256, 32}));
+  EXPECT_FALSE(weight_panels_supported(WeightView{GgmlType::kQ4_1, &dummy, 64, 40}));
+  {
+    IsaGuard guard(Isa::kAvx2);
+    EXPECT_FALSE(weight_panels_supported(q41));
+  }
+  if (const char* miss = missing_avx512_vnni()) {
+    EXPECT_FALSE(weight_panels_supported(q41));
+    GTEST_SKIP() << "kPanels16 not run: CPU lacks " << miss;
+  }
+  EXPECT_TRUE(weight_panels_supported(q41));
+  WeightView packed = q41;
+  packed.layout = WeightLayout::kPanels16;
+  EXPECT_FALSE(weight_panels_supported(packed));
+  // The summary names each (type, path) once: packed Q4_1 and row Q4_1 apart.
+  const WeightView* views[] = {&packed, &q41, &packed};
+  EXPECT_EQ(matmul_kernel_summary(std::span<const WeightView* const>(views)),
+            "q4_1 avx512-vnni-panels, q4_1 avx512-vnni");
+}
+
 // KVSTACK_ISA-style caps change what runs, and the report follows them.
 TEST(Matmul, KernelNameFollowsDispatch) {
   for (GgmlType t : kAllTypes) expect_path(t, Isa::kScalar, "scalar");

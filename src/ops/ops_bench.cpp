@@ -88,14 +88,25 @@ void BM_Matmul(benchmark::State& state) {
   // cache (the kernel's compute rate rather than DRAM's).
   const bool hot = std::getenv("OPS_BENCH_HOT") != nullptr;
   const size_t copies = hot ? 1 : std::max<size_t>(1, (96u << 20) / bytes + 1);
-  const auto w = make_weights(type, n_in, n_out, copies);
+  auto w = make_weights(type, n_in, n_out, copies);
+  // OPS_BENCH_PANELS=1: every copy packed into 16-column panels where
+  // weight_panels_supported() (what --load-mode copy does at load).
+  WeightLayout layout = WeightLayout::kRows;
+  if (std::getenv("OPS_BENCH_PANELS") != nullptr &&
+      weight_panels_supported(WeightView{type, w.data(), n_in, n_out})) {
+    for (size_t c = 0; c < copies; ++c) {
+      pack_weight_panels(WeightView{type, w.data() + c * bytes, n_in, n_out}, w.data() + c * bytes);
+    }
+    layout = WeightLayout::kPanels16;
+  }
   std::vector<float> x(m * n_in), y(m * n_out);
   std::mt19937 rng(2);
   std::normal_distribution<float> nd;
   for (auto& v : x) v = nd(rng);
   size_t i = 0;
+  const WeightView first{type, w.data(), n_in, n_out, layout};
   for (auto _ : state) {
-    const WeightView view{type, w.data() + (i++ % copies) * bytes, n_in, n_out};
+    const WeightView view{type, w.data() + (i++ % copies) * bytes, n_in, n_out, layout};
     matmul(view, x.data(), m, y.data(), &pool());
     benchmark::DoNotOptimize(y.data());
   }
@@ -103,7 +114,7 @@ void BM_Matmul(benchmark::State& state) {
       benchmark::Counter(static_cast<double>(bytes), benchmark::Counter::kIsIterationInvariantRate);
   state.counters["FLOP/s"] =
       benchmark::Counter(2.0 * m * n_in * n_out, benchmark::Counter::kIsIterationInvariantRate);
-  const char* path = matmul_kernel_name(type);
+  const char* path = matmul_kernel_name(first);
   state.SetLabel(std::string(ggml_type_traits(static_cast<uint32_t>(type))->name) + "/" +
                  (path ? path : "none"));
 }
@@ -139,7 +150,8 @@ BENCHMARK(BM_Matmul)
 //   k/v 576->192, tied output Q8_0 576->49152.
 // The label names the kernel that ran; KVSTACK_ISA=scalar|avx2 caps it, so
 //   KVSTACK_ISA=avx2 ops_bench --benchmark_filter=BM_MatmulModel
-// against the default run compares the paths.
+// against the default run compares the paths (and OPS_BENCH_PANELS=1 the
+// packed weights against the rows).
 void model_shapes(benchmark::internal::Benchmark* b) {
   const struct {
     GgmlType type;

@@ -57,17 +57,31 @@ def test_run_usage_line_lists_every_kv_format():
     assert listed == names, (listed, names)
 
 
-def test_load_mode_copy_and_mmap_generate_the_same_tokens():
+def vnni_cpu():
+    text = pathlib.Path("/proc/cpuinfo").read_text()
+    flags = set(re.search(r"^flags\s*:(.*)$", text, re.M).group(1).split())
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags
+
+
+def test_load_mode_copy_and_mmap_generate_the_same_tokens(tmp_path):
+    """copy packs SmolLM2's Q4_1 and Q8_0 matrices into 16-column panels
+    where the AVX-512 VNNI kernels run (mmap keeps GGUF's rows): the same
+    tokens, and every logit of a prefill bit for bit the same."""
     need_model()
     out = {}
     for mode in ["copy", "mmap"]:
         r = run_kvstack("run", "-m", MODEL, "--load-mode", mode, "-p", "The capital of France is",
-                        "-n", 8, "--temp", 0, "-t", 2)
+                        "-n", 24, "--temp", 0, "-t", 2)
         load = re.search(r"weights, ([^)]*)\) in", r.stderr)
         assert load, r.stderr
         out[mode] = (r.stdout, load.group(1))
+        run_kvstack("logits", "-m", MODEL, "--load-mode", mode, "-t", 2, "--out",
+                    tmp_path / f"{mode}.npy", "-p",
+                    "The quick brown fox jumps over the lazy dog, then naps in the sun.")
     assert out["copy"][0] == out["mmap"][0] and out["copy"][0].strip(), out
-    assert re.fullmatch(r"copied, [0-9.]+ [KMG]?i?B in huge pages", out["copy"][1]), out
+    assert (tmp_path / "copy.npy").read_bytes() == (tmp_path / "mmap.npy").read_bytes()
+    panels = r", [0-9.]+ [KMG]?i?B in panels" if vnni_cpu() else ""
+    assert re.fullmatch(r"copied, [0-9.]+ [KMG]?i?B in huge pages" + panels, out["copy"][1]), out
     assert out["mmap"][1] == "mmap", out
     r = run_kvstack("run", "-m", MODEL, "--load-mode", "hugepages", "-p", "x", check=False)
     assert r.returncode != 0

@@ -19,14 +19,17 @@ from conftest import KVSTACK_BIN, MODEL
 LINE = re.compile(r"kernels \(matmul: (?P<matmul>[^;]+); attention: (?P<attn>[^)]+)\)")
 
 
-def load_line(isa, *kv_args, attn_isa=None):
+def load_line(isa, *kv_args, attn_isa=None, panels=None):
     env = dict(os.environ)
     env.pop("KVSTACK_ISA", None)
     env.pop("KVSTACK_ATTN_ISA", None)
+    env.pop("KVSTACK_WEIGHT_PANELS", None)
     if isa:
         env["KVSTACK_ISA"] = isa
     if attn_isa:
         env["KVSTACK_ATTN_ISA"] = attn_isa
+    if panels is not None:
+        env["KVSTACK_WEIGHT_PANELS"] = panels
     proc = subprocess.run([KVSTACK_BIN, "run", "-m", MODEL, "-p", "Hi", "-n", "1", "-t", "1",
                            *kv_args], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -77,12 +80,22 @@ def test_default_names_only_paths_this_cpu_has():
     flags = cpu_flags()
     for fmt, path in paths.items():
         if VNNI <= flags:
-            assert path == "avx512-vnni", (fmt, path)
+            # --load-mode copy (the default) packs both formats into panels.
+            assert path == "avx512-vnni-panels", (fmt, path)
         elif "avx2" in flags:
             assert path == "avx2", (fmt, path)
         else:
             assert path == "scalar", (fmt, path)
     assert attn == {"f16": expected_attention("f16", flags)}
+
+
+def test_rows_layout_names_the_row_kernels():
+    """mmap keeps GGUF's rows, and so does KVSTACK_WEIGHT_PANELS=0: the
+    row-major kernels run and the line says so."""
+    flags = cpu_flags()
+    want = "avx512-vnni" if VNNI <= flags else ("avx2" if "avx2" in flags else "scalar")
+    for paths in (load_line(None, "--load-mode", "mmap")[0], load_line(None, panels="0")[0]):
+        assert paths == {"q4_1": want, "q8_0": want}, paths
 
 
 @pytest.mark.parametrize("kv_args,kv", [
