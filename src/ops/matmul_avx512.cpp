@@ -867,40 +867,31 @@ __attribute__((noinline)) KV_AVX512 void legacy_panels(const WeightView& w, cons
   }
 }
 
-template <class F>
+// The legacy formats' kernel: the panel path for 4 or more rows, else the
+// decode rows. kPacked: kPanels16 weights, columns [c0, c1) in whole groups
+// of 16 (run_parts splits at multiples of 16, and packed matrices have
+// n_out % 16 == 0).
+template <class F, bool kPacked>
 KV_AVX512 void legacy_kernel(const WeightView& w, const PreparedAct& a, int64_t c0, int64_t c1,
                              float* y, int64_t ldy) {
-  if (a.m >= 4) return legacy_panels<F, false>(w, a, c0, c1, y, ldy);
+  if (a.m >= 4) return legacy_panels<F, kPacked>(w, a, c0, c1, y, ldy);
   const size_t row_bytes = ggml_row_bytes(w.type, w.n_in);
+  auto rows = [&]<int MR>() {
+    if constexpr (kPacked) {
+      packed_decode_range<F, MR>(w, row_bytes, a, c0, c1, y, ldy);
+    } else {
+      decode_range<F, MR>(w, row_bytes, a, c0, c1, y, ldy);
+    }
+  };
   switch (a.m) {
     case 1:
-      decode_range<F, 1>(w, row_bytes, a, c0, c1, y, ldy);
+      rows.template operator()<1>();
       break;
     case 2:
-      decode_range<F, 2>(w, row_bytes, a, c0, c1, y, ldy);
+      rows.template operator()<2>();
       break;
     default:
-      decode_range<F, 3>(w, row_bytes, a, c0, c1, y, ldy);
-      break;
-  }
-}
-
-// kPanels16 weights: columns [c0, c1) in whole groups of 16 (run_parts
-// splits at multiples of 16, and packed matrices have n_out % 16 == 0).
-template <class F>
-KV_AVX512 void panels_kernel(const WeightView& w, const PreparedAct& a, int64_t c0, int64_t c1,
-                             float* y, int64_t ldy) {
-  if (a.m >= 4) return legacy_panels<F, true>(w, a, c0, c1, y, ldy);
-  const size_t row_bytes = ggml_row_bytes(w.type, w.n_in);
-  switch (a.m) {
-    case 1:
-      packed_decode_range<F, 1>(w, row_bytes, a, c0, c1, y, ldy);
-      break;
-    case 2:
-      packed_decode_range<F, 2>(w, row_bytes, a, c0, c1, y, ldy);
-      break;
-    default:
-      packed_decode_range<F, 3>(w, row_bytes, a, c0, c1, y, ldy);
+      rows.template operator()<3>();
       break;
   }
 }
@@ -1294,11 +1285,11 @@ MatmulKernel avx512_panels_kernel(GgmlType type) {
   if (!avx512_vnni_present()) return nullptr;
   switch (type) {
     case GgmlType::kQ4_0:
-      return panels_kernel<Q4_0A>;
+      return legacy_kernel<Q4_0A, true>;
     case GgmlType::kQ4_1:
-      return panels_kernel<Q4_1A>;
+      return legacy_kernel<Q4_1A, true>;
     case GgmlType::kQ8_0:
-      return panels_kernel<Q8_0A>;
+      return legacy_kernel<Q8_0A, true>;
     default:
       return nullptr;
   }
@@ -1312,15 +1303,15 @@ MatmulKernel avx512_kernel(GgmlType type) {
   if (!avx512_vnni_usable()) return nullptr;
   switch (type) {
     case GgmlType::kQ4_0:
-      return legacy_kernel<Q4_0A>;
+      return legacy_kernel<Q4_0A, false>;
     case GgmlType::kQ4_1:
-      return legacy_kernel<Q4_1A>;
+      return legacy_kernel<Q4_1A, false>;
     case GgmlType::kQ5_0:
-      return legacy_kernel<Q5_0A>;
+      return legacy_kernel<Q5_0A, false>;
     case GgmlType::kQ5_1:
-      return legacy_kernel<Q5_1A>;
+      return legacy_kernel<Q5_1A, false>;
     case GgmlType::kQ8_0:
-      return legacy_kernel<Q8_0A>;
+      return legacy_kernel<Q8_0A, false>;
     case GgmlType::kQ4_K:
       return k_kernel512<4>;
     case GgmlType::kQ5_K:

@@ -600,6 +600,32 @@ TEST(Matmul, Avx512BitIdenticalToScalar) {
   }
 }
 
+// One random case of `type` (n_in, n_out, m rows, seeds from *seed): the
+// output of run(w, x, threads) for 0 and 3 threads must equal the scalar
+// reference's bit for bit. run is the path under test (row-major AVX-512,
+// packed panels).
+template <class Run>
+void expect_case_bits_scalar(GgmlType type, int64_t n_in, int64_t n_out, int64_t m, uint32_t* seed,
+                             const Run& run) {
+  SCOPED_TRACE(std::string(ggml_type_traits(static_cast<uint32_t>(type))->name) +
+               " m=" + std::to_string(m) + " n_out=" + std::to_string(n_out) +
+               " n_in=" + std::to_string(n_in));
+  const auto w = random_weights(type, n_in, n_out, ++*seed);
+  const auto x = random_acts(m * n_in, ++*seed);
+  const auto ref = run_matmul(type, w, n_in, n_out, x, m, Isa::kScalar, 0);
+  for (int threads : {0, 3}) {
+    const std::vector<float> y = run(w, x, threads);
+    ASSERT_EQ(first_bit_mismatch(y.data(), ref.data(), std::ssize(y)), -1) << "threads " << threads;
+  }
+}
+
+// The row-major AVX-512 path of expect_case_bits_scalar.
+auto avx512_rows(GgmlType type, int64_t n_in, int64_t n_out, int64_t m) {
+  return [=](const std::vector<uint8_t>& w, const std::vector<float>& x, int threads) {
+    return run_matmul(type, w, n_in, n_out, x, m, Isa::kAvx512, threads);
+  };
+}
+
 // The one-row (decode, m < 4) AVX-512 kernels compile full 16-column groups
 // apart from a range's partial last group: n_out = 16, 47 (two full groups
 // and a tail of 15) and 64, each split over 0 and 3 threads, rows 1..3.
@@ -611,16 +637,7 @@ TEST(Matmul, Avx512DecodeFullAndPartialGroupsBitIdentical) {
     for (int64_t m : {1, 2, 3}) {
       for (int64_t n_out : {16, 47, 64}) {
         const int64_t n_in = 32 * 7;
-        SCOPED_TRACE(std::string(ggml_type_traits(static_cast<uint32_t>(type))->name) +
-                     " m=" + std::to_string(m) + " n_out=" + std::to_string(n_out));
-        const auto w = random_weights(type, n_in, n_out, ++seed);
-        const auto x = random_acts(m * n_in, ++seed);
-        const auto ref = run_matmul(type, w, n_in, n_out, x, m, Isa::kScalar, 0);
-        for (int threads : {0, 3}) {
-          const auto y = run_matmul(type, w, n_in, n_out, x, m, Isa::kAvx512, threads);
-          ASSERT_EQ(first_bit_mismatch(y.data(), ref.data(), std::ssize(y)), -1)
-              << "threads " << threads;
-        }
+        expect_case_bits_scalar(type, n_in, n_out, m, &seed, avx512_rows(type, n_in, n_out, m));
       }
     }
   }
@@ -641,17 +658,7 @@ TEST(Matmul, Avx512PanelFullAndPartialGroupsBitIdentical) {
     for (int64_t m : {4, 16, 21}) {
       for (int64_t n_out : {16, 48, 64, 71}) {
         for (int64_t n_in : {32 * 4, 32 * 7, 32 * 18}) {
-          SCOPED_TRACE(std::string(ggml_type_traits(static_cast<uint32_t>(type))->name) +
-                       " m=" + std::to_string(m) + " n_out=" + std::to_string(n_out) +
-                       " n_in=" + std::to_string(n_in));
-          const auto w = random_weights(type, n_in, n_out, ++seed);
-          const auto x = random_acts(m * n_in, ++seed);
-          const auto ref = run_matmul(type, w, n_in, n_out, x, m, Isa::kScalar, 0);
-          for (int threads : {0, 3}) {
-            const auto y = run_matmul(type, w, n_in, n_out, x, m, Isa::kAvx512, threads);
-            ASSERT_EQ(first_bit_mismatch(y.data(), ref.data(), std::ssize(y)), -1)
-                << "threads " << threads;
-          }
+          expect_case_bits_scalar(type, n_in, n_out, m, &seed, avx512_rows(type, n_in, n_out, m));
         }
       }
     }
@@ -735,18 +742,13 @@ TEST(Matmul, PanelsBitIdenticalToScalar) {
       for (int64_t n_out : {16, 48, 64, 80, 112}) {
         for (int64_t n_in : {32, 32 * 7, 32 * 18}) {
           if (m == 300 && (n_in != 32 * 7 || n_out != 48)) continue;
-          SCOPED_TRACE(std::string(ggml_type_traits(static_cast<uint32_t>(type))->name) +
-                       " m=" + std::to_string(m) + " n_out=" + std::to_string(n_out) +
-                       " n_in=" + std::to_string(n_in));
-          const auto w = random_weights(type, n_in, n_out, ++seed);
-          const auto x = random_acts(m * n_in, ++seed);
-          const auto ref = run_matmul(type, w, n_in, n_out, x, m, Isa::kScalar, 0);
-          for (int threads : {0, 3}) {
-            const auto y = run_packed(type, w, n_in, n_out, x, m, threads);
-            ASSERT_EQ(first_bit_mismatch(y.data(), ref.data(), std::ssize(y)), -1)
-                << "threads " << threads;
-            ++cases;
-          }
+          expect_case_bits_scalar(
+              type, n_in, n_out, m, &seed,
+              [&](const std::vector<uint8_t>& w, const std::vector<float>& x, int threads) {
+                ++cases;
+                return run_packed(type, w, n_in, n_out, x, m, threads);
+              });
+          if (HasFatalFailure()) return;
         }
       }
     }
