@@ -156,10 +156,12 @@ void unpack_block(GgmlType type, const uint8_t* gb, int c, uint8_t* blk) {
   switch (type) {
     case GgmlType::kQ4_0:
     case GgmlType::kQ4_1: {
+      using ops_detail::kPanelsQsBytesQ4;
       const size_t qs_off = type == GgmlType::kQ4_0 ? 2 : 4;  // after d (and m)
       for (int k = 0; k < 4; ++k) std::memcpy(blk + qs_off + 4 * k, gb + 64 * k + 4 * c, 4);
-      std::memcpy(blk, gb + 256 + 2 * c, 2);                                   // d
-      if (type == GgmlType::kQ4_1) std::memcpy(blk + 2, gb + 288 + 2 * c, 2);  // m
+      std::memcpy(blk, gb + kPanelsQsBytesQ4 + 2 * c, 2);  // d
+      if (type == GgmlType::kQ4_1)
+        std::memcpy(blk + 2, gb + kPanelsQsBytesQ4 + 32 + 2 * c, 2);  // m
       break;
     }
     case GgmlType::kQ8_0:
@@ -168,7 +170,7 @@ void unpack_block(GgmlType type, const uint8_t* gb, int c, uint8_t* blk) {
           blk[2 + 4 * k + i] = static_cast<uint8_t>(gb[64 * k + 4 * c + i] ^ 0x80);  // q + 128 -> q
         }
       }
-      std::memcpy(blk, gb + 512 + 2 * c, 2);  // d
+      std::memcpy(blk, gb + ops_detail::kPanelsQsBytesQ8 + 2 * c, 2);  // d
       break;
     default:
       KV_CHECK(false, "kPanels16: not a packable weight type");
@@ -277,10 +279,9 @@ const char* matmul_kernel_name(const WeightView& w) {
 }
 
 bool weight_panels_supported(const WeightView& w) {
-  const bool packable_type =
-      w.type == GgmlType::kQ4_0 || w.type == GgmlType::kQ4_1 || w.type == GgmlType::kQ8_0;
-  return w.layout == WeightLayout::kRows && packable_type && w.n_out > 0 && w.n_out % 16 == 0 &&
-         w.n_in > 0 && w.n_in % kQK == 0 && ops_detail::avx512_vnni_usable() &&
+  // avx512_panels_kernel names the packable types (nullptr for the rest).
+  return w.layout == WeightLayout::kRows && w.n_out > 0 && w.n_out % 16 == 0 && w.n_in > 0 &&
+         w.n_in % kQK == 0 && ops_detail::avx512_vnni_usable() &&
          ops_detail::avx512_panels_kernel(w.type) != nullptr;
 }
 
@@ -319,16 +320,14 @@ void weight_row(const WeightView& w, int64_t row, uint8_t* out) {
 }
 
 std::string matmul_kernel_summary(std::span<const GgmlType> types) {
-  std::vector<GgmlType> seen;
-  std::string out;
-  for (GgmlType t : types) {
-    if (std::find(seen.begin(), seen.end(), t) != seen.end()) continue;
-    seen.push_back(t);
-    const char* name = matmul_kernel_name(t);
-    if (!out.empty()) out += ", ";
-    out += lower_type_name(t) + " " + (name ? name : "none");
-  }
-  return out;
+  // kRows views of each type (no bytes: only their kernel is named).
+  std::vector<WeightView> views;
+  views.reserve(types.size());
+  for (GgmlType t : types) views.push_back(WeightView{t, nullptr, 0, 0});
+  std::vector<const WeightView*> ptrs;
+  ptrs.reserve(views.size());
+  for (const WeightView& w : views) ptrs.push_back(&w);
+  return matmul_kernel_summary(std::span<const WeightView* const>(ptrs));
 }
 
 std::string matmul_kernel_summary(std::span<const WeightView* const> views) {

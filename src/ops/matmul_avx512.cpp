@@ -313,6 +313,33 @@ KV_AVX512 inline void q4_1_panel4(const uint8_t* col0, size_t row_bytes, int64_t
   }
 }
 
+// The 16 columns' unsigned quants of block b of a Q5_0/Q5_1/Q8_0 row
+// (32 bytes each, a 16 x 8 dword transpose; columns past n_cols are zero,
+// which Q8_0's + 128 turns into 0x80 bytes: finite sums never stored).
+// Q8_0's signed bytes are made unsigned after the transpose (a byte
+// permutation, so the xor commutes with it): 8 xors instead of 16.
+template <class F>
+KV_AVX512 inline void wide_panel_quants(const uint8_t* col0, size_t row_bytes, int64_t b,
+                                        int n_cols, __m512i* t) {
+  using Block = typename F::Block;
+  using U = std::conditional_t<std::is_same_v<F, Q8_0A>, Q8Raw, F>;
+  __m256i u[kCols];
+  for (int j = 0; j < kCols; ++j) {
+    u[j] = j < n_cols ? unsigned_quants<U>(reinterpret_cast<const Block*>(col0 + j * row_bytes)[b])
+                      : _mm256_setzero_si256();
+  }
+  __m512i r[8];
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(u[i]), u[i + 8], 1);
+  }
+  transpose_16x8(r, t);
+  if constexpr (std::is_same_v<F, Q8_0A>) {
+    for (int k = 0; k < 8; ++k) {
+      t[k] = _mm512_xor_si512(t[k], _mm512_set1_epi8(static_cast<char>(0x80)));
+    }
+  }
+}
+
 // Builds the panel of columns [c, c + n_cols) (n_cols <= 16; missing columns
 // are zero) over every block of the row, prefetching `next` meanwhile.
 template <class F>
@@ -336,26 +363,7 @@ KV_AVX512 void build_panel(const uint8_t* base, size_t row_bytes, int64_t c, int
     if constexpr (std::is_same_v<F, Q4_0A> || std::is_same_v<F, Q4_1A>) {
       nibble_panel_quants<Block>(col0, row_bytes, b, n_cols, t);
     } else {
-      // Q8_0's signed bytes are made unsigned after the transpose (a byte
-      // permutation, so the xor commutes with it): 8 xors instead of 16.
-      using U = std::conditional_t<std::is_same_v<F, Q8_0A>, Q8Raw, F>;
-      __m256i u[kCols];
-      for (int j = 0; j < kCols; ++j) {
-        u[j] = j < n_cols
-                   ? unsigned_quants<U>(reinterpret_cast<const Block*>(col0 + j * row_bytes)[b])
-                   : _mm256_setzero_si256();
-      }
-      __m512i r[8];
-      for (int i = 0; i < 8; ++i) {
-        r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(u[i]), u[i + 8], 1);
-      }
-      transpose_16x8(r, t);
-      if constexpr (std::is_same_v<F, Q8_0A>) {
-        // (Lanes past n_cols become 0x80 bytes: finite sums that are never stored.)
-        for (int k = 0; k < 8; ++k) {
-          t[k] = _mm512_xor_si512(t[k], _mm512_set1_epi8(static_cast<char>(0x80)));
-        }
-      }
+      wide_panel_quants<F>(col0, row_bytes, b, n_cols, t);
     }
     for (int k = 0; k < 8; ++k) _mm512_store_si512(pb.t[k], t[k]);
     if (n_cols == kCols) {
@@ -608,7 +616,7 @@ PanelBlock* panel_buffer(int64_t nb) {
 // The f16 scales (and mins) of the 16 columns follow. Same unsigned bytes,
 // same scales: the same panel as build_panel's, so the same bits.
 template <class F>
-constexpr size_t kPackedQsBytes = std::is_same_v<F, Q8_0A> ? 512 : 256;
+constexpr size_t kPackedQsBytes = std::is_same_v<F, Q8_0A> ? kPanelsQsBytesQ8 : kPanelsQsBytesQ4;
 
 // The 8 transposed unsigned-quant vectors of packed group-block p.
 template <class F>
@@ -649,8 +657,8 @@ KV_AVX512 void unpack_panel(const uint8_t* group, int64_t nb, Prefetch next, Pan
 
 // Packs the 16 rows at `rows` (GGUF's layout, row_bytes each, nb blocks)
 // into the kPanels16 group at `dst` (must not overlap them): per block the
-// transposed qs dwords (Q4_0/Q4_1: nibble_dwords; Q8_0: build_panel's
-// transpose of the raw quants, then + 128), then the f16 scales (and mins)
+// transposed qs dwords (Q4_0/Q4_1: nibble_dwords; Q8_0: the panel's
+// unsigned quants, wide_panel_quants), then the f16 scales (and mins)
 // gathered four to a qword (block_f16s).
 template <class F>
 KV_AVX512 void pack_group(const uint8_t* rows, size_t row_bytes, int64_t nb, uint8_t* dst) {
@@ -659,18 +667,9 @@ KV_AVX512 void pack_group(const uint8_t* rows, size_t row_bytes, int64_t nb, uin
   for (int64_t b = 0; b < nb; ++b) {
     uint8_t* p = dst + b * kBlockBytes;
     if constexpr (std::is_same_v<F, Q8_0A>) {
-      __m512i r[8], t[8];
-      for (int i = 0; i < 8; ++i) {
-        const auto* lo = reinterpret_cast<const Block*>(rows + i * row_bytes) + b;
-        const auto* hi = reinterpret_cast<const Block*>(rows + (i + 8) * row_bytes) + b;
-        r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(unsigned_quants<Q8Raw>(*lo)),
-                                  unsigned_quants<Q8Raw>(*hi), 1);
-      }
-      transpose_16x8(r, t);
-      for (int k = 0; k < 8; ++k) {
-        _mm512_storeu_si512(p + 64 * k,
-                            _mm512_xor_si512(t[k], _mm512_set1_epi8(static_cast<char>(0x80))));
-      }
+      __m512i t[8];
+      wide_panel_quants<F>(rows, row_bytes, b, kCols, t);
+      for (int k = 0; k < 8; ++k) _mm512_storeu_si512(p + 64 * k, t[k]);
     } else {
       __m512i dq[4];
       nibble_dwords<Block>(rows, row_bytes, b, kCols, dq);

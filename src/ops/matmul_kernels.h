@@ -2,6 +2,7 @@
 // prepared (converted or quantized) activations they read.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "core/ggml_types.h"
@@ -43,6 +44,11 @@ bool avx512_vnni_usable();
 MatmulKernel avx512_kernel(GgmlType type);
 // The path name of avx512_kernel(type).
 const char* avx512_kernel_path(GgmlType type);
+// Bytes of a kPanels16 group-block's transposed quants (matmul.h,
+// WeightLayout): the f16 scales start here, Q4_1's f16 mins 32 bytes later.
+constexpr size_t kPanelsQsBytesQ4 = 256;  // Q4_0, Q4_1: uint32 qs[4][16]
+constexpr size_t kPanelsQsBytesQ8 = 512;  // Q8_0: uint32 qs[8][16]
+
 // True when the CPU itself has AVX-512 F/BW/VL/DQ + VNNI, whatever the ISA
 // cap (kPanels16 weights have no other kernel, so a cap lowered after they
 // were packed does not take their kernel away).
