@@ -4,8 +4,12 @@
 // rather than cache.
 #include <benchmark/benchmark.h>
 
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -399,6 +403,211 @@ void BM_Avx512IssueRate(benchmark::State& state) {
   issue_rate_counter(state);
 }
 BENCHMARK(BM_Avx512IssueRate)->ArgName("op")->DenseRange(0, 3)->Unit(benchmark::kMicrosecond);
+
+// ---- Per-block floors of a 16-row batched decode step (issue 23) ----
+//
+// A "block" here is what one 16-row step does per 16 weight columns and one
+// 32-element weight block: 8192 int8 multiply-adds, then the float update of
+// 16 x 16 outputs from their integer sums, which every kernel that keeps
+// ggml's arithmetic for Q4_1 x Q8_1 / Q8_0 x Q8_0 does per block (the scale
+// differs per block, so the sums cannot stay integer across blocks): per row
+//   Q4_1: acc += (d_w * d_x) * float(sum); acc += m_w * s_x
+//   Q8_0: acc += (d_w * d_x) * float(sum - 128 * qsum_x)
+// (the weight kernels' per-block update, matmul_avx512.cpp, read from L1).
+// SmolLM2's 16-row step is 207.4 K Q4_1 blocks and 55.3 K Q8_0 blocks.
+constexpr int kFloorBlocks = 64;  // distinct blocks cycled (sums and scales in L1)
+
+// GCC 12's AVX-512 intrinsics pass _mm512_undefined_*() as the merge source
+// of unmasked operations, which -Wuninitialized reports inside the system
+// header (GCC bug 105593); the values are never read.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+struct alignas(64) FloorData {
+  int32_t sums[kFloorBlocks][16][16];  // [block][row][column]
+  float dw[kFloorBlocks][16], mw[kFloorBlocks][16];
+  float dx[kFloorBlocks][16], sx[kFloorBlocks][16];  // [block][row]
+  int32_t off[kFloorBlocks][16];
+};
+
+std::unique_ptr<FloorData> make_floor_data() {
+  auto f = std::make_unique<FloorData>();
+  std::mt19937 rng(3);
+  for (auto& b : f->sums) {
+    for (auto& r : b) {
+      for (int32_t& v : r) v = static_cast<int32_t>(rng() % 4001) - 2000;
+    }
+  }
+  for (int b = 0; b < kFloorBlocks; ++b) {
+    for (int i = 0; i < 16; ++i) {
+      f->dw[b][i] = 1e-3f * static_cast<float>(1 + rng() % 100);
+      f->mw[b][i] = -1e-3f * static_cast<float>(1 + rng() % 100);
+      f->dx[b][i] = 1e-2f * static_cast<float>(1 + rng() % 100);
+      f->sx[b][i] = 1e-1f * static_cast<float>(rng() % 100);
+      f->off[b][i] = 128 * static_cast<int32_t>(rng() % 200);
+    }
+  }
+  return f;
+}
+
+// One block's float update of 16 rows (kQ41: Q4_1's, else Q8_0's), from
+// sums at `sums` (16 rows of 16 int32).
+template <bool kQ41>
+__attribute__((target("avx512f"), always_inline)) inline void floor_update(const FloorData& f,
+                                                                           int b,
+                                                                           const int32_t* sums,
+                                                                           __m512* acc) {
+  const __m512 dw = _mm512_load_ps(f.dw[b]);
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    __m512i s = _mm512_load_si512(sums + 16 * r);
+    if constexpr (!kQ41) s = _mm512_sub_epi32(s, _mm512_set1_epi32(f.off[b][r]));
+    const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(f.dx[b][r]));
+    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(s)));
+    if constexpr (kQ41) {
+      acc[r] =
+          _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_load_ps(f.mw[b]), _mm512_set1_ps(f.sx[b][r])));
+    }
+  }
+}
+
+template <bool kQ41>
+__attribute__((target("avx512f"), noinline)) float floor_update_loop(const FloorData& f,
+                                                                     int64_t n) {
+  __m512 acc[16];
+  for (__m512& v : acc) v = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const int b = static_cast<int>(i % kFloorBlocks);
+    floor_update<kQ41>(f, b, f.sums[b][0], acc);
+  }
+  __m512 t = acc[0];
+  for (int r = 1; r < 16; ++r) t = _mm512_add_ps(t, acc[r]);
+  return _mm512_reduce_add_ps(t);
+}
+
+constexpr int64_t kFloorIters = 1 << 14;
+
+// Reports block_ns: nanoseconds per block over the timed loop.
+void floor_counter(benchmark::State& state, std::chrono::steady_clock::time_point t0) {
+  const double ns =
+      std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+  state.counters["block_ns"] =
+      ns / (static_cast<double>(state.iterations()) * static_cast<double>(kFloorIters));
+}
+
+// BM_BlockUpdate/fmt: the float update alone (fmt 0: Q4_1, 1: Q8_0), one core.
+void BM_BlockUpdate(benchmark::State& state) {
+  if (!__builtin_cpu_supports("avx512f")) {
+    state.SkipWithError("no AVX-512 F on this CPU");
+    return;
+  }
+  const auto f = make_floor_data();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(state.range(0) == 0 ? floor_update_loop<true>(*f, kFloorIters)
+                                                 : floor_update_loop<false>(*f, kFloorIters));
+  }
+  floor_counter(state, t0);
+}
+BENCHMARK(BM_BlockUpdate)->ArgName("fmt")->DenseRange(0, 1)->Unit(benchmark::kMicrosecond);
+
+// AMX-INT8: CPUID's AMX-TILE and AMX-INT8, the OS saving tile state (XCR0
+// bits 17-18) and Linux granting this process tile data (arch_prctl).
+bool amx_int8_granted() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0 || ((d >> 24) & 3u) != 3u) return false;
+  if (__get_cpuid(1, &a, &b, &c, &d) == 0 || ((c >> 27) & 1u) == 0) return false;  // OSXSAVE
+  uint32_t lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if (((lo >> 17) & 3u) != 3u) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Block k's tile product on tile set k % 2: A = 16 activation rows x 32
+// int8 at stride 576 (tmm2 / tmm4), B = 8 rows of 16 columns' dwords (tmm3 /
+// tmm5), C = 16 x 16 int32 (tmm0 / tmm1), stored to sums[k % 2]. With
+// kUpdate, the other buffer's block (stored one product earlier, so the
+// update does not wait on its store) gets the Q4_1 float update meanwhile.
+template <bool kUpdate>
+__attribute__((target("avx512f"), noinline)) float amx_block_loop(const FloorData& f,
+                                                                  const int8_t* act,
+                                                                  const uint8_t* wts,
+                                                                  int32_t (*sums)[256], int64_t n) {
+  __m512 acc[16];
+  for (__m512& v : acc) v = _mm512_setzero_ps();
+  const long lda = 576, ldb = 64, ldc = 64;
+  for (int64_t i = 0; i < n; i += 2) {
+    const int b = static_cast<int>(i % kFloorBlocks);
+    const int8_t* a0 = act + 32 * (b % 18);
+    const uint8_t* w0 = wts + 512 * b;
+    __asm__ volatile(
+        "tileloadd (%0,%2,1), %%tmm2\n\ttileloadd (%1,%3,1), %%tmm3\n\t"
+        "tilezero %%tmm0\n\ttdpbsud %%tmm3, %%tmm2, %%tmm0\n\ttilestored %%tmm0, (%4,%5,1)" ::"r"(
+            a0),
+        "r"(w0), "r"(lda), "r"(ldb), "r"(sums[0]), "r"(ldc)
+        : "memory");
+    if constexpr (kUpdate) floor_update<true>(f, b + 1, sums[1], acc);
+    __asm__ volatile(
+        "tileloadd (%0,%2,1), %%tmm4\n\ttileloadd (%1,%3,1), %%tmm5\n\t"
+        "tilezero %%tmm1\n\ttdpbsud %%tmm5, %%tmm4, %%tmm1\n\ttilestored %%tmm1, (%4,%5,1)" ::"r"(
+            a0 + 32),
+        "r"(w0 + 512), "r"(lda), "r"(ldb), "r"(sums[1]), "r"(ldc)
+        : "memory");
+    if constexpr (kUpdate) floor_update<true>(f, b, sums[0], acc);
+  }
+  __m512 t = acc[0];
+  for (int r = 1; r < 16; ++r) t = _mm512_add_ps(t, acc[r]);
+  return _mm512_reduce_add_ps(t);
+}
+
+// BM_AmxTileBlock/update: AMX-INT8 tile products of 16 x 16 x 32 blocks
+// (update 0: products and their stores only; 1: each with the Q4_1 float
+// update of BM_BlockUpdate, software-pipelined), one core; skipped without
+// AMX-INT8. The integer half of a block on the tile unit, and whether it
+// overlaps the float update on the vector ports.
+void BM_AmxTileBlock(benchmark::State& state) {
+  static const bool amx = amx_int8_granted();
+  if (!amx) {
+    state.SkipWithError("no AMX-INT8 on this CPU (or the OS does not grant tile data)");
+    return;
+  }
+  TileConfig cfg;
+  for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t : {2, 4}) cfg.rows[t] = 16, cfg.colsb[t] = 32;
+  for (int t : {3, 5}) cfg.rows[t] = 8, cfg.colsb[t] = 64;
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
+  const auto f = make_floor_data();
+  std::vector<int8_t> act(16 * 576);
+  std::vector<uint8_t> wts(512 * (kFloorBlocks + 1));
+  std::mt19937 rng(4);
+  for (int8_t& v : act) v = static_cast<int8_t>(rng());
+  for (uint8_t& v : wts) v = static_cast<uint8_t>(rng() & 0x0f);
+  alignas(64) int32_t sums[2][256];
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(
+        state.range(0) == 0 ? amx_block_loop<false>(*f, act.data(), wts.data(), sums, kFloorIters)
+                            : amx_block_loop<true>(*f, act.data(), wts.data(), sums, kFloorIters));
+  }
+  floor_counter(state, t0);
+  __asm__ volatile("tilerelease" ::: "memory");
+}
+BENCHMARK(BM_AmxTileBlock)->ArgName("update")->DenseRange(0, 1)->Unit(benchmark::kMicrosecond);
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 }  // namespace
 }  // namespace kvstack
