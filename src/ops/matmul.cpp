@@ -92,15 +92,15 @@ PreparedAct prepare(ActKind kind, const float* x, int64_t m, int64_t n_in, Threa
       float* s = kind == ActKind::kQ8_1 ? grow(ws.s, static_cast<size_t>(m * nb)) : nullptr;
       float* ds = kind == ActKind::kQ8_1 ? grow(ws.ds, static_cast<size_t>(2 * m * nb)) : nullptr;
       int32_t* qsum = grow(ws.qsum, static_cast<size_t>(m * nb));
+      // A chunk of rows is one call: rows are contiguous and whole blocks,
+      // so the AVX-512 quantizer's groups of 16 blocks run across rows.
       for_rows(m, pool, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-          quantize_act_q8(x + r * n_in, qs + r * n_in, d + r * nb, s ? s + r * nb : nullptr, n_in,
-                          qsum + r * nb);
-          if (ds == nullptr) continue;
-          for (int64_t b = r * nb; b < (r + 1) * nb; ++b) {
-            ds[2 * b] = d[b];
-            ds[2 * b + 1] = s[b];
-          }
+        quantize_act_q8(x + r0 * n_in, qs + r0 * n_in, d + r0 * nb, s ? s + r0 * nb : nullptr,
+                        (r1 - r0) * n_in, qsum + r0 * nb);
+        if (ds == nullptr) return;
+        for (int64_t b = r0 * nb; b < r1 * nb; ++b) {
+          ds[2 * b] = d[b];
+          ds[2 * b + 1] = s[b];
         }
       });
       a.qs = qs;

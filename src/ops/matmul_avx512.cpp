@@ -212,11 +212,22 @@ inline Prefetch group_after_next(const WeightView& w, size_t row_bytes, int64_t 
                   nc * static_cast<int64_t>(row_bytes)};
 }
 
-// Issues block b's share (of nb) of the prefetch range.
-KV_AVX512 inline void prefetch_share(const Prefetch& next, int64_t b, int64_t nb) {
+// A Prefetch issued over nb blocks: a fixed number of lines per block
+// (rounded up) from a running pointer, prefetch_step() once per block. An
+// even share computed per block (b * lines / nb) cost two idiv per block,
+// which the one-row kernels and the panel unpack felt.
+struct PrefetchCursor {
+  const char* p;
+  const char* end;
+  int64_t per_block;  // lines per block
+};
+inline PrefetchCursor prefetch_cursor(const Prefetch& next, int64_t nb) {
   const int64_t n_lines = (next.bytes + 63) / 64;
-  for (int64_t l = b * n_lines / nb; l < (b + 1) * n_lines / nb; ++l) {
-    _mm_prefetch(next.p + 64 * l, _MM_HINT_T0);
+  return PrefetchCursor{next.p, next.p + 64 * n_lines, (n_lines + nb - 1) / nb};
+}
+KV_AVX512 inline void prefetch_step(PrefetchCursor& pc) {
+  for (int64_t l = 0; l < pc.per_block && pc.p < pc.end; ++l, pc.p += 64) {
+    _mm_prefetch(pc.p, _MM_HINT_T0);
   }
 }
 
@@ -347,17 +358,18 @@ KV_AVX512 void build_panel(const uint8_t* base, size_t row_bytes, int64_t c, int
                            Prefetch next, PanelBlock* panel) {
   using Block = typename F::Block;
   const uint8_t* col0 = base + c * row_bytes;
+  PrefetchCursor pc = prefetch_cursor(next, nb);
   int64_t b = 0;
   if constexpr (std::is_same_v<F, Q4_1A>) {
     if (n_cols == kCols) {
       for (; b + 4 <= nb; b += 4) {
-        for (int64_t i = b; i < b + 4; ++i) prefetch_share(next, i, nb);
+        for (int64_t i = b; i < b + 4; ++i) prefetch_step(pc);
         q4_1_panel4(col0, row_bytes, b, panel);
       }
     }
   }
   for (; b < nb; ++b) {
-    prefetch_share(next, b, nb);
+    prefetch_step(pc);
     PanelBlock& pb = panel[b];
     __m512i t[8];
     if constexpr (std::is_same_v<F, Q4_0A> || std::is_same_v<F, Q4_1A>) {
@@ -506,24 +518,6 @@ KV_AVX512 inline __m512i reduce_pairs64(__m512i a, __m512i b) {
   return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
 }
 
-// Decode's prefetch of `next`: a fixed number of lines per block, from a
-// running pointer (prefetch_share's division per block costs two idiv per
-// block, which the one-row kernels feel).
-struct PrefetchCursor {
-  const char* p;
-  const char* end;
-  int64_t per_block;  // lines per block
-};
-inline PrefetchCursor prefetch_cursor(const Prefetch& next, int64_t nb) {
-  const int64_t n_lines = (next.bytes + 63) / 64;
-  return PrefetchCursor{next.p, next.p + 64 * n_lines, (n_lines + nb - 1) / nb};
-}
-KV_AVX512 inline void prefetch_step(PrefetchCursor& pc) {
-  for (int64_t l = 0; l < pc.per_block && pc.p < pc.end; ++l, pc.p += 64) {
-    _mm_prefetch(pc.p, _MM_HINT_T0);
-  }
-}
-
 // kFull: n_cols == 16 (every group but a range's last), so the column tests
 // fold away.
 template <class F, int MR, bool kFull>
@@ -643,8 +637,9 @@ KV_AVX512 inline __m512 packed_f16s(const uint8_t* p, size_t off) {
 template <class F>
 KV_AVX512 void unpack_panel(const uint8_t* group, int64_t nb, Prefetch next, PanelBlock* panel) {
   constexpr size_t kBlockBytes = kCols * sizeof(typename F::Block);
+  PrefetchCursor pc = prefetch_cursor(next, nb);
   for (int64_t b = 0; b < nb; ++b) {
-    prefetch_share(next, b, nb);
+    prefetch_step(pc);
     const uint8_t* p = group + b * kBlockBytes;
     __m512i t[8];
     packed_quants<F>(p, t);
@@ -918,8 +913,9 @@ struct alignas(64) PanelK {
 template <int kKind>  // 4: Q4_K, 5: Q5_K, 6: Q6_K
 KV_AVX512 void build_panel_k(const uint8_t* col0, size_t row_bytes, size_t block_bytes, int n_cols,
                              int64_t nb, Prefetch next, PanelK* panel) {
+  PrefetchCursor pc = prefetch_cursor(next, nb);
   for (int64_t b = 0; b < nb; ++b) {
-    prefetch_share(next, b, nb);
+    prefetch_step(pc);
     UnpackedK u[kCols];
     for (int j = 0; j < n_cols; ++j) {
       const uint8_t* blk = col0 + j * row_bytes + b * block_bytes;

@@ -345,6 +345,23 @@ TEST(QuantizeAct, SplitLayoutScalarAndAvx2Identical) {
   EXPECT_EQ(d0, d1);
   EXPECT_EQ(s0, s1);
   EXPECT_EQ(sum0, sum1);
+  // The AVX-512 path (16 blocks at a time: blocks 0-31 here, 32-39 on the
+  // AVX2 code) gives the same bits.
+  const CpuFeatures& f = cpu_features();
+  if (f.avx512f && f.avx512bw && f.avx512vl && __builtin_cpu_supports("avx512dq")) {
+    std::vector<int8_t> q2(n);
+    std::vector<float> d2(n / 32), s2(n / 32);
+    std::vector<int32_t> sum2(n / 32, -1);
+    IsaGuard g(Isa::kAvx512);
+    quantize_act_q8(x.data(), q2.data(), d2.data(), s2.data(), n, sum2.data());
+    EXPECT_EQ(q0, q2);
+    EXPECT_EQ(d0, d2);
+    EXPECT_EQ(s0, s2);
+    EXPECT_EQ(sum0, sum2);
+    std::printf("[ paths    ] activation quantization: avx512 matched scalar bit for bit\n");
+  } else {
+    std::printf("[ skipped  ] activation quantization avx512: CPU lacks AVX-512 F/BW/VL/DQ\n");
+  }
   EXPECT_TRUE(std::isinf(d0[4 + 4])) << "block 8's d overflows f16";
   EXPECT_GT(d0[4], 0.f);
   EXPECT_LT(d0[4], 6.2e-5f) << "block 4's d is an f16 subnormal";
@@ -361,6 +378,45 @@ TEST(QuantizeAct, SplitLayoutScalarAndAvx2Identical) {
     EXPECT_EQ(d0[b], f16_to_f32(blocks[b].d));
     EXPECT_EQ(s0[b], f16_to_f32(blocks[b].s));
     EXPECT_EQ(0, std::memcmp(blocks[b].qs, q0.data() + b * 32, 32));
+  }
+}
+
+// The AVX-512 activation quantizer against the AVX2 one on many random rows
+// (groups of 16 blocks and remainders) and on a group holding a NaN (which
+// falls back to the AVX2 code, so that the bits stay the AVX2 code's).
+TEST(QuantizeAct, Avx512SixteenBlocksMatchAvx2) {
+  const CpuFeatures& f = cpu_features();
+  if (!(f.avx512f && f.avx512bw && f.avx512vl && __builtin_cpu_supports("avx512dq"))) {
+    GTEST_SKIP() << "CPU lacks AVX-512 F/BW/VL/DQ: the AVX-512 activation quantizer does not run";
+  }
+  for (int64_t blocks : {1, 15, 16, 17, 18, 48, 83}) {
+    const int64_t n = 32 * blocks;
+    auto x = random_acts(n, static_cast<uint32_t>(blocks));
+    if (blocks == 48) x[32 * 20 + 5] = std::nanf("");  // the second group holds a NaN
+    if (blocks == 83) x[32 * 3 + 7] = std::numeric_limits<float>::infinity();
+    std::vector<int8_t> qa(n), qb(n);
+    std::vector<float> da(blocks), db(blocks), sa(blocks), sb(blocks);
+    std::vector<int32_t> suma(blocks), sumb(blocks, -1);
+    {
+      IsaGuard g(Isa::kAvx2);
+      quantize_act_q8(x.data(), qa.data(), da.data(), sa.data(), n, suma.data());
+    }
+    {
+      IsaGuard g(Isa::kAvx512);
+      quantize_act_q8(x.data(), qb.data(), db.data(), sb.data(), n, sumb.data());
+    }
+    EXPECT_EQ(qa, qb) << blocks << " blocks";
+    EXPECT_EQ(0, std::memcmp(da.data(), db.data(), sizeof(float) * blocks)) << blocks;
+    EXPECT_EQ(0, std::memcmp(sa.data(), sb.data(), sizeof(float) * blocks)) << blocks;
+    EXPECT_EQ(suma, sumb) << blocks << " blocks";
+    // Without s and qsum (Q8_0 activations).
+    std::vector<float> dc(blocks);
+    {
+      IsaGuard g(Isa::kAvx512);
+      quantize_act_q8(x.data(), qb.data(), dc.data(), nullptr, n, nullptr);
+    }
+    EXPECT_EQ(0, std::memcmp(da.data(), dc.data(), sizeof(float) * blocks)) << blocks;
+    EXPECT_EQ(qa, qb) << blocks << " blocks";
   }
 }
 

@@ -22,7 +22,8 @@ void quantize_row_q8_K(const float* x, BlockQ8_K* y, int64_t n);
 // qs: [n] int8, d: [n / 32] (f16-rounded scale as float), s: [n / 32]
 // (f16-rounded d * sum(q) as float; may be nullptr when not needed), qsum:
 // [n / 32] sum of each block's q (may be nullptr).
-// Scalar and AVX2 versions give identical bits (quantize_row_q8_K too).
+// Scalar, AVX2 and AVX-512 (16 blocks at a time) versions give identical
+// bits (quantize_row_q8_K: scalar and AVX2).
 void quantize_act_q8(const float* x, int8_t* qs, float* d, float* s, int64_t n,
                      int32_t* qsum = nullptr);
 
