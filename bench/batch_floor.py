@@ -10,7 +10,8 @@ single-sequence step. Each round runs, one after another on the same cores:
      16-row x 16-column x 32-element block, the float update alone (Q4_1,
      Q8_0), AMX tile products with and without it, and the vpdpbusd rate;
   3. `attention_bench` BM_CacheRead: the read rate of the 16 sequences' KV
-     (97 MiB of int8 at context ~520) left in the caches.
+     (97 MiB of int8 at context ~520) left in the caches; `ops_bench`
+     BM_MemoryReadBandwidth/2: the DRAM read rate.
 
 The floor of the 16-sequence step counts only what no kernel with the
 formats' arithmetic can skip, each part at its best case and perfectly
@@ -21,8 +22,15 @@ thread hand-offs) counted:
              / threads (the VNNI sum is additive: both use the same two ports)
   attention: 97 MiB at the cached read rate
 
-and the round's verdict compares it with 2x the single step measured in the
-same round. Prints a table per round and the medians; --json for one object.
+Both parts are lower bounds whatever the data's source. When the single step
+itself runs no faster than its bytes (weights, one sequence's KV) read from
+DRAM, its data comes from DRAM, and so does the 16-sequence step's: then the
+weights and all 16 sequences' KV read at the DRAM rate bound it as well
+(compute overlapped perfectly), and the floor is the larger of the two.
+
+The round's verdict compares the floor with 2x the single step measured in
+the same round. Prints a table per round and the medians; --json for one
+object.
 """
 
 import argparse
@@ -39,6 +47,10 @@ LAYER_MACS = 576 * 576 * 2 + 576 * 192 * 2 + 576 * 1536 * 3
 Q41_BLOCKS = 30 * LAYER_MACS * 16 // 8192
 Q80_BLOCKS = 576 * 49152 * 16 // 8192
 VPDPBUSD_PER_BLOCK = 16 * 16 * 32 // 64  # 64 multiply-adds each
+# Bytes each step reads: the weights (Q4_1: 20 bytes per 32, Q8_0: 34) and
+# the KV of BM_CacheRead (97 MiB for 16 sequences).
+WEIGHT_BYTES = 30 * LAYER_MACS // 32 * 20 + 576 * 49152 // 32 * 34
+KV_BYTES_16 = 97 * 2**20
 
 
 def run_json(cmd):
@@ -56,7 +68,8 @@ def one_round(args):
         args.kvstack_bin, "bench", "-m", args.model, "--batch", "16", "--prompt-tokens", "512",
         "--gen", "16", "--reps", "4", "--threads", str(args.threads), "--kv-dtype", "int8", "--json"
     ])
-    ops = gbench(args.ops_bench, "BM_BlockUpdate|BM_AmxTileBlock|BM_Avx512IssueRate/op:0")
+    ops = gbench(args.ops_bench, "BM_BlockUpdate|BM_AmxTileBlock|BM_Avx512IssueRate/op:0|"
+                 "BM_MemoryReadBandwidth/2/")
     attn = gbench(args.attention_bench, f"BM_CacheRead/mib:97/threads:{args.threads}/")
     if "BM_BlockUpdate/fmt:0" not in ops:
         sys.exit("batch_floor: BM_BlockUpdate did not run (the floor probes need AVX-512)")
@@ -72,7 +85,13 @@ def one_round(args):
     weights_ms = (Q41_BLOCKS * per41 + Q80_BLOCKS * per80) / args.threads * 1e-6
     read = attn[f"BM_CacheRead/mib:97/threads:{args.threads}/manual_time"]
     attn_ms = read["pass_ms"]
+    dram = ops["BM_MemoryReadBandwidth/2/real_time"]["read_B/s"]
+    dram_1_ms = (WEIGHT_BYTES + KV_BYTES_16 / 16) / dram * 1e3
+    dram_16_ms = (WEIGHT_BYTES + KV_BYTES_16) / dram * 1e3
+    from_dram = step["step_ms_1"] >= dram_1_ms
     floor = weights_ms + attn_ms
+    if from_dram:
+        floor = max(floor, dram_16_ms)
     return {
         "step_ms_1": step["step_ms_1"],
         "step_ms_16": step["step_ms_batch"],
@@ -84,6 +103,10 @@ def one_round(args):
         "amx_ns": amx41 if amx else None,
         "weights_floor_ms": weights_ms,
         "attention_floor_ms": attn_ms,
+        "dram_GB_s": dram * 1e-9,
+        "dram_floor_ms_1": dram_1_ms,
+        "dram_floor_ms_16": dram_16_ms,
+        "from_dram": 1 if from_dram else 0,
         "floor_ms": floor,
         "floor_ratio": floor / step["step_ms_1"],
     }
@@ -119,8 +142,9 @@ def main():
         return
     cols = [("step_ms_1", "1-seq step ms"), ("step_ms_16", "16-seq step ms"),
             ("allowed_ms", "2x 1-seq ms"), ("weights_floor_ms", "weights floor ms"),
-            ("attention_floor_ms", "attention floor ms"), ("floor_ms", "16-seq floor ms"),
-            ("floor_ratio", "floor / 1-seq")]
+            ("attention_floor_ms", "attention floor ms"), ("dram_floor_ms_1", "1-seq DRAM ms"),
+            ("dram_floor_ms_16", "16-seq DRAM ms"), ("from_dram", "from DRAM"),
+            ("floor_ms", "16-seq floor ms"), ("floor_ratio", "floor / 1-seq")]
     print("| round | " + " | ".join(c[1] for c in cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for i, r in enumerate(rounds + [med]):

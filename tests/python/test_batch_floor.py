@@ -43,7 +43,15 @@ def test_one_round_floor_adds_up():
     r = out["rounds"][0]
     assert r["step_ms_1"] > 0 and r["step_ms_16"] > 0
     assert r["allowed_ms"] == pytest.approx(2 * r["step_ms_1"])
-    assert r["floor_ms"] == pytest.approx(r["weights_floor_ms"] + r["attention_floor_ms"])
+    cached = r["weights_floor_ms"] + r["attention_floor_ms"]
+    # The DRAM bound applies when the single step is no faster than its
+    # bytes (96.4 MB of weights, 1/16 of 97 MiB of KV) read from DRAM.
+    weights_b, kv_b = 96436224, 97 * 2**20
+    assert r["dram_floor_ms_1"] == pytest.approx((weights_b + kv_b / 16) / r["dram_GB_s"] * 1e-6)
+    assert r["dram_floor_ms_16"] == pytest.approx((weights_b + kv_b) / r["dram_GB_s"] * 1e-6)
+    assert r["from_dram"] == (1 if r["step_ms_1"] >= r["dram_floor_ms_1"] else 0)
+    want_floor = max(cached, r["dram_floor_ms_16"]) if r["from_dram"] else cached
+    assert r["floor_ms"] == pytest.approx(want_floor)
     assert r["floor_ratio"] == pytest.approx(r["floor_ms"] / r["step_ms_1"])
     # The weights floor: 207,360 Q4_1 and 55,296 Q8_0 blocks over 2 threads,
     # each at the cheaper of the VNNI bound and the AMX probe.
