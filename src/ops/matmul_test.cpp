@@ -315,6 +315,27 @@ TEST(QuantizeAct, Q8_KHandComputed) {
   EXPECT_EQ(b.qs[12], 0);
 }
 
+// quantize_act_q8 of x on one ISA level (s and qsum kept unless `bare`).
+struct QuantizedAct {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> sum;
+};
+QuantizedAct quantize_on(Isa isa, const std::vector<float>& x, bool bare = false) {
+  const auto n = static_cast<int64_t>(x.size());
+  QuantizedAct r{std::vector<int8_t>(n), std::vector<float>(n / 32), std::vector<float>(n / 32),
+                 std::vector<int32_t>(n / 32, -1)};
+  IsaGuard g(isa);
+  quantize_act_q8(x.data(), r.q.data(), r.d.data(), bare ? nullptr : r.s.data(), n,
+                  bare ? nullptr : r.sum.data());
+  return r;
+}
+
+bool avx512_quantizer_runs() {
+  const CpuFeatures& f = cpu_features();
+  return f.avx512f && f.avx512bw && f.avx512vl && __builtin_cpu_supports("avx512dq");
+}
+
 TEST(QuantizeAct, SplitLayoutScalarAndAvx2Identical) {
   if (!cpu_features().avx2) GTEST_SKIP() << "no AVX2";
   const int64_t n = 32 * 40;
@@ -330,38 +351,27 @@ TEST(QuantizeAct, SplitLayoutScalarAndAvx2Identical) {
       x[(4 + k) * 32 + j] = amax_of_block[k] * (j % 3 == 0 ? 1.f : 0.3f + 0.01f * j);
     }
   }
-  std::vector<int8_t> q0(n), q1(n);
-  std::vector<float> d0(n / 32), d1(n / 32), s0(n / 32), s1(n / 32);
-  std::vector<int32_t> sum0(n / 32), sum1(n / 32, -1);
-  {
-    IsaGuard g(Isa::kScalar);
-    quantize_act_q8(x.data(), q0.data(), d0.data(), s0.data(), n, sum0.data());
-  }
-  {
-    IsaGuard g(Isa::kAvx2);
-    quantize_act_q8(x.data(), q1.data(), d1.data(), s1.data(), n, sum1.data());
-  }
-  EXPECT_EQ(q0, q1);
-  EXPECT_EQ(d0, d1);
-  EXPECT_EQ(s0, s1);
-  EXPECT_EQ(sum0, sum1);
+  const QuantizedAct a = quantize_on(Isa::kScalar, x), b = quantize_on(Isa::kAvx2, x);
+  EXPECT_EQ(a.q, b.q);
+  EXPECT_EQ(a.d, b.d);
+  EXPECT_EQ(a.s, b.s);
+  EXPECT_EQ(a.sum, b.sum);
   // The AVX-512 path (16 blocks at a time: blocks 0-31 here, 32-39 on the
   // AVX2 code) gives the same bits.
-  const CpuFeatures& f = cpu_features();
-  if (f.avx512f && f.avx512bw && f.avx512vl && __builtin_cpu_supports("avx512dq")) {
-    std::vector<int8_t> q2(n);
-    std::vector<float> d2(n / 32), s2(n / 32);
-    std::vector<int32_t> sum2(n / 32, -1);
-    IsaGuard g(Isa::kAvx512);
-    quantize_act_q8(x.data(), q2.data(), d2.data(), s2.data(), n, sum2.data());
-    EXPECT_EQ(q0, q2);
-    EXPECT_EQ(d0, d2);
-    EXPECT_EQ(s0, s2);
-    EXPECT_EQ(sum0, sum2);
+  if (avx512_quantizer_runs()) {
+    const QuantizedAct c = quantize_on(Isa::kAvx512, x);
+    EXPECT_EQ(a.q, c.q);
+    EXPECT_EQ(a.d, c.d);
+    EXPECT_EQ(a.s, c.s);
+    EXPECT_EQ(a.sum, c.sum);
     std::printf("[ paths    ] activation quantization: avx512 matched scalar bit for bit\n");
   } else {
     std::printf("[ skipped  ] activation quantization avx512: CPU lacks AVX-512 F/BW/VL/DQ\n");
   }
+  const std::vector<int8_t>& q0 = a.q;
+  const std::vector<float>& d0 = a.d;
+  const std::vector<float>& s0 = a.s;
+  const std::vector<int32_t>& sum0 = a.sum;
   EXPECT_TRUE(std::isinf(d0[4 + 4])) << "block 8's d overflows f16";
   EXPECT_GT(d0[4], 0.f);
   EXPECT_LT(d0[4], 6.2e-5f) << "block 4's d is an f16 subnormal";
@@ -385,38 +395,23 @@ TEST(QuantizeAct, SplitLayoutScalarAndAvx2Identical) {
 // (groups of 16 blocks and remainders) and on a group holding a NaN (which
 // falls back to the AVX2 code, so that the bits stay the AVX2 code's).
 TEST(QuantizeAct, Avx512SixteenBlocksMatchAvx2) {
-  const CpuFeatures& f = cpu_features();
-  if (!(f.avx512f && f.avx512bw && f.avx512vl && __builtin_cpu_supports("avx512dq"))) {
+  if (!avx512_quantizer_runs()) {
     GTEST_SKIP() << "CPU lacks AVX-512 F/BW/VL/DQ: the AVX-512 activation quantizer does not run";
   }
   for (int64_t blocks : {1, 15, 16, 17, 18, 48, 83}) {
-    const int64_t n = 32 * blocks;
-    auto x = random_acts(n, static_cast<uint32_t>(blocks));
+    auto x = random_acts(32 * blocks, static_cast<uint32_t>(blocks));
     if (blocks == 48) x[32 * 20 + 5] = std::nanf("");  // the second group holds a NaN
     if (blocks == 83) x[32 * 3 + 7] = std::numeric_limits<float>::infinity();
-    std::vector<int8_t> qa(n), qb(n);
-    std::vector<float> da(blocks), db(blocks), sa(blocks), sb(blocks);
-    std::vector<int32_t> suma(blocks), sumb(blocks, -1);
-    {
-      IsaGuard g(Isa::kAvx2);
-      quantize_act_q8(x.data(), qa.data(), da.data(), sa.data(), n, suma.data());
-    }
-    {
-      IsaGuard g(Isa::kAvx512);
-      quantize_act_q8(x.data(), qb.data(), db.data(), sb.data(), n, sumb.data());
-    }
-    EXPECT_EQ(qa, qb) << blocks << " blocks";
-    EXPECT_EQ(0, std::memcmp(da.data(), db.data(), sizeof(float) * blocks)) << blocks;
-    EXPECT_EQ(0, std::memcmp(sa.data(), sb.data(), sizeof(float) * blocks)) << blocks;
-    EXPECT_EQ(suma, sumb) << blocks << " blocks";
+    const QuantizedAct a = quantize_on(Isa::kAvx2, x), b = quantize_on(Isa::kAvx512, x);
+    const size_t fb = sizeof(float) * static_cast<size_t>(blocks);
+    EXPECT_EQ(a.q, b.q) << blocks << " blocks";
+    EXPECT_EQ(0, std::memcmp(a.d.data(), b.d.data(), fb)) << blocks;
+    EXPECT_EQ(0, std::memcmp(a.s.data(), b.s.data(), fb)) << blocks;
+    EXPECT_EQ(a.sum, b.sum) << blocks << " blocks";
     // Without s and qsum (Q8_0 activations).
-    std::vector<float> dc(blocks);
-    {
-      IsaGuard g(Isa::kAvx512);
-      quantize_act_q8(x.data(), qb.data(), dc.data(), nullptr, n, nullptr);
-    }
-    EXPECT_EQ(0, std::memcmp(da.data(), dc.data(), sizeof(float) * blocks)) << blocks;
-    EXPECT_EQ(qa, qb) << blocks << " blocks";
+    const QuantizedAct c = quantize_on(Isa::kAvx512, x, /*bare=*/true);
+    EXPECT_EQ(0, std::memcmp(a.d.data(), c.d.data(), fb)) << blocks;
+    EXPECT_EQ(a.q, c.q) << blocks << " blocks";
   }
 }
 
