@@ -114,14 +114,18 @@ def one_round(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kvstack-bin", default="build/src/cli/kvstack")
-    p.add_argument("--ops-bench", default="build/src/ops/ops_bench")
-    p.add_argument("--attention-bench", default="build/src/attention/attention_bench")
+    p.add_argument("--kvstack-bin", default="build/src/cli/kvstack", help="the kvstack binary")
+    p.add_argument("--ops-bench", default="build/src/ops/ops_bench",
+                   help="the ops_bench binary (Google Benchmark; built by make build)")
+    p.add_argument("--attention-bench", default="build/src/attention/attention_bench",
+                   help="the attention_bench binary")
     p.add_argument("--model", default=os.environ.get(
         "KVSTACK_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf"),
                    help="the GGUF to bench (SmolLM2-135M Q4_1: the block counts are its shapes)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2,
+                   help="worker threads of the step and the read benches (default 2)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds, each about 20 s; medians are reported (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
     if args.rounds < 1 or args.threads < 1:
