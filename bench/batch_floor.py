@@ -11,7 +11,7 @@ single-sequence step. Each round runs, one after another on the same cores:
      Q8_0), AMX tile products with and without it, and the vpdpbusd rate;
   3. `attention_bench` BM_CacheRead: the read rate of the 16 sequences' KV
      (97 MiB of int8 at context ~520) left in the caches; `ops_bench`
-     BM_MemoryReadBandwidth/2: the DRAM read rate.
+     BM_MemoryReadBandwidth: the DRAM read rate (both on --threads threads).
 
 The floor of the 16-sequence step counts only what no kernel with the
 formats' arithmetic can skip, each part at its best case and perfectly
@@ -69,7 +69,7 @@ def one_round(args):
         "--gen", "16", "--reps", "4", "--threads", str(args.threads), "--kv-dtype", "int8", "--json"
     ])
     ops = gbench(args.ops_bench, "BM_BlockUpdate|BM_AmxTileBlock|BM_Avx512IssueRate/op:0|"
-                 "BM_MemoryReadBandwidth/2/")
+                 f"BM_MemoryReadBandwidth/{args.threads}/")
     attn = gbench(args.attention_bench, f"BM_CacheRead/mib:97/threads:{args.threads}/")
     if "BM_BlockUpdate/fmt:0" not in ops:
         sys.exit("batch_floor: BM_BlockUpdate did not run (the floor probes need AVX-512)")
@@ -85,7 +85,7 @@ def one_round(args):
     weights_ms = (Q41_BLOCKS * per41 + Q80_BLOCKS * per80) / args.threads * 1e-6
     read = attn[f"BM_CacheRead/mib:97/threads:{args.threads}/manual_time"]
     attn_ms = read["pass_ms"]
-    dram = ops["BM_MemoryReadBandwidth/2/real_time"]["read_B/s"]
+    dram = ops[f"BM_MemoryReadBandwidth/{args.threads}/real_time"]["read_B/s"]
     dram_1_ms = (WEIGHT_BYTES + KV_BYTES_16 / 16) / dram * 1e3
     dram_16_ms = (WEIGHT_BYTES + KV_BYTES_16) / dram * 1e3
     from_dram = step["step_ms_1"] >= dram_1_ms
@@ -123,13 +123,15 @@ def main():
         "KVSTACK_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf"),
                    help="the GGUF to bench (SmolLM2-135M Q4_1: the block counts are its shapes)")
     p.add_argument("--threads", type=int, default=2,
-                   help="worker threads of the step and the read benches (default 2)")
+                   help="worker threads of the step and the read benches: 1 or 2 (default 2)")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds, each about 20 s; medians are reported (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
-    if args.rounds < 1 or args.threads < 1:
-        p.error("--rounds and --threads must be at least 1")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if args.threads not in (1, 2):
+        p.error("--threads must be 1 or 2 (the read benches' thread counts)")
     if "smollm2-135m" not in os.path.basename(args.model).lower() or "q4_1" not in args.model.lower():
         p.error(f"--model {args.model}: the floor's block counts are SmolLM2-135M Q4_1's shapes")
     for path in (args.kvstack_bin, args.ops_bench, args.attention_bench, args.model):

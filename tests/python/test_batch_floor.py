@@ -70,6 +70,8 @@ def test_one_round_floor_adds_up():
 def test_bad_arguments_are_refused():
     p = run_floor("--rounds", "0")
     assert p.returncode != 0 and "--rounds" in p.stderr
+    p = run_floor("--threads", "3")
+    assert p.returncode != 0 and "--threads" in p.stderr
     p = subprocess.run([sys.executable, str(SOURCE_DIR / "bench" / "batch_floor.py"), "--model",
                         "other.gguf"], capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "SmolLM2" in p.stderr
