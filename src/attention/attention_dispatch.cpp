@@ -33,8 +33,8 @@ namespace {
 
 bool cpu_has_avx512_vnni() {
   const CpuFeatures& f = cpu_features();
-  return f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi");
+  return f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni && f.avx512dq &&
+         __builtin_cpu_supports("avx512vbmi");
 }
 
 // KVSTACK_ATTN_ISA=scalar|avx2 caps the attention kernels only (read once),

@@ -278,7 +278,7 @@ TEST(QuantAttention, OutputIsBitwiseIndependentOfBatchAndThreads) {
 // Why the VNNI kernel cannot run here, or nullptr.
 const char* vnni_missing() {
   const CpuFeatures& f = cpu_features();
-  if (!f.avx512f || !f.avx512bw || !f.avx512vl || !__builtin_cpu_supports("avx512dq")) {
+  if (!f.avx512f || !f.avx512bw || !f.avx512vl || !f.avx512dq) {
     return "no AVX-512 F/BW/VL/DQ on this CPU";
   }
   if (!f.avx512vnni) return "no AVX-512 VNNI on this CPU";

@@ -363,7 +363,7 @@ KV_AVX512 void build_panel(const uint8_t* base, size_t row_bytes, int64_t c, int
   if constexpr (std::is_same_v<F, Q4_1A>) {
     if (n_cols == kCols) {
       for (; b + 4 <= nb; b += 4) {
-        for (int64_t i = b; i < b + 4; ++i) prefetch_step(pc);
+        for (int k = 0; k < 4; ++k) prefetch_step(pc);
         q4_1_panel4(col0, row_bytes, b, panel);
       }
     }
@@ -1250,8 +1250,7 @@ KV_AVX512 void k_kernel512(const WeightView& w, const PreparedAct& a, int64_t c0
 
 bool avx512_vnni_present() {
   const CpuFeatures& f = cpu_features();
-  return f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni &&
-         __builtin_cpu_supports("avx512dq");
+  return f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni && f.avx512dq;
 }
 
 bool avx512_vnni_usable() {

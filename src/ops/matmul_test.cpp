@@ -333,7 +333,7 @@ QuantizedAct quantize_on(Isa isa, const std::vector<float>& x, bool bare = false
 
 bool avx512_quantizer_runs() {
   const CpuFeatures& f = cpu_features();
-  return f.avx512f && f.avx512bw && f.avx512vl && __builtin_cpu_supports("avx512dq");
+  return f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq;
 }
 
 TEST(QuantizeAct, SplitLayoutScalarAndAvx2Identical) {
@@ -630,7 +630,7 @@ const char* missing_avx512_vnni() {
   if (!f.avx512f) return "AVX-512F";
   if (!f.avx512bw) return "AVX-512BW";
   if (!f.avx512vl) return "AVX-512VL";
-  if (!__builtin_cpu_supports("avx512dq")) return "AVX-512DQ";
+  if (!f.avx512dq) return "AVX-512DQ";
   if (!f.avx512vnni) return "AVX-512 VNNI";
   return nullptr;
 }

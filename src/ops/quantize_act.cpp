@@ -232,8 +232,7 @@ KV_QA512 void quantize_act_q8_avx512(const float* x, int8_t* qs, float* d, float
 bool quantize_avx512_usable() {
 #if defined(__x86_64__)
   const CpuFeatures& f = cpu_features();
-  return best_isa() >= Isa::kAvx512 && f.avx512f && f.avx512bw && f.avx512vl &&
-         __builtin_cpu_supports("avx512dq");
+  return best_isa() >= Isa::kAvx512 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq;
 #else
   return false;
 #endif
